@@ -1,0 +1,3 @@
+from kvhandoff.actors.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,39 @@
+"""kvhandoff.protocol: the pure, sans-IO protocol layer (DESIGN.md).
+
+No Ray, no NIXL, no asyncio, no clock reads: time is always an argument. The
+private modules hold the implementation; this package re-exports their public
+names, and `__all__` lists exactly those (tests/protocol/test_public.py).
+"""
+
+from . import (
+    _errors,
+    _messages,
+    _negotiation,
+    _pool,
+    _registry,
+    _rounds,
+    _session,
+    _ticket,
+    _wire,
+)
+from ._errors import *  # noqa: F403
+from ._messages import *  # noqa: F403
+from ._negotiation import *  # noqa: F403
+from ._pool import *  # noqa: F403
+from ._registry import *  # noqa: F403
+from ._rounds import *  # noqa: F403
+from ._session import *  # noqa: F403
+from ._ticket import *  # noqa: F403
+from ._wire import *  # noqa: F403
+
+__all__ = [
+    *_errors.__all__,
+    *_ticket.__all__,
+    *_messages.__all__,
+    *_wire.__all__,
+    *_negotiation.__all__,
+    *_pool.__all__,
+    *_registry.__all__,
+    *_session.__all__,
+    *_rounds.__all__,
+]

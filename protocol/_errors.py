@@ -1,0 +1,95 @@
+"""The protocol layer's error types.
+
+Every error raised by `kvhandoff.protocol` for bad input is a `ProtocolError`
+subclass that carries the data explaining it (DESIGN.md "Messages": every
+decoding failure raises one documented error type and mutates no state).
+`ProtocolError` itself is abstract: raise the subclass that says what went
+wrong, so callers can tell a malformed frame from a stale ticket.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ProtocolError",
+    "FrameError",
+    "DecodeError",
+    "NegotiationError",
+    "StaleError",
+    "UnknownSessionError",
+    "IllegalTransition",
+    "PoolError",
+    "LeaseError",
+    "RoundError",
+    "TopologyError",
+]
+
+
+class ProtocolError(Exception):
+    """Base of every error the protocol layer raises for bad input.
+
+    Not raised directly: `ProtocolError("x")` is a TypeError. Catch it to
+    catch everything the layer documents; raise a subclass.
+    """
+
+    def __init__(self, *args: object) -> None:
+        if type(self) is ProtocolError:
+            raise TypeError("ProtocolError is abstract; raise a subclass")
+        super().__init__(*args)
+
+
+class FrameError(ProtocolError):
+    """A frame failed a structural check before any decoding (length, header, kind)."""
+
+
+class DecodeError(ProtocolError):
+    """A frame passed the structural checks but its body does not decode to the
+    typed message its header announced (schema, bounds, unknown fields)."""
+
+
+class NegotiationError(ProtocolError):
+    """The ranks' descriptors admit no common protocol (version, capability, ABI).
+
+    Raised before any DMA: a topology that cannot agree never moves bytes.
+    """
+
+
+class StaleError(ProtocolError):
+    """A message names something that existed once but not now: an older
+    attempt, epoch, slot generation or topology digest (invariant S3)."""
+
+    def __init__(self, what: str, got: object, expected: object) -> None:
+        super().__init__(f"stale {what}: got {got!r}, installed {expected!r}")
+        self.what = what
+        self.got = got
+        self.expected = expected
+
+
+class UnknownSessionError(ProtocolError):
+    """A message names a session that was never installed here (default-deny)."""
+
+
+class IllegalTransition(ProtocolError):
+    """An event that the state machine's table has no entry for in this state."""
+
+    def __init__(self, machine: str, state: object, event: object) -> None:
+        super().__init__(f"{machine}: event {event!r} is illegal in state {state!r}")
+        self.machine = machine
+        self.state = state
+        self.event = event
+
+
+class PoolError(ProtocolError):
+    """A block pool request that cannot be honoured (too few free blocks,
+    wrong generation, a block not in the state the call needs)."""
+
+
+class LeaseError(ProtocolError):
+    """A lease operation on an unknown lease, or one its owner may not do."""
+
+
+class RoundError(ProtocolError):
+    """An agreement-round message for an unknown, stale or already-applied round."""
+
+
+class TopologyError(ProtocolError):
+    """A topology, layout or shard mapping that is invalid or unsupported."""

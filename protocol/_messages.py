@@ -1,0 +1,180 @@
+"""Control-plane messages (DESIGN.md "Messages").
+
+Messages are data: frozen, keyword-only msgspec Structs that forbid unknown
+fields, each tagged with its kind so one union decoder types them. Every
+variable-length field is bounded (`Meta(max_length=...)`) so decoding cost and
+retained state are bounded by the frame length cap. Schema evolution is
+append-only with defaults.
+
+| message | from → to | meaning |
+| --- | --- | --- |
+| Open | GEN rank → CTX rank | proposal for one edge, with the full buffer info |
+| Ready | CTX rank → GEN rank | the CTX topology decided and installed the session |
+| Cancel | either → peer | cancel one exact installed session |
+| Terminal | CTX rank → GEN rank | terminal evidence for the edge |
+| Receipt | GEN rank → CTX rank | bytes acknowledged (not memory quiescence) |
+| Reject | either | a proposal refused, with a typed reason |
+| RankDescriptorV1/V2 | rank → all | negotiation: versions, capabilities, ABI |
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Union
+
+import msgspec
+from msgspec import Meta
+
+from ._ticket import ContextTicket, U32, U63
+
+__all__ = [
+    "MAX_BLOCKS_PER_OPEN",
+    "MAX_DETAIL_LEN",
+    "MAX_AGENT_NAME_LEN",
+    "MemoryKind",
+    "TerminalKind",
+    "CancelReason",
+    "RejectReason",
+    "Capability",
+    "BlockDescriptor",
+    "BufferInfo",
+    "Open",
+    "Ready",
+    "Cancel",
+    "Terminal",
+    "Receipt",
+    "Reject",
+    "RankDescriptorV1",
+    "RankDescriptorV2",
+    "Message",
+    "SessionMessage",
+]
+
+#: Most GEN blocks one OPEN may describe (bounds decode work and state).
+MAX_BLOCKS_PER_OPEN = 16384
+#: Longest free-text detail a REJECT or CANCEL may carry.
+MAX_DETAIL_LEN = 256
+#: Longest NIXL agent name.
+MAX_AGENT_NAME_LEN = 128
+
+U64 = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # msgspec bounds fit int64
+Detail = Annotated[str, Meta(max_length=MAX_DETAIL_LEN)]
+
+
+class MemoryKind(str, enum.Enum):
+    DRAM = "DRAM"  # host memory
+    VRAM = "VRAM"  # GPU memory
+
+
+class TerminalKind(str, enum.Enum):
+    COMPLETED = "completed"  # every byte of the edge was written (bytes says how many)
+    NOT_STARTED = "not_started"  # no DMA was ever posted for the edge
+    DRAINED = "drained"  # posted DMA was polled to DONE/ERR; nothing is in flight
+    UNKNOWN = "unknown"  # quiescence could not be proven: quarantine
+
+
+class CancelReason(str, enum.Enum):
+    CLIENT = "client"  # the user cancelled the request
+    PEER = "peer"  # a sibling edge or the peer side cancelled
+    TIMEOUT = "timeout"  # a deadline (lease, transfer, round) expired
+    FAILURE = "failure"  # a rank failed or a transfer errored
+    SHUTDOWN = "shutdown"  # the deployment is stopping
+
+
+class RejectReason(str, enum.Enum):
+    STALE = "stale"  # older attempt / epoch / generation / digest
+    UNKNOWN_SESSION = "unknown_session"  # nothing installed under that ticket
+    NO_CAPACITY = "no_capacity"  # no blocks to lease
+    BAD_BUFFER_INFO = "bad_buffer_info"  # descriptors do not match the layout
+    UNQUALIFIED = "unqualified"  # the topology is outside the qualified scope
+    NEGOTIATION = "negotiation"  # no common protocol
+    ADMISSION_STOPPED = "admission_stopped"  # topology stopped admitting (watchdog)
+    DUPLICATE = "duplicate"  # the session already exists
+
+
+class Capability(enum.IntFlag):
+    INFLIGHT_CANCEL = 1 << 0  # cancel while DMA is in flight (drain, not wait)
+    TERMINAL_V1 = 1 << 1  # role-specific TERMINAL evidence
+    OPEN_CARRIES_BUFFER_INFO = 1 << 2  # OPEN carries complete BufferInfo
+    CHUNKED_WRITE = 1 << 3  # DMA posted in chunks (cancel stops between chunks)
+    STAGED_WRITE = 1 << 4  # gather/scatter through staging slots
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="kind"):
+    pass
+
+
+class BlockDescriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One destination block: index and slot generation (ABA-safe), and where it lives."""
+
+    block: U32
+    generation: U63
+    addr: U64
+    length: U32
+
+
+class BufferInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """RequestAndBufferInfo: what CTX needs to write into one GEN rank's blocks."""
+
+    agent_name: Annotated[str, Meta(min_length=1, max_length=MAX_AGENT_NAME_LEN)]
+    endpoint_epoch: U63
+    memory: MemoryKind
+    device: Annotated[int, Meta(ge=0, lt=1024)] = 0
+    blocks: Annotated[list[BlockDescriptor], Meta(min_length=1, max_length=MAX_BLOCKS_PER_OPEN)]
+
+
+class Open(_Msg, tag="open"):
+    ticket: ContextTicket
+    buffer: BufferInfo
+    num_tokens: U32
+
+
+class Ready(_Msg, tag="ready"):
+    ticket: ContextTicket
+    round_no: U63 = 0  # CTX agreement round that decided the parent
+
+
+class Cancel(_Msg, tag="cancel"):
+    ticket: ContextTicket
+    reason: CancelReason
+    detail: Detail = ""
+
+
+class Terminal(_Msg, tag="terminal"):
+    ticket: ContextTicket
+    evidence: TerminalKind
+    bytes_done: U64 = 0
+
+
+class Receipt(_Msg, tag="receipt"):
+    ticket: ContextTicket
+    bytes_received: U64
+
+
+class Reject(_Msg, tag="reject"):
+    ticket: ContextTicket
+    reason: RejectReason
+    detail: Detail = ""
+
+
+class RankDescriptorV1(_Msg, tag="descriptor_v1"):
+    """v1 descriptor: one protocol version and a capability bit set."""
+
+    version: Annotated[int, Meta(ge=1, le=255)]
+    capabilities: U32
+
+
+class RankDescriptorV2(_Msg, tag="descriptor_v2"):
+    """v2 descriptor: every supported version, capabilities, serialization ABI."""
+
+    versions: Annotated[list[Annotated[int, Meta(ge=1, le=255)]], Meta(min_length=1, max_length=16)]
+    capabilities: U32
+    abi: Annotated[str, Meta(min_length=1, max_length=64)]
+
+
+#: Messages that name one edge session by its ticket.
+SessionMessage = Union[Open, Ready, Cancel, Terminal, Receipt, Reject]
+#: Every control-plane message.
+Message = Union[Open, Ready, Cancel, Terminal, Receipt, Reject, RankDescriptorV1, RankDescriptorV2]
+
+

@@ -1,0 +1,101 @@
+"""Ticket identity: what names one transfer session (DESIGN.md "Identity").
+
+A `ContextTicket` names exactly one edge session of one parent attempt: the
+request, both attempts, both endpoints (rank namespace plus the endpoint epoch
+of the rank actor that owns it) and both topology digests. Request id alone
+never authorizes anything; every registry lookup compares the whole ticket.
+
+Tickets are frozen msgspec Structs so that they hash, compare and survive every
+hop (Ray call, frame, NIXL notification, base64) unchanged. Every field is
+bounded so the opaque state a peer can make us hold is bounded too.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+__all__ = [
+    "Role",
+    "RankNamespace",
+    "Endpoint",
+    "ParentKey",
+    "ContextTicket",
+    "MAX_ID_LEN",
+    "DIGEST_LEN",
+]
+
+#: Longest request or instance id accepted anywhere (bytes of UTF-8).
+MAX_ID_LEN = 128
+#: Canonical topology digests are SHA-256 (topology/_digest.py).
+DIGEST_LEN = 32
+
+Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+U32 = Annotated[int, Meta(ge=0, lt=2**32)]
+U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Rank = Annotated[int, Meta(ge=0, lt=4096)]
+Digest = Annotated[bytes, Meta(min_length=DIGEST_LEN, max_length=DIGEST_LEN)]
+
+
+class Role(str, enum.Enum):
+    CTX = "ctx"  # prefill side: computes the KV and writes it
+    GEN = "gen"  # decode side: owns the destination blocks
+
+
+class _Frozen(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class RankNamespace(_Frozen):
+    """`(instance id, role, rank)`: ranks are never compared across namespaces."""
+
+    instance_id: Id
+    role: Role
+    rank: Rank
+
+
+class Endpoint(_Frozen):
+    """One rank actor incarnation: its namespace and its endpoint epoch.
+
+    A rank actor gets a new epoch every time it starts, so a message addressed
+    to a dead incarnation is stale, never merely late.
+    """
+
+    ns: RankNamespace
+    epoch: U63
+
+
+class ParentKey(_Frozen):
+    """The parent (whole request attempt) that an edge session belongs to."""
+
+    request_id: Id
+    ctx_attempt: U32
+    gen_attempt: U32
+
+
+class ContextTicket(_Frozen):
+    """Generation-safe identity of one edge session (one ctx rank → one gen rank)."""
+
+    request_id: Id
+    ctx_attempt: U32
+    gen_attempt: U32
+    ctx: Endpoint
+    gen: Endpoint
+    ctx_digest: Digest
+    gen_digest: Digest
+
+    @property
+    def parent(self) -> ParentKey:
+        return ParentKey(
+            request_id=self.request_id,
+            ctx_attempt=self.ctx_attempt,
+            gen_attempt=self.gen_attempt,
+        )
+
+    @property
+    def edge(self) -> tuple[int, int]:
+        """`(ctx rank, gen rank)` of this session."""
+        return (self.ctx.ns.rank, self.gen.ns.rank)

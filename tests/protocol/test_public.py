@@ -1,0 +1,46 @@
+"""The public surface: every name in `__all__` exists, and the layers import downward only."""
+
+import ast
+import pathlib
+
+import kvhandoff.protocol as protocol
+import kvhandoff.topology as topology
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_protocol_exports_exist() -> None:
+    for name in protocol.__all__:
+        assert hasattr(protocol, name), name
+    assert len(set(protocol.__all__)) == len(protocol.__all__), "duplicate export"
+    for name in ("ProtocolError", "ContextTicket", "Open", "decode_frame", "encode_frame", "samples"):
+        assert name in protocol.__all__, name
+
+
+def test_topology_exports_exist() -> None:
+    for name in topology.__all__:
+        assert hasattr(topology, name), name
+    assert len(set(topology.__all__)) == len(topology.__all__), "duplicate export"
+
+
+def _imports(folder: str) -> set[str]:
+    found: set[str] = set()
+    for path in (ROOT / folder).glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module)
+    return found
+
+
+def test_protocol_is_sans_io() -> None:
+    banned = {"ray", "nixl", "asyncio", "time", "socket", "torch", "threading", "kvhandoff.topology", "kvhandoff.actors"}
+    bad = {m for m in _imports("protocol") if m.split(".")[0] in banned or m in banned}
+    assert not bad, f"protocol/ imports I/O or upper layers: {bad}"
+
+
+def test_topology_imports_downward_only() -> None:
+    banned = {"ray", "nixl", "asyncio", "time", "socket", "torch"}
+    bad = {m for m in _imports("topology") if m.split(".")[0] in banned or m.startswith("kvhandoff.actors")}
+    assert not bad, f"topology/ imports I/O or the actors layer: {bad}"
