@@ -1,0 +1,70 @@
+"""Synthetic prefill: a deterministic KV pattern per request, and its check (S2).
+
+The demo has no model, so CTX "prefills" a request by writing a pattern derived
+from the request's seed and each byte's *global* position in the KV cache:
+(layer, K/V, global head, global token, byte within the head row). Because the
+pattern depends on global coordinates only, a GEN rank can compute exactly what
+its shard must hold whatever the CTX/GEN tensor-parallel split was, and any byte
+that came from another request (or a stale write) differs from it.
+
+In-block byte order (topology/_layout.py): [layer][kv][local head][token][row bytes].
+Row hashes are mixed in 32-bit arithmetic (no int64 overflow), then each byte of a
+row is `row_hash + byte_index * 157` mod 256, cheap to broadcast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+__all__ = ["request_seed", "expected_blocks", "POISON"]
+
+#: Freed GEN blocks are filled with this so a late write is visible when verified.
+POISON = 0xDB
+
+
+def request_seed(request_id: str, ctx_attempt: int) -> int:
+    """A 32-bit seed from the request identity (stable across processes)."""
+    digest = hashlib.blake2b(f"{request_id}/{ctx_attempt}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    mask = 0xFFFFFFFF
+    x = (x * 0x45D9F3B) & mask
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & mask
+    return x ^ (x >> 16)
+
+
+def expected_blocks(
+    seed: int,
+    *,
+    num_layers: int,
+    local_heads: int,
+    head_offset: int,
+    tokens_per_block: int,
+    row_bytes: int,
+    first_block: int,
+    num_blocks: int,
+) -> torch.Tensor:
+    """The bytes `num_blocks` consecutive blocks of one rank hold for a request.
+
+    Returns a uint8 tensor of shape [num_blocks, block_bytes] where block_bytes =
+    num_layers * 2 * local_heads * tokens_per_block * row_bytes. Block j holds
+    tokens [(first_block + j) * tokens_per_block, ...) and heads
+    [head_offset, head_offset + local_heads).
+    """
+    blk = torch.arange(first_block, first_block + num_blocks, dtype=torch.int64).view(-1, 1, 1, 1, 1)
+    layer = torch.arange(num_layers, dtype=torch.int64).view(1, -1, 1, 1, 1)
+    kv = torch.arange(2, dtype=torch.int64).view(1, 1, -1, 1, 1)
+    head = torch.arange(head_offset, head_offset + local_heads, dtype=torch.int64).view(1, 1, 1, -1, 1)
+    tok = torch.arange(tokens_per_block, dtype=torch.int64).view(1, 1, 1, 1, -1)
+    token = blk * tokens_per_block + tok
+    # Distinct strides per coordinate; the 32-bit mix spreads them.
+    row_id = (((layer * 2 + kv) * 4099 + head) * 1_000_003 + token) & 0xFFFFFFFF
+    row_hash = _mix(row_id ^ seed)
+    byte = torch.arange(row_bytes, dtype=torch.int64) * 157
+    rows = (row_hash.unsqueeze(-1) + byte) & 0xFF
+    return rows.to(torch.uint8).reshape(num_blocks, -1)
