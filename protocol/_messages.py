@@ -123,48 +123,48 @@ class BufferInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     blocks: Annotated[list[BlockDescriptor], Meta(min_length=1, max_length=MAX_BLOCKS_PER_OPEN)]
 
 
-class Open(_Msg, tag="open"):
+class Open(_Msg, frozen=True, tag="open"):
     ticket: ContextTicket
     buffer: BufferInfo
     num_tokens: U32
 
 
-class Ready(_Msg, tag="ready"):
+class Ready(_Msg, frozen=True, tag="ready"):
     ticket: ContextTicket
     round_no: U63 = 0  # CTX agreement round that decided the parent
 
 
-class Cancel(_Msg, tag="cancel"):
+class Cancel(_Msg, frozen=True, tag="cancel"):
     ticket: ContextTicket
     reason: CancelReason
     detail: Detail = ""
 
 
-class Terminal(_Msg, tag="terminal"):
+class Terminal(_Msg, frozen=True, tag="terminal"):
     ticket: ContextTicket
     evidence: TerminalKind
     bytes_done: U64 = 0
 
 
-class Receipt(_Msg, tag="receipt"):
+class Receipt(_Msg, frozen=True, tag="receipt"):
     ticket: ContextTicket
     bytes_received: U64
 
 
-class Reject(_Msg, tag="reject"):
+class Reject(_Msg, frozen=True, tag="reject"):
     ticket: ContextTicket
     reason: RejectReason
     detail: Detail = ""
 
 
-class RankDescriptorV1(_Msg, tag="descriptor_v1"):
+class RankDescriptorV1(_Msg, frozen=True, tag="descriptor_v1"):
     """v1 descriptor: one protocol version and a capability bit set."""
 
     version: Annotated[int, Meta(ge=1, le=255)]
     capabilities: U32
 
 
-class RankDescriptorV2(_Msg, tag="descriptor_v2"):
+class RankDescriptorV2(_Msg, frozen=True, tag="descriptor_v2"):
     """v2 descriptor: every supported version, capabilities, serialization ABI."""
 
     versions: Annotated[list[Annotated[int, Meta(ge=1, le=255)]], Meta(min_length=1, max_length=16)]

@@ -49,7 +49,7 @@ class _Frozen(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     pass
 
 
-class RankNamespace(_Frozen):
+class RankNamespace(_Frozen, frozen=True):
     """`(instance id, role, rank)`: ranks are never compared across namespaces."""
 
     instance_id: Id
@@ -57,7 +57,7 @@ class RankNamespace(_Frozen):
     rank: Rank
 
 
-class Endpoint(_Frozen):
+class Endpoint(_Frozen, frozen=True):
     """One rank actor incarnation: its namespace and its endpoint epoch.
 
     A rank actor gets a new epoch every time it starts, so a message addressed
@@ -68,7 +68,7 @@ class Endpoint(_Frozen):
     epoch: U63
 
 
-class ParentKey(_Frozen):
+class ParentKey(_Frozen, frozen=True):
     """The parent (whole request attempt) that an edge session belongs to."""
 
     request_id: Id
@@ -76,7 +76,7 @@ class ParentKey(_Frozen):
     gen_attempt: U32
 
 
-class ContextTicket(_Frozen):
+class ContextTicket(_Frozen, frozen=True):
     """Generation-safe identity of one edge session (one ctx rank → one gen rank)."""
 
     request_id: Id
