@@ -25,7 +25,7 @@ from typing import Annotated, Union
 import msgspec
 from msgspec import Meta
 
-from ._ticket import ContextTicket, U32, U63
+from ._ticket import U32, U63, ContextTicket
 
 __all__ = [
     "MAX_BLOCKS_PER_OPEN",
