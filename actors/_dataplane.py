@@ -122,7 +122,9 @@ def split_chunks(regions: Sequence[Region], chunk_bytes: int) -> list[list[Regio
 class Chunk:
     """One posted WRITE. Poll it to DONE or ERR; only then release it."""
 
-    def __init__(self, transport: NixlTransport, handle: object, nbytes: int, state: XferState) -> None:
+    def __init__(
+        self, transport: NixlTransport, handle: object, nbytes: int, state: XferState
+    ) -> None:
         self._transport = transport
         self.handle = handle
         self.nbytes = nbytes

@@ -56,10 +56,14 @@ def expected_blocks(
     tokens [(first_block + j) * tokens_per_block, ...) and heads
     [head_offset, head_offset + local_heads).
     """
-    blk = torch.arange(first_block, first_block + num_blocks, dtype=torch.int64).view(-1, 1, 1, 1, 1)
+    blk = torch.arange(first_block, first_block + num_blocks, dtype=torch.int64).view(
+        -1, 1, 1, 1, 1
+    )
     layer = torch.arange(num_layers, dtype=torch.int64).view(1, -1, 1, 1, 1)
     kv = torch.arange(2, dtype=torch.int64).view(1, 1, -1, 1, 1)
-    head = torch.arange(head_offset, head_offset + local_heads, dtype=torch.int64).view(1, 1, 1, -1, 1)
+    head = torch.arange(head_offset, head_offset + local_heads, dtype=torch.int64).view(
+        1, 1, 1, -1, 1
+    )
     tok = torch.arange(tokens_per_block, dtype=torch.int64).view(1, 1, 1, 1, -1)
     token = blk * tokens_per_block + tok
     # Distinct strides per coordinate; the 32-bit mix spreads them.

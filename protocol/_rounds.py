@@ -1,3 +1,625 @@
-"""Placeholder: filled in by its issue."""
+"""Agreement rounds: the sans-IO logic (DESIGN.md "Agreement rounds").
 
-__all__: list[str] = []
+Theory of operation
+-------------------
+All TP ranks of one instance hold shards of the same requests, so they must
+make the same admission, cancel, completion and failure decisions in the same
+order. Per topology, a single `RoundLeader` (driven by the coordinator actor)
+numbers rounds 1, 2, 3, ... and runs one at a time:
+
+1. ``open_round`` builds a `RoundProposal`: the batch of client admissions and
+   client cancels (plus failures the coordinator injects).
+2. Every rank takes part, with or without news (rounds are unconditional: no
+   rank may skip a round another rank entered). Its `RoundFollower` checks the
+   proposal is the next round and builds a `RoundVote`: which proposed
+   admissions it could lease blocks for (``admit_ok``) and its own news:
+   cancel intents, completions, failures.
+3. ``receive_vote`` validates each vote (round, rank, endpoint epoch,
+   duplicate, deadline); a rejected vote raises `VoteRejected` carrying a
+   typed `VoteRejectReason` and changes nothing.
+4. When every vote is in, ``close`` decides (`RoundDecision`):
+
+   - admitted  = proposed admissions that EVERY rank voted admissible;
+   - rejected  = the other proposed admissions;
+   - cancelled = union of client cancels and every rank's cancel intents;
+   - completed = intersection: a parent completes only when every rank
+     reports it complete in the same round (ranks keep reporting a completion
+     until a decision settles the parent);
+   - failed    = union of coordinator-injected and rank-reported failures.
+
+   Every parent named in a decision has exactly one outcome. Precedence is
+   ``failed > cancelled > completed`` and ``failed > cancelled > admitted``:
+   a cancel that arrives in the same round as the parent's admission WINS
+   (the parent is cancelled, never admitted), because a client that asked to
+   cancel must never be charged for a transfer, and because refusing is
+   always safe while admitting is not.
+5. If the deadline passes with ranks missing, ``expire`` (or ``abort`` when
+   the caller already knows a rank is dead) ends the round with
+   `RoundTimedOut`, which carries the missing ranks AND a conservative
+   decision for the survivors: nothing admitted, every proposed admission
+   rejected, cancels and failures as received, no completions (an
+   intersection over missing ranks is unknowable), and every in-flight parent
+   failed (in a TP instance every parent has a shard on every rank, so a
+   missing rank touches all of them). A timed-out round still consumes its
+   number and still has exactly one decision, so followers never see a gap.
+
+Followers apply decisions strictly in round order, exactly once: a decision
+for an older, the same, or a later-than-next round raises `RoundOrderError`
+and changes nothing. Decisions are deterministic: every outcome tuple is
+sorted, so the same votes in any arrival order give an equal decision.
+
+Default-deny: news about a parent that is neither in flight (admitted by an
+earlier round and not yet settled) nor proposed in this round is dropped.
+
+No clocks here: every time is the ``now`` argument.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from ._errors import RoundError, StaleError
+from ._ticket import DIGEST_LEN, ParentKey
+
+__all__ = [
+    "MAX_ROUND_ITEMS",
+    "AdmissionRequest",
+    "RoundProposal",
+    "RoundVote",
+    "RoundDecision",
+    "RoundTimedOut",
+    "VoteRejectReason",
+    "VoteRejected",
+    "StaleEpochError",
+    "RoundOrderError",
+    "RoundPhaseError",
+    "RoundPhase",
+    "RoundLeader",
+    "RoundFollower",
+]
+
+#: Most parents one tuple of a round message may name (bounds decode work).
+MAX_ROUND_ITEMS = 4096
+
+_U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+_RoundNo = Annotated[int, Meta(ge=1, le=2**63 - 1)]
+_Rank = Annotated[int, Meta(ge=0, lt=4096)]
+_Tokens = Annotated[int, Meta(ge=0, lt=2**32)]
+_Digest = Annotated[bytes, Meta(min_length=DIGEST_LEN, max_length=DIGEST_LEN)]
+_Parents = Annotated[tuple[ParentKey, ...], Meta(max_length=MAX_ROUND_ITEMS)]
+_Ranks = Annotated[tuple[_Rank, ...], Meta(max_length=4096)]
+
+
+class _Frozen(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+def _sort_key(parent: ParentKey) -> tuple[str, int, int]:
+    return (parent.request_id, parent.ctx_attempt, parent.gen_attempt)
+
+
+def _sorted(parents: Iterable[ParentKey]) -> tuple[ParentKey, ...]:
+    return tuple(sorted(set(parents), key=_sort_key))
+
+
+class AdmissionRequest(_Frozen, frozen=True):
+    """One client admission in a proposal: the parent and its size."""
+
+    parent: ParentKey
+    num_tokens: _Tokens
+
+
+class RoundProposal(_Frozen, frozen=True, tag="round_proposal"):
+    """What the leader asks every rank to vote on in round ``round_no``."""
+
+    round_no: _RoundNo
+    topology_digest: _Digest | None = None
+    admissions: Annotated[tuple[AdmissionRequest, ...], Meta(max_length=MAX_ROUND_ITEMS)] = ()
+    cancels: _Parents = ()
+    #: failures the coordinator injects (e.g. parents of a restarted rank)
+    failures: _Parents = ()
+
+
+class RoundVote(_Frozen, frozen=True, tag="round_vote"):
+    """One rank's answer to one proposal.
+
+    ``epoch`` is the endpoint epoch of the rank actor incarnation that voted:
+    a vote from an older incarnation is stale (invariant S3).
+    """
+
+    round_no: _RoundNo
+    rank: _Rank
+    epoch: _U63
+    admit_ok: _Parents = ()
+    cancels: _Parents = ()
+    completions: _Parents = ()
+    failures: _Parents = ()
+
+
+class RoundDecision(_Frozen, frozen=True, tag="round_decision"):
+    """The outcome of round ``round_no``; every tuple is sorted and the tuples
+    are pairwise disjoint (one outcome per parent)."""
+
+    round_no: _RoundNo
+    topology_digest: _Digest | None = None
+    admitted: _Parents = ()
+    rejected: _Parents = ()
+    cancelled: _Parents = ()
+    completed: _Parents = ()
+    failed: _Parents = ()
+    #: True when the round ended without every vote (see `RoundTimedOut`)
+    timed_out: bool = False
+
+    def settled(self) -> frozenset[ParentKey]:
+        """Parents this decision ends (cancelled, completed or failed)."""
+        return frozenset((*self.cancelled, *self.completed, *self.failed))
+
+
+class RoundTimedOut(_Frozen, frozen=True, tag="round_timed_out"):
+    """A round that ended without every vote.
+
+    ``decision`` is what the surviving ranks must still apply, so that round
+    numbers stay gap-free; see the module docstring for what it contains.
+    """
+
+    round_no: _RoundNo
+    missing_ranks: _Ranks
+    decision: RoundDecision
+
+
+class VoteRejectReason(str, enum.Enum):
+    NO_ROUND_OPEN = "no_round_open"  # nothing is being voted on
+    STALE_ROUND = "stale_round"  # the round was already decided
+    UNKNOWN_ROUND = "unknown_round"  # the round was never opened
+    UNKNOWN_RANK = "unknown_rank"  # not a rank of this topology
+    STALE_EPOCH = "stale_epoch"  # an older incarnation of the rank
+    UNKNOWN_EPOCH = "unknown_epoch"  # an incarnation the leader never started
+    DUPLICATE = "duplicate"  # this rank already voted in this round
+    LATE = "late"  # arrived at or after the deadline: never applied
+    NOT_PROPOSED = "not_proposed"  # admit_ok names a parent not proposed
+
+
+class VoteRejected(RoundError):
+    """`RoundLeader.receive_vote` refused a vote; the leader did not change."""
+
+    def __init__(self, reason: VoteRejectReason, vote: RoundVote, detail: str = "") -> None:
+        super().__init__(
+            f"vote of rank {vote.rank} (epoch {vote.epoch}) for round {vote.round_no} "
+            f"rejected: {reason.value}{': ' + detail if detail else ''}"
+        )
+        self.reason = reason
+        self.round_no = vote.round_no
+        self.rank = vote.rank
+        self.epoch = vote.epoch
+        self.vote = vote
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.reason, self.vote, self.detail))
+
+
+class StaleEpochError(StaleError):
+    """A round call or nudge carried an endpoint epoch other than the rank's
+    current one: it comes from (or is meant for) another incarnation (S3)."""
+
+    def __init__(self, got: int, expected: int) -> None:
+        super().__init__("endpoint epoch", got, expected)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Rebuild from the constructor arguments (errors cross Ray by pickle).
+        return (type(self), (self.got, self.expected))
+
+
+class RoundOrderError(RoundError):
+    """A follower got a proposal or decision that is not for its next round.
+
+    ``kind`` is ``"stale"`` (older than the last one handled), ``"duplicate"``
+    (exactly the last one handled) or ``"out_of_order"`` (beyond the next).
+    """
+
+    def __init__(self, rank: int, what: str, got: int, expected: int) -> None:
+        if got < expected - 1:
+            kind = "stale"
+        elif got == expected - 1:
+            kind = "duplicate"
+        else:
+            kind = "out_of_order"
+        super().__init__(f"rank {rank}: {kind} {what} for round {got} (next expected {expected})")
+        self.rank = rank
+        self.what = what
+        self.got = got
+        self.expected = expected
+        self.kind = kind
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.rank, self.what, self.got, self.expected))
+
+
+class RoundPhase(enum.Enum):
+    IDLE = "idle"  # no round open: open_round may start one
+    COLLECTING = "collecting"  # a round is open and collecting votes
+
+
+class RoundPhaseError(RoundError):
+    """A leader call that its current phase does not allow."""
+
+    def __init__(self, phase: RoundPhase, event: str, detail: str = "") -> None:
+        super().__init__(
+            f"RoundLeader: {event} is illegal in phase {phase.name}"
+            f"{': ' + detail if detail else ''}"
+        )
+        self.phase = phase
+        self.event = event
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.phase, self.event, self.detail))
+
+
+# The leader's whole phase machine: (phase, event) -> next phase. Anything
+# missing is a RoundPhaseError naming both.
+_LEADER_TRANSITIONS: dict[tuple[RoundPhase, str], RoundPhase] = {
+    (RoundPhase.IDLE, "open_round"): RoundPhase.COLLECTING,
+    (RoundPhase.COLLECTING, "receive_vote"): RoundPhase.COLLECTING,
+    (RoundPhase.COLLECTING, "close"): RoundPhase.IDLE,
+    (RoundPhase.COLLECTING, "expire"): RoundPhase.IDLE,
+    (RoundPhase.COLLECTING, "abort"): RoundPhase.IDLE,
+}
+
+
+class RoundLeader:
+    """Runs the rounds of one topology, one at a time (sans-IO).
+
+    ``ranks`` is the number of ranks (ids ``0..n-1``) or the rank ids.
+    ``epochs`` maps rank → current endpoint epoch (default 0 for every rank);
+    `set_epoch` installs a restarted rank's new epoch. Votes carrying any
+    other epoch are rejected (older: STALE_EPOCH, newer: UNKNOWN_EPOCH).
+    """
+
+    def __init__(
+        self,
+        ranks: int | Iterable[int],
+        *,
+        epochs: Mapping[int, int] | None = None,
+        topology_digest: bytes | None = None,
+        first_round: int = 1,
+    ) -> None:
+        our_ranks = tuple(range(ranks)) if isinstance(ranks, int) else tuple(ranks)
+        if not our_ranks or len(set(our_ranks)) != len(our_ranks):
+            raise RoundError(f"ranks must be non-empty and distinct, got {our_ranks!r}")
+        if any(not 0 <= r < 4096 for r in our_ranks):
+            raise RoundError(f"rank ids must be in [0, 4096), got {our_ranks!r}")
+        if topology_digest is not None and len(topology_digest) != DIGEST_LEN:
+            raise RoundError(f"topology digest must be {DIGEST_LEN} bytes")
+        if first_round < 1:
+            raise RoundError(f"first_round must be >= 1, got {first_round}")
+        self.ranks: tuple[int, ...] = tuple(sorted(our_ranks))
+        self.topology_digest = topology_digest
+        self._epochs: dict[int, int] = {r: 0 for r in self.ranks}
+        for rank, epoch in (epochs or {}).items():
+            if rank not in self._epochs:
+                raise RoundError(f"epoch given for unknown rank {rank}")
+            self._epochs[rank] = epoch
+        self.phase = RoundPhase.IDLE
+        #: number the next open_round will use
+        self.next_round = first_round
+        self._proposal: RoundProposal | None = None
+        self._deadline = 0.0
+        self._votes: dict[int, RoundVote] = {}
+        #: admitted by an earlier round and not yet cancelled/completed/failed
+        self.in_flight: set[ParentKey] = set()
+
+    # -- queries ------------------------------------------------------------
+
+    @property
+    def proposal(self) -> RoundProposal | None:
+        """The open round's proposal, or None when idle."""
+        return self._proposal
+
+    @property
+    def deadline(self) -> float | None:
+        return self._deadline if self._proposal is not None else None
+
+    def epoch_of(self, rank: int) -> int:
+        if rank not in self._epochs:
+            raise RoundError(f"unknown rank {rank}")
+        return self._epochs[rank]
+
+    def missing(self, now: float | None = None) -> tuple[int, ...]:
+        """Ranks whose vote the open round still lacks (``now`` is accepted
+        for symmetry with `expire`; a missing rank stays missing until it votes
+        or the round ends)."""
+        if self._proposal is None:
+            return ()
+        return tuple(r for r in self.ranks if r not in self._votes)
+
+    def expired(self, now: float) -> bool:
+        """True when a round is open, its deadline has passed and ranks are missing."""
+        return self._proposal is not None and now >= self._deadline and bool(self.missing())
+
+    # -- transitions ----------------------------------------------------------
+
+    def _fire(self, event: str, detail: str = "") -> RoundPhase:
+        # Checked before any mutation so that a refused call changes nothing.
+        try:
+            return _LEADER_TRANSITIONS[(self.phase, event)]
+        except KeyError:
+            raise RoundPhaseError(self.phase, event, detail) from None
+
+    def set_epoch(self, rank: int, epoch: int) -> None:
+        """Install the endpoint epoch of a restarted rank (must increase)."""
+        old = self.epoch_of(rank)
+        if epoch <= old:
+            raise StaleError("endpoint epoch", epoch, old)
+        self._epochs[rank] = epoch
+
+    def open_round(
+        self,
+        admissions: Iterable[AdmissionRequest] = (),
+        cancels: Iterable[ParentKey] = (),
+        *,
+        now: float,
+        timeout: float,
+        failures: Iterable[ParentKey] = (),
+    ) -> RoundProposal:
+        """Open the next round and return the proposal to send to every rank.
+
+        Raises `RoundPhaseError` if a round is already open, and `RoundError`
+        for a non-positive timeout, a parent admitted twice, a parent that is
+        already in flight, or a batch larger than `MAX_ROUND_ITEMS`.
+        """
+        admissions = tuple(admissions)
+        cancels = _sorted(cancels)
+        failures = _sorted(failures)
+        next_phase = self._fire("open_round")
+        if not timeout > 0:
+            raise RoundError(f"round timeout must be positive, got {timeout!r}")
+        seen: set[ParentKey] = set()
+        for admission in admissions:
+            if admission.parent in seen:
+                raise RoundError(f"parent {admission.parent!r} proposed twice")
+            if admission.parent in self.in_flight:
+                raise RoundError(f"parent {admission.parent!r} is already in flight")
+            seen.add(admission.parent)
+        if max(len(admissions), len(cancels), len(failures)) > MAX_ROUND_ITEMS:
+            raise RoundError(f"a round batch is limited to {MAX_ROUND_ITEMS} parents per kind")
+        proposal = RoundProposal(
+            round_no=self.next_round,
+            topology_digest=self.topology_digest,
+            admissions=tuple(sorted(admissions, key=lambda a: _sort_key(a.parent))),
+            cancels=cancels,
+            failures=failures,
+        )
+        self.phase = next_phase
+        self._proposal = proposal
+        self._deadline = now + timeout
+        self._votes = {}
+        self.next_round += 1
+        return proposal
+
+    def receive_vote(self, vote: RoundVote, now: float) -> bool:
+        """Record one vote; returns True when every rank has voted.
+
+        A vote for another round, from an unknown rank or epoch, a duplicate,
+        one naming an unproposed admission, or one arriving at or after the
+        deadline raises `VoteRejected` and is not recorded: a late vote is
+        never applied, even if the round has not been expired yet.
+        """
+        proposal = self._proposal
+        if proposal is None:
+            # Distinguish an old round from one that never existed.
+            if vote.round_no < self.next_round:
+                raise VoteRejected(VoteRejectReason.STALE_ROUND, vote)
+            raise VoteRejected(VoteRejectReason.NO_ROUND_OPEN, vote)
+        if vote.round_no < proposal.round_no:
+            raise VoteRejected(VoteRejectReason.STALE_ROUND, vote)
+        if vote.round_no > proposal.round_no:
+            raise VoteRejected(VoteRejectReason.UNKNOWN_ROUND, vote)
+        if vote.rank not in self._epochs:
+            raise VoteRejected(VoteRejectReason.UNKNOWN_RANK, vote)
+        our_epoch = self._epochs[vote.rank]
+        if vote.epoch < our_epoch:
+            raise VoteRejected(VoteRejectReason.STALE_EPOCH, vote, f"current epoch {our_epoch}")
+        if vote.epoch > our_epoch:
+            raise VoteRejected(VoteRejectReason.UNKNOWN_EPOCH, vote, f"current epoch {our_epoch}")
+        if vote.rank in self._votes:
+            raise VoteRejected(VoteRejectReason.DUPLICATE, vote)
+        if now >= self._deadline:
+            raise VoteRejected(
+                VoteRejectReason.LATE, vote, f"now {now} >= deadline {self._deadline}"
+            )
+        proposed = {a.parent for a in proposal.admissions}
+        extra = [p for p in vote.admit_ok if p not in proposed]
+        if extra:
+            raise VoteRejected(VoteRejectReason.NOT_PROPOSED, vote, repr(extra[0]))
+        self._fire("receive_vote")
+        self._votes[vote.rank] = vote
+        return len(self._votes) == len(self.ranks)
+
+    def close(self, now: float | None = None) -> RoundDecision:
+        """Decide the open round; every vote must be in (else `RoundError`)."""
+        self._fire("close")
+        missing = self.missing()
+        if missing:
+            raise RoundError(f"round {self.next_round - 1} still misses ranks {missing}")
+        assert self._proposal is not None
+        decision = self._decide(self._proposal, list(self._votes.values()), complete=True)
+        self._finish(decision)
+        return decision
+
+    def expire(self, now: float) -> RoundTimedOut | None:
+        """End the open round if its deadline passed with ranks missing.
+
+        Returns None (and changes nothing) while the deadline has not passed
+        or when every vote is in (then `close` it). Raises `RoundPhaseError`
+        when no round is open.
+        """
+        self._fire("expire")
+        if not self.expired(now):
+            return None
+        return self._time_out(self.missing())
+
+    def abort(self, ranks: Iterable[int], now: float | None = None) -> RoundTimedOut:
+        """End the open round now because ``ranks`` are known dead or invalid.
+
+        The outcome names ``ranks`` plus any rank still missing; votes already
+        received from ``ranks`` are discarded (their incarnation is distrusted).
+        """
+        self._fire("abort")
+        bad = set(ranks)
+        unknown = bad - set(self.ranks)
+        if unknown:
+            raise RoundError(f"abort names unknown ranks {sorted(unknown)}")
+        return self._time_out(tuple(sorted(bad | set(self.missing()))))
+
+    # -- internals -------------------------------------------------------------
+
+    def _time_out(self, missing_ranks: tuple[int, ...]) -> RoundTimedOut:
+        assert self._proposal is not None
+        survivors = [v for r, v in self._votes.items() if r not in missing_ranks]
+        decision = self._decide(self._proposal, survivors, complete=False)
+        self._finish(decision)
+        return RoundTimedOut(
+            round_no=decision.round_no, missing_ranks=missing_ranks, decision=decision
+        )
+
+    def _finish(self, decision: RoundDecision) -> None:
+        self.in_flight.difference_update(decision.settled())
+        self.in_flight.update(decision.admitted)
+        self.phase = RoundPhase.IDLE
+        self._proposal = None
+        self._votes = {}
+
+    def _decide(
+        self, proposal: RoundProposal, votes: list[RoundVote], *, complete: bool
+    ) -> RoundDecision:
+        proposed = {a.parent for a in proposal.admissions}
+        # Default-deny: news only counts for parents this leader knows about.
+        known = self.in_flight | proposed
+
+        failed = set(proposal.failures)
+        cancelled = set(proposal.cancels)
+        for vote in votes:
+            failed.update(vote.failures)
+            cancelled.update(vote.cancels)
+        if complete:
+            admit_ok = set(proposed)
+            completed: set[ParentKey] = set(self.in_flight)
+            for vote in votes:
+                admit_ok.intersection_update(vote.admit_ok)
+                completed.intersection_update(vote.completions)
+        else:
+            # Missing ranks: nothing can be agreed, and every in-flight parent
+            # has a shard on the missing rank.
+            admit_ok = set()
+            completed = set()
+            failed.update(self.in_flight)
+        failed &= known
+        cancelled = (cancelled & known) - failed
+        completed = completed - failed - cancelled
+        admitted = admit_ok - failed - cancelled
+        rejected = proposed - admitted - failed - cancelled
+        return RoundDecision(
+            round_no=proposal.round_no,
+            topology_digest=proposal.topology_digest,
+            admitted=_sorted(admitted),
+            rejected=_sorted(rejected),
+            cancelled=_sorted(cancelled),
+            completed=_sorted(completed),
+            failed=_sorted(failed),
+            timed_out=not complete,
+        )
+
+
+class RoundFollower:
+    """One rank's view of the rounds: strict order, exactly once (sans-IO).
+
+    A rank votes on proposal N only when it has applied N-1, at most once, and
+    applies decision N only after N-1. Any other proposal or decision raises
+    `RoundOrderError` and changes nothing. ``first_round`` lets a restarted
+    rank join at the leader's next round.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        epoch: int,
+        *,
+        first_round: int = 1,
+        topology_digest: bytes | None = None,
+    ) -> None:
+        if first_round < 1:
+            raise RoundError(f"first_round must be >= 1, got {first_round}")
+        self.our_rank = rank
+        self.our_epoch = epoch
+        self.topology_digest = topology_digest
+        #: the last round whose decision this rank applied (first_round - 1 at start)
+        self.last_applied = first_round - 1
+        #: the last round this rank voted in
+        self.last_voted = first_round - 1
+
+    @property
+    def next_round(self) -> int:
+        return self.last_applied + 1
+
+    def _check_digest(self, what: str, digest: bytes | None) -> None:
+        if self.topology_digest is not None and digest != self.topology_digest:
+            raise StaleError(f"topology digest of {what}", digest, self.topology_digest)
+
+    def vote(
+        self,
+        proposal: RoundProposal,
+        *,
+        admit_ok: Iterable[ParentKey] = (),
+        cancels: Iterable[ParentKey] = (),
+        completions: Iterable[ParentKey] = (),
+        failures: Iterable[ParentKey] = (),
+    ) -> RoundVote:
+        """Build this rank's vote on ``proposal`` (the next round only, once)."""
+        self.check_proposal(proposal)
+        proposed = {a.parent for a in proposal.admissions}
+        our_ok = _sorted(admit_ok)
+        extra = [p for p in our_ok if p not in proposed]
+        if extra:
+            raise RoundError(f"rank {self.our_rank}: admit_ok names unproposed {extra[0]!r}")
+        vote = RoundVote(
+            round_no=proposal.round_no,
+            rank=self.our_rank,
+            epoch=self.our_epoch,
+            admit_ok=our_ok,
+            cancels=_sorted(cancels),
+            completions=_sorted(completions),
+            failures=_sorted(failures),
+        )
+        self.last_voted = proposal.round_no
+        return vote
+
+    def check_proposal(self, proposal: RoundProposal) -> None:
+        """Raise unless ``proposal`` is the next round and not yet voted on."""
+        self._check_digest("proposal", proposal.topology_digest)
+        if proposal.round_no != self.next_round or self.last_voted >= proposal.round_no:
+            raise RoundOrderError(
+                self.our_rank,
+                "proposal",
+                proposal.round_no,
+                max(self.next_round, self.last_voted + 1),
+            )
+
+    def check_decision(self, decision: RoundDecision) -> None:
+        """Raise unless ``decision`` is for exactly the next round."""
+        self._check_digest("decision", decision.topology_digest)
+        if decision.round_no != self.next_round:
+            raise RoundOrderError(self.our_rank, "decision", decision.round_no, self.next_round)
+
+    def apply(self, decision: RoundDecision) -> None:
+        """Record ``decision`` as applied (check first: nothing changes on error)."""
+        self.check_decision(decision)
+        self.last_applied = decision.round_no
+        # A rank that never voted (its proposal was lost or late) still applies
+        # the decision; its vote on that round would now be stale.
+        self.last_voted = max(self.last_voted, decision.round_no)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 
 import msgspec
+
 from kvhandoff.protocol import DIGEST_LEN, TopologyError
 
 from ._spec import TopologySpec

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import msgspec
+
 from kvhandoff.protocol import Role, TopologyError
 
 from ._spec import TopologySpec

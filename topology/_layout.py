@@ -24,6 +24,7 @@ replication) is rejected rather than half-supported.
 from __future__ import annotations
 
 import msgspec
+
 from kvhandoff.protocol import TopologyError
 
 from ._spec import TopologyFieldError

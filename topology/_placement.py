@@ -15,6 +15,7 @@ that is remains Ray's choice.
 from __future__ import annotations
 
 import msgspec
+
 from kvhandoff.protocol import MemoryKind, RankNamespace, TopologyError
 
 from ._spec import TopologySpec

@@ -51,6 +51,7 @@ import functools
 from collections.abc import Iterable
 
 import msgspec
+
 from kvhandoff.protocol import TopologyError
 
 from ._layout import KVLayout, block_bytes, heads_per_rank

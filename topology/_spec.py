@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+
 from kvhandoff.protocol import MAX_ID_LEN, MemoryKind, Role, TopologyError
 
 __all__ = [

@@ -43,7 +43,9 @@ class Side:
 
     def block_values(self) -> list[int]:
         t = self.buffer.tensor.view(BLOCKS, BLOCK)
-        return [int(t[i].min()) if int(t[i].min()) == int(t[i].max()) else -1 for i in range(BLOCKS)]
+        return [
+            int(t[i].min()) if int(t[i].min()) == int(t[i].max()) else -1 for i in range(BLOCKS)
+        ]
 
     def set_plan(self, **kw) -> None:
         self.transport.plan = FaultPlan(**kw)

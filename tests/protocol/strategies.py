@@ -20,6 +20,7 @@ from __future__ import annotations
 import string
 
 from hypothesis import strategies as st
+
 from kvhandoff.protocol import (
     DIGEST_LEN,
     MAX_AGENT_NAME_LEN,

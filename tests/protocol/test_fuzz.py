@@ -26,6 +26,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvhandoff.protocol import (
     FRAME_HEADER_LEN,
     FRAME_MAGIC,
@@ -44,7 +45,6 @@ from kvhandoff.protocol import (
     kind_code,
     samples,
 )
-
 from tests.protocol import strategies as s
 
 _HEADER = struct.Struct("!4sBBHI")

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvhandoff.protocol import (
     ABI_MSGPACK_V1,
     ALL_CAPABILITIES,
@@ -30,7 +31,6 @@ from kvhandoff.protocol import (
     negotiate,
     require,
 )
-
 from tests.protocol import strategies as s
 
 V1_CAPS = Capability.OPEN_CARRIES_BUFFER_INFO | Capability.CHUNKED_WRITE | Capability.STAGED_WRITE

@@ -13,7 +13,14 @@ def test_protocol_exports_exist() -> None:
     for name in protocol.__all__:
         assert hasattr(protocol, name), name
     assert len(set(protocol.__all__)) == len(protocol.__all__), "duplicate export"
-    for name in ("ProtocolError", "ContextTicket", "Open", "decode_frame", "encode_frame", "samples"):
+    for name in (
+        "ProtocolError",
+        "ContextTicket",
+        "Open",
+        "decode_frame",
+        "encode_frame",
+        "samples",
+    ):
         assert name in protocol.__all__, name
 
 
@@ -35,12 +42,26 @@ def _imports(folder: str) -> set[str]:
 
 
 def test_protocol_is_sans_io() -> None:
-    banned = {"ray", "nixl", "asyncio", "time", "socket", "torch", "threading", "kvhandoff.topology", "kvhandoff.actors"}
+    banned = {
+        "ray",
+        "nixl",
+        "asyncio",
+        "time",
+        "socket",
+        "torch",
+        "threading",
+        "kvhandoff.topology",
+        "kvhandoff.actors",
+    }
     bad = {m for m in _imports("protocol") if m.split(".")[0] in banned or m in banned}
     assert not bad, f"protocol/ imports I/O or upper layers: {bad}"
 
 
 def test_topology_imports_downward_only() -> None:
     banned = {"ray", "nixl", "asyncio", "time", "socket", "torch"}
-    bad = {m for m in _imports("topology") if m.split(".")[0] in banned or m.startswith("kvhandoff.actors")}
+    bad = {
+        m
+        for m in _imports("topology")
+        if m.split(".")[0] in banned or m.startswith("kvhandoff.actors")
+    }
     assert not bad, f"topology/ imports I/O or the actors layer: {bad}"

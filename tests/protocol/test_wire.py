@@ -10,6 +10,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvhandoff.protocol import (
     CURRENT_VERSION,
     FRAME_HEADER_LEN,
@@ -41,7 +42,6 @@ from kvhandoff.protocol import (
     kind_code,
     samples,
 )
-
 from tests.protocol import strategies as s
 
 ALL_KINDS = {

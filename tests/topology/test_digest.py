@@ -8,6 +8,7 @@ import sys
 
 import msgspec
 import pytest
+
 from kvhandoff.protocol import DIGEST_LEN, MemoryKind, Role, TopologyError
 from kvhandoff.topology import (
     TOPOLOGY_DIGEST_DOMAIN,

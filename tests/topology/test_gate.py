@@ -6,6 +6,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvhandoff.protocol import Role, TopologyError
 from kvhandoff.topology import Qualification, TopologySpec, qualify, qualify_pair
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvhandoff.protocol import MemoryKind, RankNamespace, Role, TopologyError
 from kvhandoff.topology import PlacementError, TopologySpec, place
 

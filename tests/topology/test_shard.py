@@ -15,6 +15,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvhandoff.protocol import TopologyError
 from kvhandoff.topology import (
     DTYPE_BYTES,

@@ -6,6 +6,7 @@ import math
 
 import msgspec
 import pytest
+
 from kvhandoff.protocol import MemoryKind, ProtocolError, Role, TopologyError
 from kvhandoff.topology import (
     MAX_WORLD_SIZE,

@@ -1,0 +1,627 @@
+"""The `Coordinator` actor: agreement rounds, their watchdog and the fail policy.
+
+One coordinator per topology (one instance: its TP ranks) drives the
+sans-IO `RoundLeader` over the rank actors (DESIGN.md "Agreement rounds";
+docs/rounds.md). A rank actor takes part by composing a `RoundMember` and
+exposing its methods ``round_identity``, ``round_join``, ``round_vote`` and
+``round_apply`` as actor methods.
+
+One round is two fan-out phases, each under its own watchdog
+(``asyncio.timeout(round_timeout)``):
+
+1. vote: the proposal goes to every rank (``round_vote``); the leader
+   validates each vote (round, rank, endpoint epoch, deadline);
+2. apply: the decision goes to every rank (``round_apply``), and only then
+   are the clients' ``admit`` / ``cancel`` calls answered.
+
+Batching: every pending admission (up to ``max_batch``) and every pending
+cancel goes into the next round, so the cost per request falls as load grows;
+``batch_window`` seconds of extra waiting can be added to gather more.
+
+Fail policy (a rank that misses a deadline, dies, answers with a stale epoch
+or raises): the round ends with a `RoundTimedOut` whose decision the
+surviving ranks apply (nothing admitted, every in-flight parent failed, so
+their leases become UNKNOWN → quarantine, decided by their session logic);
+admission stops (``admit`` raises `AdmissionStopped`); the rank actor is
+killed (``ray.kill``) and recreated by ``rank_factory`` with a NEW endpoint
+epoch, joins at the leader's next round, and admission resumes. After
+``max_restarts`` restarts, the topology is FAILED and every call raises
+`TopologyFailed`.
+
+Concurrency inside this actor: one asyncio lock (``_round_lock``) serializes
+rounds and the fail policy; client calls never take it (they only queue work
+and await a future), and the coordinator never awaits a client. It awaits
+ranks only inside a watchdog, and ranks never await the coordinator (their
+``nudge`` is fire-and-forget), so there is no wait-for cycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import ray
+
+from kvhandoff.protocol import (
+    MAX_ROUND_ITEMS,
+    AdmissionRequest,
+    ParentKey,
+    RoundDecision,
+    RoundError,
+    RoundLeader,
+    RoundProposal,
+    RoundTimedOut,
+    RoundVote,
+    StaleEpochError,
+    VoteRejected,
+)
+
+__all__ = [
+    "Coordinator",
+    "CoordinatorCore",
+    "CoordinatorError",
+    "RoundTimeout",
+    "AdmissionStopped",
+    "TopologyFailed",
+    "TopologyState",
+]
+
+RankFactory = Callable[[int, int], Any]  # (rank, epoch) -> ActorHandle
+
+
+class CoordinatorError(Exception):
+    """Base of the coordinator's errors (the actors layer; not protocol input errors)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keep the constructor arguments so the error survives a Ray hop intact.
+        return (type(self), self._reduce_args)
+
+    _reduce_args: tuple[Any, ...] = ()
+
+
+class RoundTimeout(CoordinatorError):
+    """Round ``round_no`` ended without a valid answer from ``missing_ranks``
+    within the watchdog bound (``timeout_s``)."""
+
+    def __init__(
+        self, topology: str, round_no: int, missing_ranks: Sequence[int], timeout_s: float
+    ) -> None:
+        self._reduce_args = (topology, round_no, tuple(missing_ranks), timeout_s)
+        super().__init__(
+            f"topology {topology!r}: round {round_no} timed out after {timeout_s:g}s "
+            f"waiting for ranks {list(missing_ranks)}"
+        )
+        self.topology = topology
+        self.round_no = round_no
+        self.missing_ranks = tuple(missing_ranks)
+        self.timeout_s = timeout_s
+
+
+class AdmissionStopped(CoordinatorError):
+    """Admission is stopped while the topology recovers from a failed rank."""
+
+    def __init__(self, topology: str, reason: str) -> None:
+        self._reduce_args = (topology, reason)
+        super().__init__(f"topology {topology!r}: admission stopped ({reason}); retry later")
+        self.topology = topology
+        self.reason = reason
+
+
+class TopologyFailed(CoordinatorError):
+    """The topology is FAILED (restart budget exhausted, or shut down): every
+    call raises this."""
+
+    def __init__(self, topology: str, reason: str) -> None:
+        self._reduce_args = (topology, reason)
+        super().__init__(f"topology {topology!r} failed: {reason}")
+        self.topology = topology
+        self.reason = reason
+
+
+class TopologyState(str, enum.Enum):
+    STARTING = "starting"  # rank actors not yet verified
+    RUNNING = "running"  # rounds run, admission open
+    RECOVERING = "recovering"  # a rank is being restarted: admission stopped
+    FAILED = "failed"  # restart budget exhausted: every call raises TopologyFailed
+    SHUT_DOWN = "shut_down"  # shutdown() was called
+
+
+class CoordinatorCore:
+    """The coordinator's implementation; `Coordinator` is this class as a Ray
+    actor (``Coordinator.remote(...)``). Every public method is a coroutine.
+
+    Parameters: ``topology`` (a name used in errors and stats); ``ranks`` (the
+    rank actor handles, rank i at index i) and/or ``rank_factory`` (a
+    picklable ``(rank, epoch) -> ActorHandle`` used to create the ranks when
+    ``ranks`` is None, with ``tp`` ranks, and to restart them);
+    ``round_timeout`` (seconds, per phase); ``max_restarts`` (topology-wide);
+    ``batch_window`` (extra seconds to gather a batch); ``max_batch``
+    (admissions per round); ``restart_timeout`` (bound on starting one
+    rank actor); ``topology_digest`` (checked by the followers if set).
+    """
+
+    def __init__(
+        self,
+        topology: str,
+        ranks: Sequence[Any] | None = None,
+        *,
+        rank_factory: RankFactory | None = None,
+        tp: int | None = None,
+        round_timeout: float = 2.0,
+        max_restarts: int = 3,
+        batch_window: float = 0.0,
+        max_batch: int = 1024,
+        restart_timeout: float = 30.0,
+        topology_digest: bytes | None = None,
+        first_epoch: int = 1,
+    ) -> None:
+        if ranks is None and (rank_factory is None or not tp):
+            raise ValueError("give the rank handles, or a rank_factory and tp")
+        if not round_timeout > 0:
+            raise ValueError("round_timeout must be positive")
+        if not 1 <= max_batch <= MAX_ROUND_ITEMS:
+            raise ValueError(f"max_batch must be in [1, {MAX_ROUND_ITEMS}]")
+        self.topology = topology
+        self._handles: list[Any] = list(ranks) if ranks is not None else []
+        self._tp = len(self._handles) if ranks is not None else int(tp or 0)
+        self._owns_ranks = ranks is None
+        self._rank_factory = rank_factory
+        self._round_timeout = float(round_timeout)
+        self._max_restarts = max_restarts
+        self._batch_window = batch_window
+        self._max_batch = max_batch
+        self._restart_timeout = restart_timeout
+        self._digest = topology_digest
+        self._next_epoch = first_epoch
+        self._epochs: list[int] = []
+        self._leader: RoundLeader | None = None
+        self.state = TopologyState.STARTING
+        self._failure_reason = ""
+        # Pending client work, taken in arrival order by the next round.
+        self._pending_admits: dict[ParentKey, tuple[int, asyncio.Future[bool]]] = {}
+        self._pending_cancels: dict[ParentKey, list[asyncio.Future[str | None]]] = {}
+        self._pending_failures: set[ParentKey] = set()
+        # Asyncio primitives bind to the running loop on first use (3.10+).
+        self._start_lock = asyncio.Lock()
+        self._round_lock = asyncio.Lock()
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        # Stats.
+        self._rounds = 0
+        self._rounds_timed_out = 0
+        self._restarts = 0
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._rejected_votes: collections.Counter[str] = collections.Counter()
+        self._round_seconds: collections.deque[float] = collections.deque(maxlen=1024)
+        self._rank_errors: collections.deque[str] = collections.deque(maxlen=32)
+        self._decision_log: collections.deque[RoundDecision] = collections.deque(maxlen=4096)
+        self._outcomes: collections.OrderedDict[ParentKey, str] = collections.OrderedDict()
+        self._timeouts: list[RoundTimeout] = []
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def _raise_if_unusable(self) -> None:
+        if self.state in (TopologyState.FAILED, TopologyState.SHUT_DOWN):
+            raise TopologyFailed(self.topology, self._failure_reason)
+
+    async def _ensure_started(self) -> None:
+        self._raise_if_unusable()
+        if self._leader is not None:
+            return
+        async with self._start_lock:
+            if self._leader is not None:
+                return
+            if self._owns_ranks:
+                assert self._rank_factory is not None
+                for rank in range(self._tp):
+                    self._handles.append(self._rank_factory(rank, self._take_epoch()))
+                    self._epochs.append(self._next_epoch - 1)
+            try:
+                async with asyncio.timeout(self._restart_timeout):
+                    identities = await asyncio.gather(
+                        *(h.round_identity.remote() for h in self._handles)
+                    )
+            except Exception as exc:
+                self._enter_failed(f"rank actors did not start: {exc!r}")
+                raise TopologyFailed(self.topology, self._failure_reason) from exc
+            for index, (rank, _) in enumerate(identities):
+                if rank != index:
+                    self._enter_failed(f"handle {index} reports rank {rank}")
+                    raise TopologyFailed(self.topology, self._failure_reason)
+            self._epochs = [epoch for _, epoch in identities]
+            self._next_epoch = max(self._next_epoch, max(self._epochs) + 1)
+            self._leader = RoundLeader(
+                self._tp,
+                epochs=dict(enumerate(self._epochs)),
+                topology_digest=self._digest,
+            )
+            self.state = TopologyState.RUNNING
+            # Owned: kept in self._loop_task and cancelled by shutdown().
+            self._loop_task = asyncio.get_running_loop().create_task(self._round_loop())
+
+    def _take_epoch(self) -> int:
+        epoch = self._next_epoch
+        self._next_epoch += 1
+        return epoch
+
+    async def shutdown(self, kill_owned_ranks: bool = True) -> None:
+        """Stop the round loop, fail pending calls, kill the ranks we created."""
+        if self.state is not TopologyState.FAILED:
+            self._failure_reason = "shut down"
+            self.state = TopologyState.SHUT_DOWN
+        task, self._loop_task = self._loop_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._fail_pending(TopologyFailed(self.topology, self._failure_reason))
+        if kill_owned_ranks and self._owns_ranks:
+            for handle in self._handles:
+                _kill(handle)
+
+    # -- client API ---------------------------------------------------------------
+
+    async def admit(self, parent: ParentKey, num_tokens: int) -> bool:
+        """Admit ``parent``: True when every rank agreed (leased its blocks),
+        False when a rank refused, the parent was cancelled in the same round
+        (cancel wins) or the round timed out. Raises `AdmissionStopped` while
+        a rank restarts, `TopologyFailed` once the topology failed, and
+        `RoundError` for a parent already pending or in flight."""
+        await self._ensure_started()
+        future = self._queue_admission(parent, num_tokens)
+        self._wakeup.set()
+        return await future
+
+    async def admit_many(self, requests: Sequence[tuple[ParentKey, int]]) -> list[bool]:
+        """`admit` for many ``(parent, num_tokens)`` in one call (one Ray hop);
+        they join the same round batch. All or nothing on bad input."""
+        await self._ensure_started()
+        parents = [parent for parent, _ in requests]
+        if len(set(parents)) != len(parents):
+            raise RoundError("admit_many names a parent twice")
+        for parent in parents:
+            self._check_admissible(parent)
+        futures = [self._queue_admission(parent, tokens) for parent, tokens in requests]
+        self._wakeup.set()
+        return list(await asyncio.gather(*futures))
+
+    def _check_admissible(self, parent: ParentKey) -> None:
+        if self.state is TopologyState.RECOVERING:
+            raise AdmissionStopped(self.topology, self._failure_reason or "a rank is restarting")
+        assert self._leader is not None
+        proposal = self._leader.proposal
+        if (
+            parent in self._pending_admits
+            or parent in self._leader.in_flight
+            or (proposal is not None and any(a.parent == parent for a in proposal.admissions))
+        ):
+            raise RoundError(f"parent {parent!r} is already pending or in flight")
+
+    def _queue_admission(self, parent: ParentKey, num_tokens: int) -> asyncio.Future[bool]:
+        self._check_admissible(parent)
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._pending_admits[parent] = (num_tokens, future)
+        return future
+
+    async def cancel(self, parent: ParentKey) -> str | None:
+        """Cancel ``parent`` in the next round; returns its outcome in that
+        round's decision ("cancelled", "failed", ...) or None if the
+        coordinator does not know the parent."""
+        await self._ensure_started()
+        future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._pending_cancels.setdefault(parent, []).append(future)
+        self._wakeup.set()
+        return await future
+
+    async def nudge(self, rank: int | None = None, epoch: int | None = None) -> None:
+        """A rank has news: run a round soon. Fire-and-forget for ranks; a
+        nudge naming an old endpoint epoch raises `StaleEpochError`."""
+        await self._ensure_started()
+        if rank is not None:
+            if not 0 <= rank < self._tp:
+                raise RoundError(f"nudge from unknown rank {rank}")
+            if epoch is not None and epoch != self._epochs[rank]:
+                raise StaleEpochError(epoch, self._epochs[rank])
+        self._wakeup.set()
+
+    async def run_round(self) -> RoundDecision:
+        """Run one round now, with or without news; returns its decision or
+        raises `RoundTimeout` (after the fail policy ran)."""
+        await self._ensure_started()
+        return await self._run_round()
+
+    async def outcome(self, parent: ParentKey) -> str | None:
+        """The last decided outcome of ``parent`` (bounded memory), or None."""
+        return self._outcomes.get(parent)
+
+    async def decision_log(self) -> list[RoundDecision]:
+        """The most recent decisions, oldest first (bounded)."""
+        return list(self._decision_log)
+
+    async def epochs(self) -> list[int]:
+        """The current endpoint epoch of every rank."""
+        await self._ensure_started()
+        return list(self._epochs)
+
+    async def rank_handles(self) -> list[Any]:
+        """The current rank actor handles (rank i at index i)."""
+        await self._ensure_started()
+        return list(self._handles)
+
+    async def stats(self) -> dict[str, Any]:
+        """Counters and latencies (for the CLI, benchmarks and tests)."""
+        seconds = sorted(self._round_seconds)
+        return {
+            "topology": self.topology,
+            "state": self.state.value,
+            "tp": self._tp,
+            "next_round": self._leader.next_round if self._leader else 1,
+            "rounds": self._rounds,
+            "rounds_timed_out": self._rounds_timed_out,
+            "restarts": self._restarts,
+            "max_restarts": self._max_restarts,
+            "epochs": list(self._epochs),
+            "in_flight": len(self._leader.in_flight) if self._leader else 0,
+            "pending_admits": len(self._pending_admits),
+            "pending_cancels": len(self._pending_cancels),
+            "decided": dict(self._counts),
+            "rejected_votes": dict(self._rejected_votes),
+            "round_s_mean": sum(seconds) / len(seconds) if seconds else None,
+            "round_s_p50": seconds[len(seconds) // 2] if seconds else None,
+            "round_s_max": seconds[-1] if seconds else None,
+            "rank_errors": list(self._rank_errors),
+            "timeouts": [str(t) for t in self._timeouts[-8:]],
+            "failure_reason": self._failure_reason,
+        }
+
+    # -- the round loop -------------------------------------------------------------
+
+    async def _round_loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            if self._batch_window > 0:
+                await asyncio.sleep(self._batch_window)
+            # Clear before taking the batch: anything queued from now on sets
+            # the event again and gets the next round.
+            self._wakeup.clear()
+            try:
+                await self._run_round()
+            except RoundTimeout:
+                pass  # the fail policy ran; keep serving
+            except TopologyFailed:
+                return
+            if self._pending_admits or self._pending_cancels or self._pending_failures:
+                self._wakeup.set()
+
+    async def _run_round(self) -> RoundDecision:
+        async with self._round_lock:
+            self._raise_if_unusable()
+            leader = self._leader
+            assert leader is not None
+            loop = asyncio.get_running_loop()
+            admissions: list[AdmissionRequest] = []
+            for parent, (num_tokens, _) in self._pending_admits.items():
+                if len(admissions) >= self._max_batch:
+                    break
+                admissions.append(AdmissionRequest(parent=parent, num_tokens=num_tokens))
+            cancels = list(self._pending_cancels)[:MAX_ROUND_ITEMS]
+            failures = sorted(self._pending_failures & leader.in_flight, key=_key)
+            failures = failures[:MAX_ROUND_ITEMS]
+            started = time.perf_counter()
+            proposal = leader.open_round(
+                admissions,
+                cancels,
+                now=loop.time(),
+                timeout=self._round_timeout,
+                failures=failures,
+            )
+            # Taken: from here on these are answered by this round's decision.
+            taken_admits = {a.parent: self._pending_admits.pop(a.parent)[1] for a in admissions}
+            taken_cancels = {p: self._pending_cancels.pop(p) for p in cancels}
+            self._pending_failures.clear()
+
+            outcome = await self._vote_phase(proposal)
+            if isinstance(outcome, RoundTimedOut):
+                decision = outcome.decision
+                bad = set(outcome.missing_ranks)
+                survivors = [r for r in range(self._tp) if r not in bad]
+                bad |= await self._apply_phase(decision, survivors)
+            else:
+                decision = outcome
+                bad = await self._apply_phase(decision, range(self._tp))
+            self._record(decision, taken_admits, taken_cancels, time.perf_counter() - started)
+            if bad:
+                if not decision.timed_out:
+                    # A rank missed applying a full decision: it is behind and
+                    # holds shards of every in-flight parent. Fail them in the
+                    # next round (the survivors applied this one).
+                    self._pending_failures |= leader.in_flight
+                timeout = RoundTimeout(
+                    self.topology, decision.round_no, sorted(bad), self._round_timeout
+                )
+                self._timeouts.append(timeout)
+                self._rounds_timed_out += 1
+                await self._fail_policy(sorted(bad), str(timeout))
+                raise timeout
+            return decision
+
+    async def _vote_phase(self, proposal: RoundProposal) -> RoundDecision | RoundTimedOut:
+        leader = self._leader
+        assert leader is not None
+        loop = asyncio.get_running_loop()
+        bad: set[int] = set()
+
+        async def ask(rank: int) -> bool:
+            try:
+                vote: RoundVote = await self._handles[rank].round_vote.remote(
+                    proposal, self._epochs[rank]
+                )
+            except Exception as exc:  # died, broken, stale epoch: all a failed rank
+                self._rank_errors.append(f"round {proposal.round_no} rank {rank}: {exc!r}"[:500])
+                bad.add(rank)
+                return False
+            try:
+                leader.receive_vote(vote, loop.time())
+            except VoteRejected as rejected:
+                self._rejected_votes[rejected.reason.value] += 1
+                self._rank_errors.append(str(rejected))
+                bad.add(rank)
+                return False
+            return True
+
+        await self._fan_out(ask, range(self._tp), stop_on_failure=True)
+        if not bad and not leader.missing():
+            return leader.close(loop.time())
+        return leader.abort(bad, loop.time())
+
+    async def _apply_phase(self, decision: RoundDecision, ranks: Sequence[int]) -> set[int]:
+        """Send ``decision`` to ``ranks``; returns the ranks that failed or
+        missed the watchdog bound."""
+        done: set[int] = set()
+
+        async def tell(rank: int) -> bool:
+            try:
+                await self._handles[rank].round_apply.remote(decision, self._epochs[rank])
+            except Exception as exc:
+                self._rank_errors.append(f"apply {decision.round_no} rank {rank}: {exc!r}"[:500])
+                return False
+            done.add(rank)
+            return True
+
+        # Every survivor must get the decision: no early stop here.
+        await self._fan_out(tell, ranks, stop_on_failure=False)
+        return set(ranks) - done
+
+    async def _fan_out(
+        self, call: Callable[[int], Awaitable[bool]], ranks: Sequence[int], *, stop_on_failure: bool
+    ) -> None:
+        """Run ``call(rank)`` for every rank under the watchdog (one
+        ``asyncio.timeout`` around one TaskGroup that owns every task).
+        ``call`` returns False when its rank failed; with ``stop_on_failure``
+        the first failure cancels the other calls (the round is lost anyway,
+        their answers are not needed). The deadline cancels whatever is left.
+        """
+        tasks: list[asyncio.Task[None]] = []
+
+        async def guarded(rank: int) -> None:
+            if not await call(rank) and stop_on_failure:
+                for task in tasks:
+                    if task is not asyncio.current_task():
+                        task.cancel()  # the TaskGroup ignores cancelled children
+
+        try:
+            async with asyncio.timeout(self._round_timeout), asyncio.TaskGroup() as group:
+                tasks.extend(group.create_task(guarded(rank)) for rank in ranks)
+        except TimeoutError:
+            pass
+
+    def _record(
+        self,
+        decision: RoundDecision,
+        taken_admits: dict[ParentKey, asyncio.Future[bool]],
+        taken_cancels: dict[ParentKey, list[asyncio.Future[str | None]]],
+        seconds: float,
+    ) -> None:
+        self._rounds += 1
+        self._round_seconds.append(seconds)
+        self._decision_log.append(decision)
+        outcomes: dict[ParentKey, str] = {}
+        for name in ("admitted", "rejected", "cancelled", "completed", "failed"):
+            parents = getattr(decision, name)
+            self._counts[name] += len(parents)
+            for parent in parents:
+                outcomes[parent] = name
+        for parent, name in outcomes.items():
+            self._outcomes[parent] = name
+            self._outcomes.move_to_end(parent)
+        while len(self._outcomes) > 65536:
+            self._outcomes.popitem(last=False)
+        admitted = set(decision.admitted)
+        for parent, future in taken_admits.items():
+            if not future.done():
+                future.set_result(parent in admitted)
+        for parent, waiters in taken_cancels.items():
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(outcomes.get(parent))
+
+    # -- fail policy ------------------------------------------------------------------
+
+    async def _fail_policy(self, ranks: Sequence[int], reason: str) -> None:
+        """Stop admission, restart ``ranks`` with new epochs, resume admission;
+        enter FAILED when the restart budget runs out."""
+        leader = self._leader
+        assert leader is not None
+        self.state = TopologyState.RECOVERING
+        self._failure_reason = reason
+        self._fail_admits(AdmissionStopped(self.topology, reason))
+        for rank in ranks:
+            while True:
+                if self._rank_factory is None:
+                    self._enter_failed(f"{reason}; no rank_factory to restart rank {rank}")
+                    raise TopologyFailed(self.topology, self._failure_reason)
+                if self._restarts >= self._max_restarts:
+                    self._enter_failed(f"{reason}; restart budget ({self._max_restarts}) exhausted")
+                    raise TopologyFailed(self.topology, self._failure_reason)
+                self._restarts += 1
+                # Kill the old incarnation first: it must never act again,
+                # even if it was only slow (its epoch is dead from here on).
+                _kill(self._handles[rank])
+                epoch = self._take_epoch()
+                try:
+                    handle = self._rank_factory(rank, epoch)
+                    async with asyncio.timeout(self._restart_timeout):
+                        identity = await handle.round_identity.remote()
+                        if tuple(identity) != (rank, epoch):
+                            raise RoundError(
+                                f"restarted rank reports {identity}, want {(rank, epoch)}"
+                            )
+                        await handle.round_join.remote(leader.next_round, epoch)
+                except Exception as exc:
+                    self._rank_errors.append(f"restart rank {rank} epoch {epoch}: {exc!r}"[:500])
+                    continue
+                leader.set_epoch(rank, epoch)
+                self._epochs[rank] = epoch
+                self._handles[rank] = handle
+                break
+        self.state = TopologyState.RUNNING
+        self._failure_reason = ""
+
+    def _enter_failed(self, reason: str) -> None:
+        self.state = TopologyState.FAILED
+        self._failure_reason = reason
+        self._fail_pending(TopologyFailed(self.topology, reason))
+        # The loop task ends by itself on the TopologyFailed it gets next.
+
+    def _fail_admits(self, error: Exception) -> None:
+        admits, self._pending_admits = self._pending_admits, {}
+        for _, future in admits.values():
+            if not future.done():
+                future.set_exception(error)
+
+    def _fail_pending(self, error: Exception) -> None:
+        self._fail_admits(error)
+        cancels, self._pending_cancels = self._pending_cancels, {}
+        for futures in cancels.values():
+            for future in futures:
+                if not future.done():
+                    future.set_exception(error)
+
+
+def _key(parent: ParentKey) -> tuple[str, int, int]:
+    return (parent.request_id, parent.ctx_attempt, parent.gen_attempt)
+
+
+def _kill(handle: Any) -> None:
+    # Already dead or never started: nothing left to stop.
+    with contextlib.suppress(Exception):
+        ray.kill(handle, no_restart=True)
+
+
+#: The coordinator as a Ray async actor: ``Coordinator.remote(topology, ...)``.
+Coordinator = ray.remote(num_cpus=0, max_restarts=0)(CoordinatorCore)

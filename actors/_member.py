@@ -1,0 +1,249 @@
+"""`RoundMember`: how a rank actor takes part in agreement rounds.
+
+A rank actor composes one `RoundMember` and exposes its four coroutine
+methods as actor methods of the same name (``round_identity``,
+``round_join``, ``round_vote``, ``round_apply``); the coordinator calls
+them. The member wraps the sans-IO `RoundFollower` (strict order, exactly
+once) and two callbacks supplied by the rank actor:
+
+- ``vote_fn(proposal) -> VoteNews``: decide this rank's vote, e.g. try to lease
+  blocks for every proposed admission (tentatively), and optionally report
+  extra news;
+- ``apply_fn(decision) -> None``: apply one decision to the rank's sessions and
+  pools (commit tentative leases of admitted parents, return every other
+  tentative lease, release / drain / quarantine settled parents).
+
+Lock and await ordering (DESIGN.md "Agreement rounds"; docs/rounds.md)
+--------------------------------------------------------------------------
+The rank actor is an asyncio actor: one thread, one event loop, so coroutines
+interleave only at ``await`` points. The rule that makes rounds and control
+dispatch (incoming OPEN / CANCEL / TERMINAL frames) deadlock-free is:
+
+1. **State is mutated only in await-free critical sections.** ``round_vote``
+   and ``round_apply`` check the follower, call ``vote_fn`` / ``apply_fn``
+   (plain functions, never coroutines: an awaitable result is refused with
+   `TypeError`) and advance the follower with no ``await`` in between. A
+   control handler likewise decodes, hands the message to the session machine
+   and records the resulting state without awaiting; it may await only
+   *after* its critical section (to send a reply frame). Hence neither can
+   interleave inside the other, and no lock is needed — there is none to take
+   in the wrong order.
+2. **Rounds never wait on control messages**, and **control handlers never
+   wait on rounds.** A control handler that learns news (a peer CANCEL, a
+   TERMINAL that completes an edge) only *records an intent*
+   (`record_cancel`, `record_completion`, `record_failure`) that the next
+   vote carries, and may nudge the coordinator with a fire-and-forget call.
+   So there is no wait-for cycle between the two.
+3. **Timeouts and NIXL poll loops only record intents** the same way: they
+   never enter a round, never apply a decision, never free memory. Memory is
+   freed only by ``apply_fn`` under a decision that every rank applies in the
+   same round order.
+
+Intents are sticky until a decision settles them: a completion is reported in
+every vote until some decision names the parent (completed, cancelled or
+failed), because completion is an intersection that needs every rank to
+report it in the same round. Cancel and failure intents are unions, so one
+report suffices; they are cleared by the decision of the round that carried
+them (and kept if that round timed out without deciding them).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import msgspec
+
+from kvhandoff.protocol import (
+    ParentKey,
+    RoundDecision,
+    RoundError,
+    RoundFollower,
+    RoundProposal,
+    RoundVote,
+    StaleEpochError,
+)
+
+__all__ = ["VoteNews", "RoundMember", "MemberBroken"]
+
+
+class VoteNews(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``vote_fn`` returns: the admissions this rank can take and any
+    news it wants to add to the recorded intents."""
+
+    admit_ok: tuple[ParentKey, ...] = ()
+    cancels: tuple[ParentKey, ...] = ()
+    completions: tuple[ParentKey, ...] = ()
+    failures: tuple[ParentKey, ...] = ()
+
+
+class MemberBroken(RoundError):
+    """``apply_fn`` raised while applying a decision: the rank's state is no
+    longer trustworthy, so it refuses every further round and must be
+    restarted (the coordinator's watchdog sees it as a failed rank)."""
+
+    def __init__(self, rank: int, round_no: int, cause: BaseException) -> None:
+        super().__init__(f"rank {rank} broke applying round {round_no}: {cause!r}")
+        self.rank = rank
+        self.round_no = round_no
+        self._cause_repr = repr(cause)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Crosses Ray: rebuild from plain data (the cause may not pickle).
+        return (_rebuild_broken, (self.rank, self.round_no, self._cause_repr))
+
+
+def _rebuild_broken(rank: int, round_no: int, cause: str) -> MemberBroken:
+    return MemberBroken(rank, round_no, RuntimeError(cause))
+
+
+VoteFn = Callable[[RoundProposal], VoteNews]
+ApplyFn = Callable[[RoundDecision], None]
+
+
+class RoundMember:
+    """One rank's participation in the rounds of its topology.
+
+    ``rank`` and ``epoch`` identify this rank actor incarnation; the
+    coordinator passes the epoch it expects with every call, and a call
+    carrying another epoch raises `StaleEpochError` (a `StaleError`) and
+    changes nothing.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        epoch: int,
+        vote_fn: VoteFn,
+        apply_fn: ApplyFn,
+        *,
+        first_round: int = 1,
+        topology_digest: bytes | None = None,
+    ) -> None:
+        self.follower = RoundFollower(
+            rank, epoch, first_round=first_round, topology_digest=topology_digest
+        )
+        self._vote_fn = vote_fn
+        self._apply_fn = apply_fn
+        self._cancels: set[ParentKey] = set()
+        self._completions: set[ParentKey] = set()
+        self._failures: set[ParentKey] = set()
+        self._broken: MemberBroken | None = None
+        # (round, cancels, failures) this rank reported in its latest vote:
+        # only those are cleared by that round's decision, never intents that
+        # were recorded after the vote left.
+        self._reported: tuple[int, frozenset[ParentKey], frozenset[ParentKey]] = (
+            0,
+            frozenset(),
+            frozenset(),
+        )
+        self.rounds_voted = 0
+        self.rounds_applied = 0
+
+    @property
+    def our_rank(self) -> int:
+        return self.follower.our_rank
+
+    @property
+    def our_epoch(self) -> int:
+        return self.follower.our_epoch
+
+    # -- intents: await-free, callable from control handlers, timeouts, polls --
+
+    def record_cancel(self, parent: ParentKey) -> None:
+        """Queue a cancel intent for the next vote (never frees anything)."""
+        self._cancels.add(parent)
+
+    def record_completion(self, parent: ParentKey) -> None:
+        """Report ``parent`` complete on this rank in every vote until settled."""
+        self._completions.add(parent)
+
+    def record_failure(self, parent: ParentKey) -> None:
+        """Queue a failure (e.g. evidence UNKNOWN) for the next vote."""
+        self._failures.add(parent)
+
+    def has_news(self) -> bool:
+        return bool(self._cancels or self._completions or self._failures)
+
+    # -- the actor methods (await-free bodies; see the module docstring) ------
+
+    def _check(self, epoch: int | None) -> None:
+        if self._broken is not None:
+            raise self._broken
+        if epoch is not None and epoch != self.our_epoch:
+            raise StaleEpochError(epoch, self.our_epoch)
+
+    async def round_identity(self) -> tuple[int, int]:
+        """``(rank, epoch)`` of this incarnation."""
+        return (self.our_rank, self.our_epoch)
+
+    async def round_join(self, next_round: int, epoch: int | None = None) -> int:
+        """Join at ``next_round`` (a fresh incarnation only): the coordinator
+        calls this on a restarted rank so its first round is the leader's next."""
+        self._check(epoch)
+        if self.follower.last_applied != 0 or self.follower.last_voted != 0:
+            raise RoundError(f"rank {self.our_rank} already took part in rounds; cannot rejoin")
+        self.follower = RoundFollower(
+            self.our_rank,
+            self.our_epoch,
+            first_round=next_round,
+            topology_digest=self.follower.topology_digest,
+        )
+        return next_round
+
+    async def round_vote(self, proposal: RoundProposal, epoch: int | None = None) -> RoundVote:
+        """Vote on ``proposal``; the next round only, once. No await inside."""
+        self._check(epoch)
+        self.follower.check_proposal(proposal)
+        news = self._vote_fn(proposal)
+        if inspect.isawaitable(news):
+            # A coroutine here would let control dispatch interleave inside
+            # the round's critical section: refuse it loudly.
+            if inspect.iscoroutine(news):
+                news.close()
+            raise TypeError("vote_fn must be a plain function, not a coroutine")
+        vote = self.follower.vote(
+            proposal,
+            admit_ok=news.admit_ok,
+            cancels=(*self._cancels, *news.cancels),
+            completions=(*self._completions, *news.completions),
+            failures=(*self._failures, *news.failures),
+        )
+        self._reported = (vote.round_no, frozenset(vote.cancels), frozenset(vote.failures))
+        self.rounds_voted += 1
+        return vote
+
+    async def round_apply(self, decision: RoundDecision, epoch: int | None = None) -> int:
+        """Apply ``decision`` strictly in order, exactly once. No await inside.
+
+        Returns the round number applied. A wrong round raises
+        `RoundOrderError` before ``apply_fn`` runs (nothing changes).
+        """
+        self._check(epoch)
+        self.follower.check_decision(decision)
+        # Mark applied before running apply_fn: if it raises half-way, the
+        # decision must never be applied a second time (exactly once); the
+        # member is broken instead and the watchdog restarts the rank.
+        self.follower.apply(decision)
+        try:
+            result = self._apply_fn(decision)
+            if inspect.isawaitable(result):
+                if inspect.iscoroutine(result):
+                    result.close()
+                raise TypeError("apply_fn must be a plain function, not a coroutine")
+        except Exception as exc:
+            self._broken = MemberBroken(self.our_rank, decision.round_no, exc)
+            raise self._broken from exc
+        self.rounds_applied += 1
+        settled = decision.settled()
+        self._completions -= settled
+        self._cancels -= settled
+        self._failures -= settled
+        reported_round, reported_cancels, reported_failures = self._reported
+        if reported_round == decision.round_no and not decision.timed_out:
+            # Union news we reported reached a full decision (which saw every
+            # vote, ours included): done. A timed-out round may not have seen
+            # our vote, so its news stays queued for the next round.
+            self._cancels -= reported_cancels
+            self._failures -= reported_failures
+        return decision.round_no

@@ -1,0 +1,27 @@
+"""Shared fixtures for the actor tests: one local Ray cluster per test module."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[object]:
+    """A local Ray cluster (2 CPUs, no dashboard) shared by one test module.
+
+    Test actors should ask for ``num_cpus=0`` so that many fit. If a cluster is
+    already up in this process (another fixture or module left it), it is
+    reused and left running.
+    """
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        if started:
+            ray.shutdown()

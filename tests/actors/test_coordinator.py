@@ -1,0 +1,453 @@
+"""The coordinator and `RoundMember` on a real local Ray cluster.
+
+Test rank actors (`BlockRank`, below) compose a `RoundMember` and keep a plain
+block counter: a vote tentatively leases blocks for each admission it can
+take; applying a decision commits admitted leases, returns every other
+tentative lease, frees cancelled / completed parents and quarantines failed
+ones. Invariant checked everywhere: free + tentative + leased + quarantined
+equals the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+import msgspec
+import pytest
+import ray
+
+from kvhandoff.actors._coordinator import (
+    AdmissionStopped,
+    Coordinator,
+    RoundTimeout,
+    TopologyFailed,
+)
+from kvhandoff.actors._member import MemberBroken, RoundMember, VoteNews
+from kvhandoff.protocol import (
+    AdmissionRequest,
+    ParentKey,
+    RoundDecision,
+    RoundOrderError,
+    RoundProposal,
+    StaleError,
+)
+
+pytestmark = pytest.mark.ray
+
+TOKENS_PER_BLOCK = 16
+
+
+def pk(name: str) -> ParentKey:
+    return ParentKey(request_id=name, ctx_attempt=0, gen_attempt=0)
+
+
+class BlockLedger:
+    """A rank's block pool, reduced to counters; the vote/apply callbacks."""
+
+    def __init__(self, blocks: int) -> None:
+        self.total = blocks
+        self.free = blocks
+        self.tentative: dict[ParentKey, int] = {}
+        self.leased: dict[ParentKey, int] = {}
+        self.quarantined = 0
+        self.log: list[RoundDecision] = []
+
+    def vote(self, proposal: RoundProposal) -> VoteNews:
+        ok = []
+        for admission in proposal.admissions:
+            need = max(1, math.ceil(admission.num_tokens / TOKENS_PER_BLOCK))
+            if self.free >= need:
+                self.free -= need
+                self.tentative[admission.parent] = need
+                ok.append(admission.parent)
+        return VoteNews(admit_ok=tuple(ok))
+
+    def apply(self, decision: RoundDecision) -> None:
+        self.log.append(decision)
+        for parent in decision.admitted:
+            self.leased[parent] = self.tentative.pop(parent)
+        for parent in list(self.tentative):  # rejected, cancelled, timed out
+            self.free += self.tentative.pop(parent)
+        for parent in (*decision.cancelled, *decision.completed):
+            self.free += self.leased.pop(parent, 0)
+        for parent in decision.failed:  # evidence UNKNOWN: never reused
+            self.quarantined += self.leased.pop(parent, 0)
+
+    def balanced(self) -> bool:
+        held = sum(self.tentative.values()) + sum(self.leased.values())
+        return self.free + held + self.quarantined == self.total
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class BlockRank:
+    def __init__(self, rank: int, epoch: int, blocks: int = 64, join_delay: float = 0.0) -> None:
+        self.ledger = BlockLedger(blocks)
+        self.member = RoundMember(rank, epoch, self.ledger.vote, self.ledger.apply)
+        self.join_delay = join_delay
+        self.vote_delay = 0.0
+        self.lie_epoch: int | None = None
+        self.coordinator: Any = None
+        self.controls = 0
+
+    # The four round methods the coordinator calls.
+    async def round_identity(self) -> tuple[int, int]:
+        return await self.member.round_identity()
+
+    async def round_join(self, next_round: int, epoch: int | None = None) -> int:
+        await asyncio.sleep(self.join_delay)  # a slow start, outside any critical section
+        return await self.member.round_join(next_round, epoch)
+
+    async def round_vote(self, proposal: RoundProposal, epoch: int | None = None) -> Any:
+        await asyncio.sleep(self.vote_delay)  # a hung rank, before the critical section
+        vote = await self.member.round_vote(proposal, epoch)
+        if self.lie_epoch is not None:  # an impostor speaking for an old incarnation
+            vote = msgspec.structs.replace(vote, epoch=self.lie_epoch)
+        return vote
+
+    async def round_apply(self, decision: RoundDecision, epoch: int | None = None) -> int:
+        return await self.member.round_apply(decision, epoch)
+
+    # A control frame (OPEN/CANCEL/TERMINAL stand-in): an await-free critical
+    # section that only records intent, then awaits (the reply) afterwards.
+    async def control(self, parent: ParentKey, kind: str) -> None:
+        self.controls += 1
+        if kind == "cancel":
+            self.member.record_cancel(parent)
+        elif kind == "complete" and parent in self.ledger.leased:
+            self.member.record_completion(parent)
+        if self.coordinator is not None:
+            # Fire-and-forget: a control handler never waits on a round.
+            self.coordinator.nudge.remote(self.member.our_rank, self.member.our_epoch)
+        await asyncio.sleep(0.001)
+
+    # Test hooks.
+    def set_coordinator(self, coordinator: Any) -> None:
+        self.coordinator = coordinator
+
+    def set_vote_delay(self, seconds: float) -> None:
+        self.vote_delay = seconds
+
+    def set_lie_epoch(self, epoch: int) -> None:
+        self.lie_epoch = epoch
+
+    def record(self, kind: str, name: str) -> None:
+        getattr(self.member, f"record_{kind}")(pk(name))
+
+    def snapshot(self) -> dict[str, Any]:
+        ledger = self.ledger
+        return {
+            "free": ledger.free,
+            "tentative": dict(ledger.tentative),
+            "leased": sorted(p.request_id for p in ledger.leased),
+            "quarantined": ledger.quarantined,
+            "balanced": ledger.balanced(),
+            "log": list(ledger.log),
+            "epoch": self.member.our_epoch,
+            "controls": self.controls,
+        }
+
+
+class Factory:
+    """Picklable ``(rank, epoch) -> handle``; restarted ranks start slowly."""
+
+    def __init__(self, blocks: dict[int, int] | None = None, join_delay: float = 0.0) -> None:
+        self.blocks = blocks or {}
+        self.join_delay = join_delay
+        self.first_epochs: set[int] = set()
+
+    def __call__(self, rank: int, epoch: int) -> Any:
+        return BlockRank.remote(rank, epoch, self.blocks.get(rank, 64), self.join_delay)
+
+
+def make(tp: int, **kwargs: Any) -> tuple[Any, list[Any]]:
+    factory = kwargs.pop("factory", None) or Factory()
+    coordinator = Coordinator.remote(f"tp{tp}", rank_factory=factory, tp=tp, **kwargs)
+    ranks = ray.get(coordinator.rank_handles.remote())
+    return coordinator, ranks
+
+
+def snapshots(ranks: list[Any]) -> list[dict[str, Any]]:
+    return ray.get([r.snapshot.remote() for r in ranks])
+
+
+def assert_same_decisions(snaps: list[dict[str, Any]]) -> None:
+    logs = [s["log"] for s in snaps]
+    assert all(log == logs[0] for log in logs), "ranks applied different decisions"
+    rounds = [d.round_no for d in logs[0]]
+    assert rounds == list(range(1, len(rounds) + 1)), rounds  # in order, no gaps
+
+
+# -- RoundMember without Ray ---------------------------------------------------
+
+
+async def test_member_refuses_stale_epoch_and_wrong_rounds_without_change() -> None:
+    ledger = BlockLedger(4)
+    member = RoundMember(0, 7, ledger.vote, ledger.apply)
+    proposal = RoundProposal(
+        round_no=1, admissions=(AdmissionRequest(parent=pk("a"), num_tokens=16),)
+    )
+    with pytest.raises(StaleError):
+        await member.round_vote(proposal, epoch=6)
+    assert ledger.free == 4 and member.follower.last_voted == 0
+    vote = await member.round_vote(proposal, epoch=7)
+    assert vote.admit_ok == (pk("a"),) and vote.epoch == 7
+    with pytest.raises(RoundOrderError):
+        await member.round_apply(RoundDecision(round_no=2), epoch=7)
+    assert ledger.log == []
+    await member.round_apply(RoundDecision(round_no=1, rejected=(pk("a"),)), epoch=7)
+    with pytest.raises(RoundOrderError):
+        await member.round_apply(RoundDecision(round_no=1), epoch=7)  # exactly once
+    assert len(ledger.log) == 1 and ledger.free == 4
+
+
+async def test_member_refuses_coroutine_callbacks_and_breaks_on_apply_errors() -> None:
+    async def async_vote(proposal: RoundProposal) -> VoteNews:
+        return VoteNews()
+
+    member = RoundMember(0, 0, async_vote, lambda d: None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        await member.round_vote(RoundProposal(round_no=1))
+
+    def bad_apply(decision: RoundDecision) -> None:
+        raise ValueError("boom")
+
+    member = RoundMember(0, 0, lambda p: VoteNews(), bad_apply)
+    with pytest.raises(MemberBroken):
+        await member.round_apply(RoundDecision(round_no=1))
+    with pytest.raises(MemberBroken):  # refuses everything until restarted
+        await member.round_vote(RoundProposal(round_no=2))
+
+
+async def test_member_intents_completions_sticky_and_late_cancels_kept() -> None:
+    member = RoundMember(0, 0, lambda p: VoteNews(), lambda d: None)
+    member.record_completion(pk("a"))
+    member.record_cancel(pk("b"))
+    v1 = await member.round_vote(RoundProposal(round_no=1))
+    member.record_cancel(pk("c"))  # arrives after the vote left
+    await member.round_apply(RoundDecision(round_no=1, cancelled=(pk("b"),)))
+    v2 = await member.round_vote(RoundProposal(round_no=2))
+    assert v1.completions == v2.completions == (pk("a"),)  # until settled
+    assert v1.cancels == (pk("b"),) and v2.cancels == (pk("c"),)
+    await member.round_apply(RoundDecision(round_no=2, completed=(pk("a"),)))
+    v3 = await member.round_vote(RoundProposal(round_no=3))
+    assert v3.completions == () and v3.cancels == ()
+
+
+async def test_rounds_and_control_dispatch_never_interleave_critical_sections() -> None:
+    """The documented ordering, in one event loop: control handlers and round
+    calls race; critical sections (enter..exit) never overlap, and nothing
+    waits on anything else, so everything finishes."""
+    trace: list[str] = []
+
+    def vote_fn(proposal: RoundProposal) -> VoteNews:
+        trace.append("enter")
+        trace.append("exit")
+        return VoteNews()
+
+    def apply_fn(decision: RoundDecision) -> None:
+        trace.append("enter")
+        trace.append("exit")
+
+    member = RoundMember(0, 0, vote_fn, apply_fn)
+
+    async def control(i: int) -> None:
+        for _ in range(20):
+            trace.append("enter")
+            member.record_cancel(pk(f"c{i}"))
+            trace.append("exit")
+            await asyncio.sleep(0)  # the reply frame, after the critical section
+
+    async def rounds() -> None:
+        for n in range(1, 41):
+            await member.round_vote(RoundProposal(round_no=n))
+            await asyncio.sleep(0)  # the coordinator hop between phases
+            await member.round_apply(RoundDecision(round_no=n))
+
+    async with asyncio.timeout(5):
+        async with asyncio.TaskGroup() as group:
+            group.create_task(rounds())
+            for i in range(5):
+                group.create_task(control(i))
+    assert trace == ["enter", "exit"] * (len(trace) // 2)
+    assert member.follower.last_applied == 40
+
+
+# -- the coordinator on a real cluster ----------------------------------------------
+
+
+def test_tp2_admission_needs_every_rank_and_blocks_come_back(ray_cluster: Any) -> None:
+    coordinator, ranks = make(2, factory=Factory(blocks={0: 8, 1: 4}), round_timeout=5.0)
+    assert ray.get(coordinator.admit.remote(pk("a"), 32)) is True  # 2 blocks each
+    # Rank 1 has only 2 blocks left: b (4 blocks) is rejected everywhere.
+    assert ray.get(coordinator.admit.remote(pk("b"), 64)) is False
+    first, second = snapshots(ranks)
+    assert (first["free"], second["free"]) == (6, 2)  # rank 0's tentative lease returned
+    assert first["leased"] == second["leased"] == ["a"]
+
+    # Cancel: one rank's intent is enough (union).
+    assert ray.get(coordinator.admit.remote(pk("c"), 16)) is True
+    ray.get(ranks[1].record.remote("cancel", "c"))
+    decision = ray.get(coordinator.run_round.remote())
+    assert decision.cancelled == (pk("c"),)
+
+    # Completion: every rank must report it (intersection).
+    ray.get(ranks[0].record.remote("completion", "a"))
+    assert ray.get(coordinator.run_round.remote()).completed == ()
+    ray.get(ranks[1].record.remote("completion", "a"))
+    assert ray.get(coordinator.run_round.remote()).completed == (pk("a"),)
+    assert ray.get(coordinator.outcome.remote(pk("a"))) == "completed"
+
+    snaps = snapshots(ranks)
+    assert [s["free"] for s in snaps] == [8, 4] and all(s["balanced"] for s in snaps)
+    assert_same_decisions(snaps)
+    assert snaps[0]["log"] == ray.get(coordinator.decision_log.remote())
+    ray.get(coordinator.shutdown.remote())
+
+
+def test_tp4_batches_concurrent_admissions_and_agrees_everywhere(ray_cluster: Any) -> None:
+    coordinator, ranks = make(4, factory=Factory(blocks={3: 30}), round_timeout=5.0)
+    results = ray.get([coordinator.admit.remote(pk(f"r{i}"), 16) for i in range(40)])
+    assert sum(results) == 30  # rank 3 is the bottleneck, and only rank 3
+    stats = ray.get(coordinator.stats.remote())
+    assert stats["rounds"] < 40, "admissions were not batched"
+    assert stats["decided"]["admitted"] == 30 and stats["decided"]["rejected"] == 10
+    snaps = snapshots(ranks)
+    assert [s["free"] for s in snaps] == [34, 34, 34, 0]
+    assert all(s["tentative"] == {} and s["balanced"] for s in snaps)
+
+    admitted = [f"r{i}" for i, ok in enumerate(results) if ok]
+    ray.get(ranks[2].record.remote("cancel", admitted[0]))
+    for rank in ranks[:3]:
+        ray.get(rank.record.remote("completion", admitted[1]))
+    decision = ray.get(coordinator.run_round.remote())
+    assert decision.cancelled == (pk(admitted[0]),) and decision.completed == ()
+    ray.get(ranks[3].record.remote("completion", admitted[1]))
+    assert ray.get(coordinator.run_round.remote()).completed == (pk(admitted[1]),)
+    snaps = snapshots(ranks)
+    assert [s["free"] for s in snaps] == [36, 36, 36, 2]
+    assert_same_decisions(snaps)
+    # One call, one batch: rank 3 has room for two (proposals are sorted).
+    many = [(pk(f"m{i}"), 16) for i in (2, 0, 1)]
+    assert ray.get(coordinator.admit_many.remote(many)) == [False, True, True]
+    assert ray.get(coordinator.decision_log.remote())[-1].admitted == (pk("m0"), pk("m1"))
+    ray.get(coordinator.shutdown.remote())
+
+
+def test_killed_rank_watchdog_restart_new_epoch_and_resume(ray_cluster: Any) -> None:
+    timeout = 1.0
+    coordinator, ranks = make(
+        2, factory=Factory(join_delay=1.0), round_timeout=timeout, max_restarts=2
+    )
+    assert ray.get(coordinator.admit.remote(pk("a"), 32)) is True
+    old_epochs = ray.get(coordinator.epochs.remote())
+
+    # Rank 1 hangs in its vote; we kill it mid-round.
+    ray.get(ranks[1].set_vote_delay.remote(60.0))
+    started = time.monotonic()
+    round_ref = coordinator.run_round.remote()
+    time.sleep(0.2)
+    ray.kill(ranks[1])
+    while ray.get(coordinator.stats.remote())["state"] != "recovering":
+        assert time.monotonic() - started < timeout + 1.0, "watchdog did not fire in time"
+        time.sleep(0.02)
+    fired = time.monotonic() - started
+    assert fired < timeout + 1.0
+    with pytest.raises(AdmissionStopped):
+        ray.get(coordinator.admit.remote(pk("b"), 16))
+    with pytest.raises(RoundTimeout) as info:
+        ray.get(round_ref)
+    assert info.value.missing_ranks == (1,) and "round 2" in str(info.value)
+
+    new_epochs = ray.get(coordinator.epochs.remote())
+    assert new_epochs[0] == old_epochs[0] and new_epochs[1] > max(old_epochs)
+    ranks = ray.get(coordinator.rank_handles.remote())
+    survivor, fresh = snapshots(ranks)
+    assert survivor["quarantined"] == 2 and survivor["leased"] == []  # a: UNKNOWN
+    assert fresh["epoch"] == new_epochs[1] and fresh["log"] == []
+    assert survivor["log"][-1].failed == (pk("a"),) and survivor["log"][-1].timed_out
+
+    # Messages carrying the old epoch are rejected ...
+    with pytest.raises(StaleError):
+        ray.get(coordinator.nudge.remote(1, old_epochs[1]))
+    with pytest.raises(StaleError):
+        ray.get(fresh_vote(ranks[1], old_epochs[1]))
+    # ... including a vote that claims the old epoch: the leader refuses it
+    # (the round fails; the impostor is replaced by a second restart).
+    ray.get(ranks[1].set_lie_epoch.remote(old_epochs[1]))
+    with pytest.raises(RoundTimeout):
+        ray.get(coordinator.run_round.remote())
+    stats = ray.get(coordinator.stats.remote())
+    assert stats["rejected_votes"] == {"stale_epoch": 1} and stats["restarts"] == 2
+
+    # Admission resumed with the new incarnation.
+    assert ray.get(coordinator.admit.remote(pk("b"), 16)) is True
+    ranks = ray.get(coordinator.rank_handles.remote())
+    snaps = snapshots(ranks)
+    assert snaps[0]["log"][-1] == snaps[1]["log"][-1]
+    assert snaps[1]["log"][-1].admitted == (pk("b"),)
+    assert all(s["balanced"] for s in snaps)
+    ray.get(coordinator.shutdown.remote())
+
+
+def fresh_vote(rank: Any, epoch: int) -> Any:
+    """A proposal delivered with the old epoch to the new incarnation."""
+    return rank.round_vote.remote(RoundProposal(round_no=99), epoch)
+
+
+def test_restart_budget_exhausted_fails_the_topology(ray_cluster: Any) -> None:
+    timeout = 0.5
+    coordinator, ranks = make(2, round_timeout=timeout, max_restarts=1)
+    ray.get(coordinator.run_round.remote())
+    ray.get(ranks[1].set_vote_delay.remote(60.0))  # hung, not dead: the timeout path
+    started = time.monotonic()
+    with pytest.raises(RoundTimeout):
+        ray.get(coordinator.run_round.remote())
+    ranks = ray.get(coordinator.rank_handles.remote())
+    ray.get(ranks[1].set_vote_delay.remote(60.0))
+    started = time.monotonic()
+    with pytest.raises(TopologyFailed) as info:
+        ray.get(coordinator.run_round.remote())
+    elapsed = time.monotonic() - started
+    assert timeout <= elapsed < timeout + 1.0  # the watchdog bound, nothing more
+    assert "restart budget (1) exhausted" in str(info.value)
+    for call in (
+        coordinator.admit.remote(pk("x"), 16),
+        coordinator.cancel.remote(pk("x")),
+        coordinator.run_round.remote(),
+    ):
+        with pytest.raises(TopologyFailed):
+            ray.get(call)
+    assert ray.get(coordinator.stats.remote())["state"] == "failed"
+
+
+def test_control_messages_racing_rounds_do_not_deadlock(ray_cluster: Any) -> None:
+    coordinator, ranks = make(2, round_timeout=5.0)
+    for rank in ranks:
+        ray.get(rank.set_coordinator.remote(coordinator))
+    admits = [coordinator.admit.remote(pk(f"r{i}"), 16) for i in range(24)]
+    # Hammer both ranks with control frames while the rounds run.
+    controls = []
+    for wave in range(6):
+        for i in range(24):
+            kind = "complete" if (i + wave) % 3 else "cancel"
+            controls.extend(rank.control.remote(pk(f"r{i}"), kind) for rank in ranks)
+    ray.get(controls, timeout=30)
+    assert all(isinstance(ok, bool) for ok in ray.get(admits, timeout=30))
+    # Drain: complete everything still leased until no parent is in flight.
+    deadline = time.monotonic() + 20
+    while ray.get(coordinator.stats.remote())["in_flight"]:
+        assert time.monotonic() < deadline, "rounds stopped making progress"
+        for rank in ranks:
+            for name in ray.get(rank.snapshot.remote())["leased"]:
+                ray.get(rank.control.remote(pk(name), "complete"))
+        ray.get(coordinator.run_round.remote(), timeout=10)
+    stats = ray.get(coordinator.stats.remote())
+    assert stats["rounds_timed_out"] == 0 and stats["state"] == "running"
+    snaps = snapshots(ranks)
+    assert all(s["free"] == 64 and s["balanced"] for s in snaps)
+    assert all(s["controls"] >= 144 for s in snaps)
+    assert_same_decisions(snaps)
+    ray.get(coordinator.shutdown.remote())
