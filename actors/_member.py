@@ -128,6 +128,7 @@ class RoundMember:
         self._cancels: set[ParentKey] = set()
         self._completions: set[ParentKey] = set()
         self._failures: set[ParentKey] = set()
+        self._prepared: set[ParentKey] = set()
         self._broken: MemberBroken | None = None
         # (round, cancels, failures) this rank reported in its latest vote:
         # only those are cleared by that round's decision, never intents that
@@ -162,8 +163,13 @@ class RoundMember:
         """Queue a failure (e.g. evidence UNKNOWN) for the next vote."""
         self._failures.add(parent)
 
+    def record_prepared(self, parent: ParentKey) -> None:
+        """Report every local edge of ``parent`` prepared, in every vote until
+        a decision decides or settles it (an intersection, like completions)."""
+        self._prepared.add(parent)
+
     def has_news(self) -> bool:
-        return bool(self._cancels or self._completions or self._failures)
+        return bool(self._cancels or self._completions or self._failures or self._prepared)
 
     # -- the actor methods (await-free bodies; see the module docstring) ------
 
@@ -208,6 +214,7 @@ class RoundMember:
             cancels=(*self._cancels, *news.cancels),
             completions=(*self._completions, *news.completions),
             failures=(*self._failures, *news.failures),
+            prepared=tuple(self._prepared),
         )
         self._reported = (vote.round_no, frozenset(vote.cancels), frozenset(vote.failures))
         self.rounds_voted += 1
@@ -236,6 +243,8 @@ class RoundMember:
             raise self._broken from exc
         self.rounds_applied += 1
         settled = decision.settled()
+        self._prepared -= settled
+        self._prepared.difference_update(decision.decided)
         self._completions -= settled
         self._cancels -= settled
         self._failures -= settled

@@ -63,6 +63,10 @@ class StaleError(ProtocolError):
         self.got = got
         self.expected = expected
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Rebuild from the constructor's arguments when crossing a Ray hop.
+        return (type(self), (self.what, self.got, self.expected))
+
 
 class UnknownSessionError(ProtocolError):
     """A message names a session that was never installed here (default-deny)."""
@@ -76,6 +80,9 @@ class IllegalTransition(ProtocolError):
         self.machine = machine
         self.state = state
         self.event = event
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.machine, self.state, self.event))
 
 
 class PoolError(ProtocolError):

@@ -25,7 +25,11 @@ numbers rounds 1, 2, 3, ... and runs one at a time:
    - completed = intersection: a parent completes only when every rank
      reports it complete in the same round (ranks keep reporting a completion
      until a decision settles the parent);
-   - failed    = union of coordinator-injected and rank-reported failures.
+   - failed    = union of coordinator-injected and rank-reported failures;
+   - decided   = intersection of the ranks' ``prepared`` reports over in-flight
+     parents not decided before (CTX: every edge of the parent is prepared on
+     every rank, so READY may be published and DMA posted). Deciding is not
+     an ending: the parent stays in flight until completed, cancelled or failed.
 
    Every parent named in a decision has exactly one outcome. Precedence is
    ``failed > cancelled > completed`` and ``failed > cancelled > admitted``:
@@ -139,6 +143,8 @@ class RoundVote(_Frozen, frozen=True, tag="round_vote"):
     cancels: _Parents = ()
     completions: _Parents = ()
     failures: _Parents = ()
+    #: parents whose every local edge is prepared on this rank (CTX: ready to decide)
+    prepared: _Parents = ()
 
 
 class RoundDecision(_Frozen, frozen=True, tag="round_decision"):
@@ -154,6 +160,9 @@ class RoundDecision(_Frozen, frozen=True, tag="round_decision"):
     failed: _Parents = ()
     #: True when the round ended without every vote (see `RoundTimedOut`)
     timed_out: bool = False
+    #: in-flight parents every rank reported prepared (intersection), decided
+    #: once: CTX publishes READY and posts. Not an ending: a parent stays in flight.
+    decided: _Parents = ()
 
     def settled(self) -> frozenset[ParentKey]:
         """Parents this decision ends (cancelled, completed or failed)."""
@@ -313,6 +322,8 @@ class RoundLeader:
         self._votes: dict[int, RoundVote] = {}
         #: admitted by an earlier round and not yet cancelled/completed/failed
         self.in_flight: set[ParentKey] = set()
+        #: in-flight parents already decided (the `prepared` channel decides once)
+        self.decided: set[ParentKey] = set()
 
     # -- queries ------------------------------------------------------------
 
@@ -489,6 +500,8 @@ class RoundLeader:
         )
 
     def _finish(self, decision: RoundDecision) -> None:
+        self.decided.update(decision.decided)
+        self.decided.difference_update(decision.settled())
         self.in_flight.difference_update(decision.settled())
         self.in_flight.update(decision.admitted)
         self.phase = RoundPhase.IDLE
@@ -510,20 +523,24 @@ class RoundLeader:
         if complete:
             admit_ok = set(proposed)
             completed: set[ParentKey] = set(self.in_flight)
+            prepared: set[ParentKey] = set(self.in_flight) - self.decided
             for vote in votes:
                 admit_ok.intersection_update(vote.admit_ok)
                 completed.intersection_update(vote.completions)
+                prepared.intersection_update(vote.prepared)
         else:
             # Missing ranks: nothing can be agreed, and every in-flight parent
             # has a shard on the missing rank.
             admit_ok = set()
             completed = set()
+            prepared = set()
             failed.update(self.in_flight)
         failed &= known
         cancelled = (cancelled & known) - failed
         completed = completed - failed - cancelled
         admitted = admit_ok - failed - cancelled
         rejected = proposed - admitted - failed - cancelled
+        decided = prepared - failed - cancelled - completed
         return RoundDecision(
             round_no=proposal.round_no,
             topology_digest=proposal.topology_digest,
@@ -533,6 +550,7 @@ class RoundLeader:
             completed=_sorted(completed),
             failed=_sorted(failed),
             timed_out=not complete,
+            decided=_sorted(decided),
         )
 
 
@@ -579,6 +597,7 @@ class RoundFollower:
         cancels: Iterable[ParentKey] = (),
         completions: Iterable[ParentKey] = (),
         failures: Iterable[ParentKey] = (),
+        prepared: Iterable[ParentKey] = (),
     ) -> RoundVote:
         """Build this rank's vote on ``proposal`` (the next round only, once)."""
         self.check_proposal(proposal)
@@ -595,6 +614,7 @@ class RoundFollower:
             cancels=_sorted(cancels),
             completions=_sorted(completions),
             failures=_sorted(failures),
+            prepared=_sorted(prepared),
         )
         self.last_voted = proposal.round_no
         return vote

@@ -65,3 +65,15 @@ def test_topology_imports_downward_only() -> None:
         if m.split(".")[0] in banned or m.startswith("kvhandoff.actors")
     }
     assert not bad, f"topology/ imports I/O or the actors layer: {bad}"
+
+
+def test_errors_with_data_survive_pickling() -> None:
+    """Errors cross Ray hops by pickle: they must rebuild with their data."""
+    import pickle
+
+    stale = protocol.StaleError("epoch", 3, 4)
+    again = pickle.loads(pickle.dumps(stale))
+    assert type(again) is protocol.StaleError and (again.what, again.got, again.expected) == ("epoch", 3, 4)
+    illegal = protocol.IllegalTransition("ctx-edge", "state", "event")
+    again2 = pickle.loads(pickle.dumps(illegal))
+    assert (again2.machine, again2.state, again2.event) == ("ctx-edge", "state", "event")

@@ -439,3 +439,51 @@ def test_decision_is_invariant_under_vote_arrival_order(
         cancelled = name in client_cancels or any(name in news[r][1] for r in range(ranks))
         failed = any(name in news[r][3] for r in range(ranks))
         assert (pk(name) in baseline.admitted) == (everyone and not cancelled and not failed)
+
+
+# -- the prepared -> decided channel (CTX: READY only when every rank prepared) ----
+
+
+def _prepared_vote(round_no: int, rank: int, *prepared: str, cancels: tuple[str, ...] = ()) -> RoundVote:
+    return msgspec.structs.replace(
+        vote(round_no, rank, cancels=cancels), prepared=tuple(pk(n) for n in prepared)
+    )
+
+
+def test_decided_is_an_intersection_decided_once_and_not_an_ending() -> None:
+    leader = RoundLeader(2)
+    admit_all(leader, "a", "b")
+    leader.open_round(now=0.0, timeout=T)
+    leader.receive_vote(_prepared_vote(2, 0, "a", "b"), 0.0)
+    leader.receive_vote(_prepared_vote(2, 1, "a"), 0.0)  # b not prepared on rank 1 yet
+    decision = leader.close(0.0)
+    assert names(decision.decided) == ["a"]
+    assert leader.in_flight == {pk("a"), pk("b")}  # deciding settles nothing
+    assert decision.settled() == frozenset()
+    # Next round: both report both (sticky); only b is newly decided.
+    leader.open_round(now=0.0, timeout=T)
+    leader.receive_vote(_prepared_vote(3, 0, "a", "b"), 0.0)
+    leader.receive_vote(_prepared_vote(3, 1, "a", "b"), 0.0)
+    assert names(leader.close(0.0).decided) == ["b"]
+
+
+def test_cancel_beats_decided_and_timeouts_decide_nothing() -> None:
+    leader = RoundLeader(2)
+    admit_all(leader, "a", "b")
+    leader.open_round(now=0.0, timeout=T)
+    leader.receive_vote(_prepared_vote(2, 0, "a", "b", cancels=("a",)), 0.0)
+    leader.receive_vote(_prepared_vote(2, 1, "a", "b"), 0.0)
+    decision = leader.close(0.0)
+    assert names(decision.cancelled) == ["a"] and names(decision.decided) == ["b"]
+    leader.open_round(now=0.0, timeout=T)
+    leader.receive_vote(_prepared_vote(3, 0, "b"), 0.0)
+    timed_out = leader.expire(T + 1.0)
+    assert isinstance(timed_out, RoundTimedOut)
+    assert timed_out.decision.decided == () and names(timed_out.decision.failed) == ["b"]
+
+
+def test_follower_carries_prepared_into_its_vote() -> None:
+    follower = RoundFollower(0, 0)
+    proposal = RoundProposal(round_no=1)
+    v = follower.vote(proposal, prepared=[pk("z"), pk("y")])
+    assert names(v.prepared) == ["y", "z"]  # sorted, deterministic
