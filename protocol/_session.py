@@ -1,3 +1,1507 @@
-"""Placeholder: filled in by its issue."""
+"""Session state machines for the CTX and GEN sides of a handoff.
 
-__all__: list[str] = []
+Theory of operation
+-------------------
+This file holds every rule that decides what a rank may do with its KV blocks
+(DESIGN.md "Lifecycle", "Cancellation", "Slots, leases, ownership"). It is
+sans-IO in the h11 sense: events go in (method calls, received messages, the
+current time `now` as an argument), typed actions come out; nothing here sends,
+polls, sleeps or reads a clock.
+
+There are four machines, each an explicit module-level table
+`(state, event) -> Transition(next state, effects)` fired by one `_fire()` that
+raises `IllegalTransition` for a missing entry:
+
+* CTX parent / CTX edge (prefill side: sources of the DMA, writer);
+* GEN parent / GEN edge (decode side: destinations of the DMA).
+
+A *parent* is one request attempt on one rank: it owns the rank's lease. An
+*edge* is one ctx rank -> gen rank session of that parent, named by an exact
+`ContextTicket` in a default-deny registry (_registry.py). The `effects` of a
+transition are carried out by this module right after the state changes
+(send a message, post chunks, release, quarantine ...), so the table is the
+behaviour, and docs/state-machines.md is rendered from it
+(`render_state_tables()`; a test compares the file with the rendering).
+
+Safety (DESIGN.md "Invariants"):
+
+* S1 - a block is released only through a RELEASE effect, and RELEASE is only
+  reachable once every edge of the parent is terminal with quiescence proven
+  (COMPLETED, NOT_STARTED, DRAINED) and the matching agreement round has run,
+  or through the topology-wide NOT_STARTED verdict. UNKNOWN quarantines.
+* S3 - every received message is looked up by exact ticket first; a stale or
+  unknown ticket raises before anything changes. Validation of an OPEN is
+  complete before the edge is recorded.
+* S4 - the pool (_pool.py) is the only place that moves blocks.
+* Cleanup-once - the parent machine reaches RELEASED/QUARANTINED once; later
+  cleanup events there are reported no-ops (`CleanupSkipped`).
+
+Cancellation (DESIGN.md "Cancellation") is parent-scoped: cancelling through
+any edge cancels the parent, which fires CANCEL on every sibling edge. On CTX a
+cancelled edge with nothing posted becomes NOT_STARTED at once (we are the only
+writer from our blocks and we will never post); an edge with chunks posted
+stops posting and drains (DRAINING -> DRAINED once every posted chunk reported
+DONE or ERR), or becomes UNKNOWN if the drain deadline passes or the peer's
+epoch changes with chunks in flight. On GEN a cancelled edge sends CANCEL and
+waits for the CTX's TERMINAL; it never frees blocks that an OPEN exposed
+before that evidence, unless the agreement layer hands down the topology-wide
+verdict that every edge is NOT_STARTED (`release_not_started`). Timeouts
+(`expire(now)`) only produce intents and the transitions the table allows: a
+lease deadline releases only a parent that provably never exposed or posted
+anything; everything else becomes a cancel intent, and an unprovable drain
+becomes UNKNOWN (quarantine + `AdmissionStop`). The success path needs no
+extra message or round: OPEN, READY, chunks, TERMINAL, RECEIPT, completion.
+
+API for the actors layer
+------------------------
+One `CtxRank` or `GenRank` per rank actor, built with the actor's `Endpoint`,
+its topology digest and its `BlockPool`. Every method returns `list[Action]`
+(or the lease for `admit`) that the actor performs in order; the protocol has
+already updated the pool when it returns `Release`/`Quarantine`. Bad input
+raises a `ProtocolError` subclass and changes nothing; for a bad OPEN the actor
+answers with `reject_for(open, error)`.
+
+CTX rank (prefill)::
+
+    refs = ctx.admit(parent, n_blocks, now=now, lease_deadline=t)  # after admission round
+    ctx.prefilled(parent)                          # KV resident, waiting for OPENs
+    ctx.receive_open(open, now, num_chunks=k)      # -> [] (edge PREPARED; a proposal only)
+    ctx.decided(parent, now)                       # after the CTX round decided the parent
+        # -> SendMessage(Ready) per edge, then PostChunk(ticket, i) up to the window
+    ctx.chunk_done(ticket, i, nbytes, now)         # -> more PostChunk, or Terminal(COMPLETED)
+    ctx.chunk_failed(ticket, i, now)               # NIXL ERR: quiescent, cancels the parent
+    ctx.receive_receipt(receipt)                   # bytes acknowledged
+    ctx.completed(parent)                          # after the CTX completion round -> Release
+    ctx.receive(message, now)                      # dispatch for any received SessionMessage
+
+GEN rank (decode)::
+
+    refs = gen.admit(parent, n_blocks, now=now)    # after admission round
+    gen.install(parent, [GenEdgeSpec(...)], now)   # the actor builds BufferInfo from refs
+        # -> SendMessage(Open) per edge
+    gen.receive_ready / receive_terminal / receive_reject / receive_cancel
+        # Terminal(COMPLETED, bytes == expected) -> SendMessage(Receipt)
+    # every edge terminal -> ParentSettled(parent, evidence): feed the GEN completion round
+    gen.completed(parent)                          # -> DecodeReady (lease kept) or Release
+    gen.free(parent)                               # client done with the KV -> Release, once
+
+Both sides::
+
+    cancel(parent, reason, now, from_round=False)  # idempotent; from_round=True when the
+        # agreement round applies a decided cancel (then no CancelIntent is echoed)
+    receive_cancel(cancel, now)                    # exact installed ticket only
+    expire(now)                                    # deadlines -> intents / quarantine
+    peer_restarted(their_endpoint, now)            # a peer came back with a new epoch
+    local_not_started(parent) -> bool              # this rank's share of the NOT_STARTED verdict
+    release_not_started(parent)                    # the round's topology-wide verdict
+    reclaim(parent, proof=...)                     # quarantine -> free, with proof of quiescence
+
+`ParentSettled` (every local edge terminal) and `CancelIntent` are what the
+actor feeds into the next agreement round; `AdmissionStop` asks the
+coordinator to stop admitting and run the restart policy.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import msgspec
+
+from ._errors import (
+    IllegalTransition,
+    LeaseError,
+    PoolError,
+    ProtocolError,
+    StaleError,
+    UnknownSessionError,
+)
+from ._messages import (
+    BufferInfo,
+    Cancel,
+    CancelReason,
+    Open,
+    Ready,
+    Receipt,
+    Reject,
+    RejectReason,
+    SessionMessage,
+    Terminal,
+    TerminalKind,
+)
+from ._pool import BlockPool, BlockRef
+from ._registry import DuplicateSessionError, SessionRegistry, check_descriptor
+from ._ticket import ContextTicket, Endpoint, ParentKey, Role
+
+__all__ = [
+    "ParentState",
+    "EdgeState",
+    "ParentEvent",
+    "EdgeEvent",
+    "Effect",
+    "Transition",
+    "CTX_PARENT_TRANSITIONS",
+    "CTX_EDGE_TRANSITIONS",
+    "GEN_PARENT_TRANSITIONS",
+    "GEN_EDGE_TRANSITIONS",
+    "MACHINES",
+    "render_state_tables",
+    "SendMessage",
+    "PostChunk",
+    "StopPosting",
+    "Drain",
+    "Release",
+    "Quarantine",
+    "AdmissionStop",
+    "CancelIntent",
+    "ParentSettled",
+    "DecodeReady",
+    "CleanupSkipped",
+    "Action",
+    "EdgeEvidence",
+    "GenEdgeSpec",
+    "CtxRank",
+    "GenRank",
+    "reject_for",
+    "DEFAULT_TRANSFER_TIMEOUT",
+    "DEFAULT_CHUNK_WINDOW",
+]
+
+#: Seconds a decided transfer, a drain or a GEN wait may take before escalation.
+DEFAULT_TRANSFER_TIMEOUT = 30.0
+#: Most chunks of one edge posted and not yet DONE/ERR at a time.
+DEFAULT_CHUNK_WINDOW = 4
+# How many released parents a rank remembers (cleanup-once reporting, stale
+# classification of late calls).
+_CLOSED_PARENT_MEMORY = 4096
+
+
+# ---------------------------------------------------------------------------
+# States, events, effects
+# ---------------------------------------------------------------------------
+
+
+class ParentState(enum.Enum):
+    ADMITTED = "admitted"  # lease held; CTX: prefill running; GEN: session not installed yet
+    RESIDENT = "resident"  # CTX: prefilled, KV resident under the lease deadline; collecting OPENs
+    INSTALLED = "installed"  # GEN: session installed on this rank, OPEN sent on every edge
+    DECIDED = "decided"  # CTX: the round decided the parent; READY published, DMA running
+    CANCELLING = "cancelling"  # cancelled; edges are being brought to terminal evidence
+    SETTLED = "settled"  # every local edge terminal; waiting for the completion round
+    DECODE_READY = "decode_ready"  # GEN: completion round done; KV kept until free()
+    RELEASED = "released"  # lease returned to the pool exactly once (absorbing)
+    QUARANTINED = "quarantined"  # an edge is UNKNOWN: blocks kept until reclaim()
+
+
+class EdgeState(enum.Enum):
+    OPEN_PROPOSED = "open_proposed"  # GEN: OPEN sent; CTX has not answered (GEN's initial state)
+    PREPARED = "prepared"  # CTX: OPEN validated and recorded; a proposal only (CTX's initial state)
+    READY = "ready"  # CTX: READY published, nothing posted; GEN: READY received
+    POSTING = "posting"  # CTX: chunks posted (DMA may be in flight)
+    DRAINING = "draining"  # CTX: cancelled with chunks posted; no new chunks, polling the posted
+    CANCELLING = "cancelling"  # GEN: CANCEL sent; waiting for the CTX's TERMINAL
+    COMPLETED = "completed"  # terminal: every byte written (and, on GEN, checked)
+    NOT_STARTED = "not_started"  # terminal: no DMA was ever posted for the edge
+    DRAINED = "drained"  # terminal: posted DMA polled to DONE/ERR; nothing in flight
+    UNKNOWN = "unknown"  # terminal: quiescence not provable; the lease is quarantined (absorbing)
+
+
+class ParentEvent(enum.Enum):
+    PREFILLED = "prefilled"  # CTX: prefill finished
+    EDGE_PREPARED = "edge_prepared"  # CTX: a valid OPEN was recorded
+    INSTALLED = "installed"  # GEN: installation barrier passed; send OPENs
+    DECIDED = "decided"  # CTX: agreement round decided the parent
+    CANCEL = "cancel"  # cancelled (client, peer, sibling, timeout, failure)
+    EDGES_SETTLED = "edges_settled"  # every local edge reached terminal evidence
+    COMPLETE = "complete"  # completion round, parent not cancelled
+    COMPLETE_CANCELLED = "complete_cancelled"  # completion round, parent cancelled
+    RELEASE_NOT_STARTED = "release_not_started"  # round verdict: every edge NOT_STARTED
+    EXPIRED_NOT_STARTED = "expired_not_started"  # lease deadline passed; nothing exposed/posted
+    QUIESCENCE_LOST = "quiescence_lost"  # an edge became UNKNOWN
+    FREE = "free"  # GEN: the client freed the decode-ready KV
+    RECLAIM = "reclaim"  # quarantined blocks proven quiescent
+
+
+class EdgeEvent(enum.Enum):
+    DECIDED = "decided"  # CTX: the parent was decided
+    START_POSTING = "start_posting"  # CTX: the data plane may post (at once unless deferred)
+    CHUNK_POSTED = "chunk_posted"  # CTX: a PostChunk was emitted (the chunk may now be in flight)
+    CHUNK_DONE = "chunk_done"  # CTX: a posted chunk reported DONE (more remain)
+    ALL_CHUNKS_DONE = "all_chunks_done"  # CTX: the last chunk reported DONE
+    CHUNK_FAILED = "chunk_failed"  # CTX: a posted chunk reported ERR (quiescent, incomplete)
+    CANCEL = "cancel"  # the parent was cancelled
+    DRAIN_DONE = "drain_done"  # CTX: no posted chunk is left in flight while draining
+    QUIESCENCE_LOST = "quiescence_lost"  # drain/transfer timeout or peer restart with DMA unproven
+    RECEIPT_RECEIVED = "receipt_received"  # CTX: GEN acknowledged the bytes
+    READY_RECEIVED = "ready_received"  # GEN: READY arrived
+    TERMINAL_COMPLETED = "terminal_completed"  # GEN: TERMINAL(COMPLETED) with the expected bytes
+    TERMINAL_NOT_STARTED = "terminal_not_started"  # GEN: TERMINAL(NOT_STARTED) or the verdict
+    TERMINAL_DRAINED = "terminal_drained"  # GEN: TERMINAL(DRAINED), or COMPLETED with wrong bytes
+    TERMINAL_UNKNOWN = "terminal_unknown"  # GEN: TERMINAL(UNKNOWN)
+    REJECTED = "rejected"  # GEN: CTX refused the OPEN (never recorded it)
+
+
+class Effect(enum.Enum):
+    SEND_READY = "send READY"  # CTX: publish READY to the GEN rank
+    POST = "post chunks"  # CTX: post chunks up to the window
+    SEND_TERMINAL = "send TERMINAL"  # CTX: send TERMINAL with the new state's evidence
+    STOP_AND_DRAIN = "stop posting, drain"  # CTX: StopPosting + Drain(posted chunks)
+    SEND_CANCEL = "send CANCEL"  # GEN: ask the CTX rank to stop
+    SEND_RECEIPT = "send RECEIPT"  # GEN: acknowledge the bytes
+    SEND_OPEN = "send OPEN"  # GEN: propose every edge
+    SETTLED = "report settled"  # ParentSettled for the completion round
+    RELEASE = "release lease"  # pool.release: blocks back to FREE
+    QUARANTINE = "quarantine lease"  # pool.quarantine + AdmissionStop
+    RECLAIM = "reclaim quarantine"  # pool.reclaim_quarantine
+    DECODE_READY = "decode ready"  # GEN: the request may decode
+    SKIP = "report no-op"  # cleanup already done: CleanupSkipped
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One table entry: the next state and the effects carried out on entry."""
+
+    next: enum.Enum
+    effects: tuple[Effect, ...] = ()
+
+
+_PS, _ES, _PE, _EE, _FX = ParentState, EdgeState, ParentEvent, EdgeEvent, Effect
+
+
+def _t(next_state: enum.Enum, *effects: Effect) -> Transition:
+    return Transition(next_state, effects)
+
+
+# Terminal-state self loops shared by several rows.
+_CLEANUP_EVENTS = (_PE.COMPLETE, _PE.COMPLETE_CANCELLED, _PE.RELEASE_NOT_STARTED)
+
+CTX_PARENT_TRANSITIONS: Mapping[tuple[ParentState, ParentEvent], Transition] = {
+    (_PS.ADMITTED, _PE.PREFILLED): _t(_PS.RESIDENT),
+    (_PS.ADMITTED, _PE.CANCEL): _t(_PS.CANCELLING),
+    (_PS.ADMITTED, _PE.EXPIRED_NOT_STARTED): _t(_PS.RELEASED, _FX.RELEASE),
+    (_PS.RESIDENT, _PE.EDGE_PREPARED): _t(_PS.RESIDENT),
+    (_PS.RESIDENT, _PE.DECIDED): _t(_PS.DECIDED),
+    (_PS.RESIDENT, _PE.CANCEL): _t(_PS.CANCELLING),
+    (_PS.RESIDENT, _PE.EXPIRED_NOT_STARTED): _t(_PS.RELEASED, _FX.RELEASE),
+    (_PS.DECIDED, _PE.CANCEL): _t(_PS.CANCELLING),
+    (_PS.DECIDED, _PE.EDGES_SETTLED): _t(_PS.SETTLED, _FX.SETTLED),
+    (_PS.DECIDED, _PE.QUIESCENCE_LOST): _t(_PS.QUARANTINED, _FX.QUARANTINE),
+    (_PS.CANCELLING, _PE.CANCEL): _t(_PS.CANCELLING),
+    # A decision for a parent we already cancelled publishes nothing.
+    (_PS.CANCELLING, _PE.DECIDED): _t(_PS.CANCELLING),
+    (_PS.CANCELLING, _PE.EDGES_SETTLED): _t(_PS.SETTLED, _FX.SETTLED),
+    (_PS.CANCELLING, _PE.QUIESCENCE_LOST): _t(_PS.QUARANTINED, _FX.QUARANTINE),
+    (_PS.SETTLED, _PE.CANCEL): _t(_PS.SETTLED),
+    (_PS.SETTLED, _PE.DECIDED): _t(_PS.SETTLED),
+    (_PS.SETTLED, _PE.COMPLETE): _t(_PS.RELEASED, _FX.RELEASE),
+    (_PS.SETTLED, _PE.COMPLETE_CANCELLED): _t(_PS.RELEASED, _FX.RELEASE),
+    (_PS.SETTLED, _PE.RELEASE_NOT_STARTED): _t(_PS.RELEASED, _FX.RELEASE),
+    (_PS.RELEASED, _PE.CANCEL): _t(_PS.RELEASED),
+    (_PS.RELEASED, _PE.DECIDED): _t(_PS.RELEASED),
+    **{(_PS.RELEASED, e): _t(_PS.RELEASED, _FX.SKIP) for e in _CLEANUP_EVENTS},
+    (_PS.QUARANTINED, _PE.CANCEL): _t(_PS.QUARANTINED),
+    (_PS.QUARANTINED, _PE.DECIDED): _t(_PS.QUARANTINED),
+    (_PS.QUARANTINED, _PE.QUIESCENCE_LOST): _t(_PS.QUARANTINED),
+    **{(_PS.QUARANTINED, e): _t(_PS.QUARANTINED, _FX.SKIP) for e in _CLEANUP_EVENTS},
+    (_PS.QUARANTINED, _PE.RECLAIM): _t(_PS.RELEASED, _FX.RECLAIM),
+}
+
+GEN_PARENT_TRANSITIONS: Mapping[tuple[ParentState, ParentEvent], Transition] = {
+    (_PS.ADMITTED, _PE.INSTALLED): _t(_PS.INSTALLED, _FX.SEND_OPEN),
+    (_PS.ADMITTED, _PE.CANCEL): _t(_PS.CANCELLING),
+    (_PS.ADMITTED, _PE.EXPIRED_NOT_STARTED): _t(_PS.RELEASED, _FX.RELEASE),
+    (_PS.INSTALLED, _PE.CANCEL): _t(_PS.CANCELLING),
+    (_PS.INSTALLED, _PE.EDGES_SETTLED): _t(_PS.SETTLED, _FX.SETTLED),
+    (_PS.INSTALLED, _PE.QUIESCENCE_LOST): _t(_PS.QUARANTINED, _FX.QUARANTINE),
+    (_PS.CANCELLING, _PE.CANCEL): _t(_PS.CANCELLING),
+    (_PS.CANCELLING, _PE.EDGES_SETTLED): _t(_PS.SETTLED, _FX.SETTLED),
+    (_PS.CANCELLING, _PE.QUIESCENCE_LOST): _t(_PS.QUARANTINED, _FX.QUARANTINE),
+    # The topology-wide verdict replaces the per-edge TERMINAL messages.
+    (_PS.CANCELLING, _PE.RELEASE_NOT_STARTED): _t(_PS.RELEASED, _FX.RELEASE),
+    (_PS.SETTLED, _PE.CANCEL): _t(_PS.SETTLED),
+    (_PS.SETTLED, _PE.COMPLETE): _t(_PS.DECODE_READY, _FX.DECODE_READY),
+    (_PS.SETTLED, _PE.COMPLETE_CANCELLED): _t(_PS.RELEASED, _FX.RELEASE),
+    (_PS.SETTLED, _PE.RELEASE_NOT_STARTED): _t(_PS.RELEASED, _FX.RELEASE),
+    # Once decode-ready the KV belongs to the request; only free() returns it.
+    (_PS.DECODE_READY, _PE.CANCEL): _t(_PS.DECODE_READY),
+    (_PS.DECODE_READY, _PE.FREE): _t(_PS.RELEASED, _FX.RELEASE),
+    (_PS.RELEASED, _PE.CANCEL): _t(_PS.RELEASED),
+    (_PS.RELEASED, _PE.FREE): _t(_PS.RELEASED, _FX.SKIP),
+    **{(_PS.RELEASED, e): _t(_PS.RELEASED, _FX.SKIP) for e in _CLEANUP_EVENTS},
+    (_PS.QUARANTINED, _PE.CANCEL): _t(_PS.QUARANTINED),
+    (_PS.QUARANTINED, _PE.QUIESCENCE_LOST): _t(_PS.QUARANTINED),
+    (_PS.QUARANTINED, _PE.FREE): _t(_PS.QUARANTINED, _FX.SKIP),
+    **{(_PS.QUARANTINED, e): _t(_PS.QUARANTINED, _FX.SKIP) for e in _CLEANUP_EVENTS},
+    (_PS.QUARANTINED, _PE.RECLAIM): _t(_PS.RELEASED, _FX.RECLAIM),
+}
+
+CTX_EDGE_TRANSITIONS: Mapping[tuple[EdgeState, EdgeEvent], Transition] = {
+    (_ES.PREPARED, _EE.DECIDED): _t(_ES.READY, _FX.SEND_READY),
+    (_ES.READY, _EE.START_POSTING): _t(_ES.READY, _FX.POST),
+    (_ES.PREPARED, _EE.CANCEL): _t(_ES.NOT_STARTED, _FX.SEND_TERMINAL),
+    (_ES.READY, _EE.CHUNK_POSTED): _t(_ES.POSTING),
+    (_ES.READY, _EE.CANCEL): _t(_ES.NOT_STARTED, _FX.SEND_TERMINAL),
+    (_ES.POSTING, _EE.CHUNK_POSTED): _t(_ES.POSTING),
+    (_ES.POSTING, _EE.CHUNK_DONE): _t(_ES.POSTING, _FX.POST),
+    (_ES.POSTING, _EE.ALL_CHUNKS_DONE): _t(_ES.COMPLETED, _FX.SEND_TERMINAL),
+    # An ERR chunk is quiescent but the edge is incomplete: the caller cancels the parent.
+    (_ES.POSTING, _EE.CHUNK_FAILED): _t(_ES.POSTING),
+    (_ES.POSTING, _EE.CANCEL): _t(_ES.DRAINING, _FX.STOP_AND_DRAIN),
+    (_ES.POSTING, _EE.QUIESCENCE_LOST): _t(_ES.UNKNOWN, _FX.SEND_TERMINAL),
+    (_ES.DRAINING, _EE.CHUNK_DONE): _t(_ES.DRAINING),
+    (_ES.DRAINING, _EE.CHUNK_FAILED): _t(_ES.DRAINING),
+    (_ES.DRAINING, _EE.CANCEL): _t(_ES.DRAINING),
+    (_ES.DRAINING, _EE.DRAIN_DONE): _t(_ES.DRAINED, _FX.SEND_TERMINAL),
+    (_ES.DRAINING, _EE.QUIESCENCE_LOST): _t(_ES.UNKNOWN, _FX.SEND_TERMINAL),
+    (_ES.COMPLETED, _EE.CANCEL): _t(_ES.COMPLETED),
+    (_ES.COMPLETED, _EE.RECEIPT_RECEIVED): _t(_ES.COMPLETED),
+    (_ES.NOT_STARTED, _EE.CANCEL): _t(_ES.NOT_STARTED),
+    (_ES.DRAINED, _EE.CANCEL): _t(_ES.DRAINED),
+    # UNKNOWN is absorbing: late completions prove nothing about the other chunks' writes.
+    (_ES.UNKNOWN, _EE.CANCEL): _t(_ES.UNKNOWN),
+    (_ES.UNKNOWN, _EE.CHUNK_DONE): _t(_ES.UNKNOWN),
+    (_ES.UNKNOWN, _EE.CHUNK_FAILED): _t(_ES.UNKNOWN),
+    (_ES.UNKNOWN, _EE.QUIESCENCE_LOST): _t(_ES.UNKNOWN),
+}
+
+_GEN_TERMINALS: Mapping[EdgeEvent, Transition] = {
+    _EE.TERMINAL_COMPLETED: _t(_ES.COMPLETED, _FX.SEND_RECEIPT),
+    _EE.TERMINAL_NOT_STARTED: _t(_ES.NOT_STARTED),
+    _EE.TERMINAL_DRAINED: _t(_ES.DRAINED),
+    _EE.TERMINAL_UNKNOWN: _t(_ES.UNKNOWN),
+}
+
+GEN_EDGE_TRANSITIONS: Mapping[tuple[EdgeState, EdgeEvent], Transition] = {
+    (_ES.OPEN_PROPOSED, _EE.READY_RECEIVED): _t(_ES.READY),
+    (_ES.OPEN_PROPOSED, _EE.CANCEL): _t(_ES.CANCELLING, _FX.SEND_CANCEL),
+    # TERMINAL may overtake READY on the carrier: accept every kind.
+    **{(_ES.OPEN_PROPOSED, e): tr for e, tr in _GEN_TERMINALS.items()},
+    (_ES.OPEN_PROPOSED, _EE.REJECTED): _t(_ES.NOT_STARTED),
+    (_ES.OPEN_PROPOSED, _EE.QUIESCENCE_LOST): _t(_ES.UNKNOWN),
+    (_ES.READY, _EE.READY_RECEIVED): _t(_ES.READY),
+    (_ES.READY, _EE.CANCEL): _t(_ES.CANCELLING, _FX.SEND_CANCEL),
+    **{(_ES.READY, e): tr for e, tr in _GEN_TERMINALS.items()},
+    (_ES.READY, _EE.QUIESCENCE_LOST): _t(_ES.UNKNOWN),
+    (_ES.CANCELLING, _EE.READY_RECEIVED): _t(_ES.CANCELLING),
+    (_ES.CANCELLING, _EE.CANCEL): _t(_ES.CANCELLING),
+    **{(_ES.CANCELLING, e): tr for e, tr in _GEN_TERMINALS.items()},
+    (_ES.CANCELLING, _EE.REJECTED): _t(_ES.NOT_STARTED),
+    (_ES.CANCELLING, _EE.QUIESCENCE_LOST): _t(_ES.UNKNOWN),
+    # Duplicates of the same evidence and late READYs change nothing.
+    (_ES.COMPLETED, _EE.CANCEL): _t(_ES.COMPLETED),
+    (_ES.COMPLETED, _EE.READY_RECEIVED): _t(_ES.COMPLETED),
+    (_ES.COMPLETED, _EE.TERMINAL_COMPLETED): _t(_ES.COMPLETED),
+    (_ES.NOT_STARTED, _EE.CANCEL): _t(_ES.NOT_STARTED),
+    (_ES.NOT_STARTED, _EE.READY_RECEIVED): _t(_ES.NOT_STARTED),
+    (_ES.NOT_STARTED, _EE.TERMINAL_NOT_STARTED): _t(_ES.NOT_STARTED),
+    (_ES.NOT_STARTED, _EE.REJECTED): _t(_ES.NOT_STARTED),
+    (_ES.DRAINED, _EE.CANCEL): _t(_ES.DRAINED),
+    (_ES.DRAINED, _EE.READY_RECEIVED): _t(_ES.DRAINED),
+    (_ES.DRAINED, _EE.TERMINAL_DRAINED): _t(_ES.DRAINED),
+    # UNKNOWN is absorbing: once quarantined, late evidence is ignored.
+    **{
+        (_ES.UNKNOWN, e): _t(_ES.UNKNOWN)
+        for e in (
+            _EE.CANCEL,
+            _EE.READY_RECEIVED,
+            _EE.REJECTED,
+            _EE.QUIESCENCE_LOST,
+            *_GEN_TERMINALS,
+        )
+    },
+}
+
+#: Every machine by name, with its state and event types (for docs and tests).
+MACHINES: Mapping[str, tuple[Mapping[Any, Transition], type[enum.Enum], type[enum.Enum]]] = {
+    "ctx-parent": (CTX_PARENT_TRANSITIONS, ParentState, ParentEvent),
+    "ctx-edge": (CTX_EDGE_TRANSITIONS, EdgeState, EdgeEvent),
+    "gen-parent": (GEN_PARENT_TRANSITIONS, ParentState, ParentEvent),
+    "gen-edge": (GEN_EDGE_TRANSITIONS, EdgeState, EdgeEvent),
+}
+
+_TERMINAL_EDGE_STATES = frozenset({_ES.COMPLETED, _ES.NOT_STARTED, _ES.DRAINED, _ES.UNKNOWN})
+_EVIDENCE_OF: Mapping[EdgeState, TerminalKind] = {
+    _ES.COMPLETED: TerminalKind.COMPLETED,
+    _ES.NOT_STARTED: TerminalKind.NOT_STARTED,
+    _ES.DRAINED: TerminalKind.DRAINED,
+    _ES.UNKNOWN: TerminalKind.UNKNOWN,
+}
+_TERMINAL_EVENT: Mapping[TerminalKind, EdgeEvent] = {
+    TerminalKind.COMPLETED: _EE.TERMINAL_COMPLETED,
+    TerminalKind.NOT_STARTED: _EE.TERMINAL_NOT_STARTED,
+    TerminalKind.DRAINED: _EE.TERMINAL_DRAINED,
+    TerminalKind.UNKNOWN: _EE.TERMINAL_UNKNOWN,
+}
+
+
+def _fire(
+    machine: str, table: Mapping[Any, Transition], state: enum.Enum, event: enum.Enum
+) -> Transition:
+    """Look up one transition; a missing entry is an IllegalTransition naming both."""
+    try:
+        return table[(state, event)]
+    except KeyError:
+        raise IllegalTransition(machine, state, event) from None
+
+
+def render_state_tables() -> str:
+    """Render every transition table as Markdown (docs/state-machines.md is this text)."""
+    lines = [
+        "# State machines",
+        "",
+        "<!-- Generated by kvhandoff.protocol.render_state_tables(); do not edit by hand.",
+        "     tests/protocol/test_session.py fails if this file differs from the rendering. -->",
+        "",
+        "Every `(state, event)` pair not listed raises `IllegalTransition`.",
+        "Effects are carried out, in order, on entering the next state.",
+        "Initial states: CTX edge `prepared` (a valid OPEN), GEN edge `open_proposed`,",
+        "both parents `admitted`. Absorbing: `released` and edge `unknown`; `quarantined`",
+        "is left only by `reclaim` with a proof of quiescence.",
+        "",
+        "## States",
+        "",
+        "| state | meaning |",
+        "| --- | --- |",
+    ]
+    for doc_enum in (ParentState, EdgeState):
+        for member in doc_enum:
+            lines.append(f"| {doc_enum.__name__}.`{member.value}` | {_member_comment(member)} |")
+    for name, (table, _states, _events) in MACHINES.items():
+        lines += [
+            "",
+            f"## {name}",
+            "",
+            "| state | event | next state | effects |",
+            "| --- | --- | --- | --- |",
+        ]
+        for (state, event), tr in table.items():
+            effects = ", ".join(e.value for e in tr.effects) or "-"
+            lines.append(f"| `{state.value}` | `{event.value}` | `{tr.next.value}` | {effects} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _member_comment(member: enum.Enum) -> str:
+    # The one-line comments of the enums above, kept here so the docs read the same.
+    return _STATE_DOCS[member]
+
+
+_STATE_DOCS: Mapping[enum.Enum, str] = {
+    _PS.ADMITTED: "lease held; CTX: prefill running; GEN: session not installed yet",
+    _PS.RESIDENT: "CTX: prefilled, KV resident under the lease deadline; collecting OPENs",
+    _PS.INSTALLED: "GEN: session installed on this rank, OPEN sent on every edge",
+    _PS.DECIDED: "CTX: the round decided the parent; READY published, DMA running",
+    _PS.CANCELLING: "cancelled; edges are being brought to terminal evidence",
+    _PS.SETTLED: "every local edge terminal; waiting for the completion round",
+    _PS.DECODE_READY: "GEN: completion round done; KV kept until free()",
+    _PS.RELEASED: "lease returned to the pool exactly once (absorbing)",
+    _PS.QUARANTINED: "an edge is UNKNOWN: blocks kept until reclaim()",
+    _ES.OPEN_PROPOSED: "GEN: OPEN sent; CTX has not answered (GEN's initial state)",
+    _ES.PREPARED: "CTX: OPEN validated and recorded; a proposal only (CTX's initial state)",
+    _ES.READY: "CTX: READY published, nothing posted; GEN: READY received",
+    _ES.POSTING: "CTX: chunks posted (DMA may be in flight)",
+    _ES.DRAINING: "CTX: cancelled with chunks posted; no new chunks, polling the posted",
+    _ES.CANCELLING: "GEN: CANCEL sent; waiting for the CTX's TERMINAL",
+    _ES.COMPLETED: "terminal: every byte written (and, on GEN, checked)",
+    _ES.NOT_STARTED: "terminal: no DMA was ever posted for the edge",
+    _ES.DRAINED: "terminal: posted DMA polled to DONE/ERR; nothing in flight",
+    _ES.UNKNOWN: "terminal: quiescence not provable; the lease is quarantined (absorbing)",
+}
+
+
+# ---------------------------------------------------------------------------
+# Actions
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SendMessage:
+    """Send `message` (encoded with encode_frame) to the rank actor `to`."""
+
+    to: Endpoint
+    message: SessionMessage
+
+
+@dataclass(frozen=True, slots=True)
+class PostChunk:
+    """CTX: post NIXL WRITE chunk `index` of the edge; report chunk_done/chunk_failed."""
+
+    ticket: ContextTicket
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class StopPosting:
+    """CTX: post no further chunk for this edge (already implied by the protocol)."""
+
+    ticket: ContextTicket
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """CTX: keep polling the posted chunks `in_flight` and report each; call
+    `expire(now)` after `deadline` (the edge becomes UNKNOWN if any is left)."""
+
+    ticket: ContextTicket
+    in_flight: tuple[int, ...]
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """The pool already returned these blocks to FREE: they may be reused."""
+
+    parent: ParentKey
+    blocks: tuple[BlockRef, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantine:
+    """The pool already quarantined these blocks: keep them, never reuse them."""
+
+    parent: ParentKey
+    blocks: tuple[BlockRef, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionStop:
+    """Ask the coordinator to stop admission and run the fail/restart policy."""
+
+    parent: ParentKey
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class CancelIntent:
+    """Feed a cancel of `parent` into the next agreement round (siblings on other ranks)."""
+
+    parent: ParentKey
+    reason: CancelReason
+
+
+@dataclass(frozen=True, slots=True)
+class ParentSettled:
+    """Every edge of `parent` on this rank is terminal: feed the completion round."""
+
+    parent: ParentKey
+    cancelled: bool
+    evidence: tuple[tuple[ContextTicket, TerminalKind], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeReady:
+    """GEN: every byte arrived and was checked; the request may decode."""
+
+    parent: ParentKey
+
+
+@dataclass(frozen=True, slots=True)
+class CleanupSkipped:
+    """A cleanup event hit a parent already released or quarantined: nothing was freed."""
+
+    parent: ParentKey
+    state: ParentState
+    event: ParentEvent
+
+
+Action = Union[
+    SendMessage,
+    PostChunk,
+    StopPosting,
+    Drain,
+    Release,
+    Quarantine,
+    AdmissionStop,
+    CancelIntent,
+    ParentSettled,
+    DecodeReady,
+    CleanupSkipped,
+]
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeEvidence:
+    """What this rank has proven about one edge (DESIGN.md vocabulary "evidence")."""
+
+    state: EdgeState
+    posted: int
+    in_flight: tuple[int, ...]
+    chunks_done: int
+    bytes_done: int
+    terminal: TerminalKind | None
+
+
+@dataclass(frozen=True, slots=True)
+class GenEdgeSpec:
+    """What the GEN actor knows about one edge before it sends OPEN.
+
+    The actor builds `buffer` from the lease's BlockRefs (addresses are its
+    business); the protocol checks that every descriptor names a current block
+    of this parent's lease. `expected_bytes` is what TERMINAL(COMPLETED) must say.
+    """
+
+    ticket: ContextTicket
+    buffer: BufferInfo
+    num_tokens: int
+    expected_bytes: int
+
+
+def reject_for(open_msg: Open, error: ProtocolError, our: Endpoint) -> Reject:
+    """The REJECT a CTX actor (endpoint `our`) answers to an OPEN that `receive_open` refused.
+
+    The REJECT's ticket names *our* endpoint. A GEN rank treats a REJECT as
+    NOT_STARTED evidence only if its ticket matches the session exactly, i.e.
+    only if it comes from the CTX incarnation the OPEN was sent to. An OPEN
+    that reached a restarted incarnation is rejected with a ticket the GEN
+    finds stale, so it proves nothing about writes the old incarnation may
+    have posted (the GEN waits for timeout / peer restart -> UNKNOWN).
+    """
+    if isinstance(error, DuplicateSessionError):
+        reason = RejectReason.DUPLICATE
+    elif isinstance(error, UnknownSessionError):
+        reason = RejectReason.UNKNOWN_SESSION
+    elif isinstance(error, PoolError):
+        reason = RejectReason.BAD_BUFFER_INFO
+    else:
+        reason = RejectReason.STALE
+    ticket = open_msg.ticket
+    if ticket.ctx != our:
+        ticket = msgspec.structs.replace(ticket, ctx=our)
+    return Reject(ticket=ticket, reason=reason, detail=str(error)[:200])
+
+
+# ---------------------------------------------------------------------------
+# Per-rank records
+# ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Edge:
+    ticket: ContextTicket
+    state: EdgeState
+    open: Open
+    num_chunks: int = 1  # CTX: chunks of this edge
+    expected_bytes: int = 0  # GEN: what COMPLETED must report
+    next_index: int = 0  # CTX: next chunk to post
+    in_flight: set[int] = field(default_factory=set)  # CTX: posted, not DONE/ERR
+    chunks_done: int = 0
+    bytes_done: int = 0
+    failed: bool = False  # CTX: a chunk reported ERR
+    deadline: float | None = None  # drain (CTX) / cancel wait (GEN)
+    receipt_bytes: int | None = None  # CTX: what GEN acknowledged
+
+    def evidence(self) -> EdgeEvidence:
+        return EdgeEvidence(
+            state=self.state,
+            posted=self.next_index,
+            in_flight=tuple(sorted(self.in_flight)),
+            chunks_done=self.chunks_done,
+            bytes_done=self.bytes_done,
+            terminal=_EVIDENCE_OF.get(self.state),
+        )
+
+
+@dataclass(slots=True)
+class _Parent:
+    key: ParentKey
+    state: ParentState
+    refs: tuple[BlockRef, ...]
+    lease_deadline: float | None
+    edges: dict[ContextTicket, _Edge] = field(default_factory=dict)
+    deadline: float | None = None  # CTX: transfer deadline after DECIDED; GEN: after INSTALLED
+    cancel_reason: CancelReason | None = None
+
+
+class _Rank:
+    """What both sides share: pool, registry, parent records, the firing of effects."""
+
+    _role: Role
+    _parent_table: Mapping[tuple[ParentState, ParentEvent], Transition]
+    _edge_table: Mapping[tuple[EdgeState, EdgeEvent], Transition]
+
+    def __init__(
+        self,
+        our: Endpoint,
+        digest: bytes,
+        pool: BlockPool,
+        *,
+        transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
+    ) -> None:
+        if our.ns.role is not self._role:
+            raise LeaseError(
+                f"{type(self).__name__} needs a {self._role.value} endpoint, got {our.ns.role.value}"
+            )
+        if not transfer_timeout > 0:
+            # DESIGN.md "Qualified scope": a positive transfer timeout is required.
+            raise LeaseError(f"transfer_timeout must be positive, got {transfer_timeout}")
+        self.our = our
+        self.digest = digest
+        self.pool = pool
+        self.transfer_timeout = transfer_timeout
+        self._parents: dict[ParentKey, _Parent] = {}
+        self._closed_parents: collections.OrderedDict[ParentKey, ParentState] = (
+            collections.OrderedDict()
+        )
+        self._sessions: SessionRegistry[_Edge] = SessionRegistry()
+
+    # ---- queries -------------------------------------------------------
+
+    def parent_state(self, parent: ParentKey) -> ParentState:
+        """The parent's state (RELEASED for a recently released one)."""
+        record = self._parents.get(parent)
+        if record is not None:
+            return record.state
+        if parent in self._closed_parents:
+            return self._closed_parents[parent]
+        raise self._unknown_parent(parent)
+
+    def parents(self) -> dict[ParentKey, ParentState]:
+        """Every live (not yet released) parent and its state."""
+        return {key: record.state for key, record in self._parents.items()}
+
+    def edges(self, parent: ParentKey) -> dict[ContextTicket, EdgeEvidence]:
+        record = self._parents.get(parent)
+        if record is None:
+            return {}
+        return {t: e.evidence() for t, e in record.edges.items()}
+
+    def evidence(self, ticket: ContextTicket) -> EdgeEvidence:
+        return self._sessions.get(ticket).evidence()
+
+    def session_open(self, ticket: ContextTicket) -> Open:
+        """The OPEN recorded for an installed session (its GEN block descriptors)."""
+        return self._sessions.get(ticket).open
+
+    def lease(self, parent: ParentKey) -> tuple[BlockRef, ...]:
+        return self._require(parent).refs
+
+    def is_cancelled(self, parent: ParentKey) -> bool:
+        record = self._parents.get(parent)
+        return record is not None and record.cancel_reason is not None
+
+    def local_not_started(self, parent: ParentKey) -> bool:
+        """This rank's share of the topology-wide NOT_STARTED verdict.
+
+        CTX: the parent is cancelled and every local edge is NOT_STARTED (we are
+        the only writer from our blocks, and a cancelled parent never posts).
+        GEN: the parent is cancelled and no edge has contrary evidence
+        (COMPLETED, DRAINED, UNKNOWN); the CTX ranks hold the real proof.
+        """
+        record = self._parents.get(parent)
+        if record is None or record.cancel_reason is None:
+            return False
+        if record.state not in (_PS.CANCELLING, _PS.SETTLED):
+            return False
+        allowed = (
+            {_ES.NOT_STARTED}
+            if self._role is Role.CTX
+            else {_ES.NOT_STARTED, _ES.OPEN_PROPOSED, _ES.READY, _ES.CANCELLING}
+        )
+        return all(e.state in allowed for e in record.edges.values())
+
+    def snapshot(self) -> tuple[object, ...]:
+        """A comparable picture of everything this rank holds (for S3 tests)."""
+        pool_view = tuple(
+            (self.pool.state_of(b), self.pool.generation_of(b)) for b in range(self.pool.num_blocks)
+        )
+        parent_view = tuple(
+            sorted(
+                (
+                    repr(key),
+                    record.state,
+                    record.cancel_reason,
+                    record.deadline,
+                    tuple(
+                        sorted(
+                            (repr(t), e.evidence(), e.deadline, e.receipt_bytes)
+                            for t, e in record.edges.items()
+                        )
+                    ),
+                )
+                for key, record in self._parents.items()
+            )
+        )
+        return (pool_view, parent_view, tuple(self._closed_parents.items()))
+
+    # ---- shared events -------------------------------------------------
+
+    def cancel(
+        self, parent: ParentKey, reason: CancelReason, now: float, *, from_round: bool = False
+    ) -> list[Action]:
+        """Cancel `parent` on this rank (idempotent).
+
+        Parent-scoped: every edge gets CANCEL. Returns the peer messages, drain
+        orders and (unless `from_round`) a CancelIntent for the next round.
+        """
+        state = self.parent_state(parent)
+        _fire(self._machine("parent"), self._parent_table, state, _PE.CANCEL)  # validate only
+        record = self._parents.get(parent)
+        if (
+            record is None
+            or record.cancel_reason is not None
+            or state in (_PS.DECODE_READY, _PS.QUARANTINED)
+        ):
+            return []  # idempotent: already cancelled, released or past the handoff
+        return self._cancel(record, reason, now, intent=not from_round)
+
+    def receive_cancel(self, message: Cancel, now: float) -> list[Action]:
+        """A peer's CANCEL for an exact installed session: cancel the parent."""
+        edge = self._sessions.get(message.ticket)
+        record = self._parents[edge.ticket.parent]
+        if record.cancel_reason is not None or record.state in (_PS.DECODE_READY, _PS.QUARANTINED):
+            return []
+        return self._cancel(record, CancelReason.PEER, now, intent=True)
+
+    def completed(self, parent: ParentKey) -> list[Action]:
+        """The completion round decided `parent`: release (CTX) or decode-ready (GEN)."""
+        record = self._parents.get(parent)
+        cancelled = record is not None and record.cancel_reason is not None
+        event = _PE.COMPLETE_CANCELLED if cancelled else _PE.COMPLETE
+        return self._fire_parent(parent, event)
+
+    def release_not_started(self, parent: ParentKey) -> list[Action]:
+        """Apply the round's verdict that every edge of `parent` is NOT_STARTED topology-wide."""
+        record = self._parents.get(parent)
+        if record is not None and not self.local_not_started(parent):
+            raise LeaseError(f"NOT_STARTED verdict contradicts local evidence of {parent!r}")
+        if record is not None:
+            # The verdict is the evidence the missing TERMINALs would have brought.
+            for edge in record.edges.values():
+                if edge.state is not _ES.NOT_STARTED:
+                    self._fire_edge(edge, _EE.TERMINAL_NOT_STARTED)
+        return self._fire_parent(parent, _PE.RELEASE_NOT_STARTED)
+
+    def reclaim(self, parent: ParentKey, *, proof: str) -> list[Action]:
+        """Return a quarantined parent's blocks to FREE given a proof of quiescence."""
+        if not proof:
+            raise LeaseError("reclaim needs a non-empty proof of quiescence")
+        return self._fire_parent(parent, _PE.RECLAIM, reason=proof)
+
+    # ---- internals -----------------------------------------------------
+
+    def _machine(self, kind: str) -> str:
+        return f"{self._role.value}-{kind}"
+
+    def _require(self, parent: ParentKey) -> _Parent:
+        record = self._parents.get(parent)
+        if record is None:
+            if parent in self._closed_parents:
+                raise StaleError("parent", parent, f"closed ({self._closed_parents[parent].value})")
+            raise self._unknown_parent(parent)
+        return record
+
+    def _unknown_parent(self, parent: ParentKey) -> ProtocolError:
+        for other in [*self._parents, *self._closed_parents]:
+            if other.request_id == parent.request_id:
+                if other.ctx_attempt != parent.ctx_attempt:
+                    return StaleError("ctx attempt", parent.ctx_attempt, other.ctx_attempt)
+                return StaleError("gen attempt", parent.gen_attempt, other.gen_attempt)
+        return UnknownSessionError(f"no parent {parent.request_id!r} here")
+
+    def _admit(
+        self, parent: ParentKey, n_blocks: int, lease_deadline: float | None
+    ) -> tuple[BlockRef, ...]:
+        if parent in self._parents or parent in self._closed_parents:
+            raise LeaseError(f"parent {parent!r} already admitted on this rank")
+        refs = self.pool.lease(parent, n_blocks)
+        self._parents[parent] = _Parent(
+            key=parent, state=_PS.ADMITTED, refs=refs, lease_deadline=lease_deadline
+        )
+        return refs
+
+    def _fire_parent(self, parent: ParentKey, event: ParentEvent, reason: str = "") -> list[Action]:
+        state = self.parent_state(parent)
+        tr = _fire(self._machine("parent"), self._parent_table, state, event)
+        record = self._parents.get(parent)
+        actions: list[Action] = []
+        if record is not None:
+            record.state = tr.next  # type: ignore[assignment]
+        for effect in tr.effects:
+            if effect is _FX.SKIP:
+                actions.append(CleanupSkipped(parent, state, event))
+                continue
+            assert record is not None  # only SKIP rows start from a closed parent
+            actions.extend(self._parent_effect(record, effect, reason))
+        return actions
+
+    def _parent_effect(self, record: _Parent, effect: Effect, reason: str) -> list[Action]:
+        if effect is _FX.RELEASE:
+            self.pool.release(record.key)
+            self._close(record, "released")
+            return [Release(record.key, record.refs)]
+        if effect is _FX.RECLAIM:
+            self.pool.reclaim_quarantine(record.key, proof=reason)
+            self._close(record, "reclaimed")
+            return [Release(record.key, record.refs)]
+        if effect is _FX.QUARANTINE:
+            self.pool.quarantine(record.key)
+            why = reason or "quiescence not provable"
+            return [Quarantine(record.key, record.refs, why), AdmissionStop(record.key, why)]
+        if effect is _FX.SETTLED:
+            evidence = tuple((t, _EVIDENCE_OF[e.state]) for t, e in record.edges.items())
+            return [ParentSettled(record.key, record.cancel_reason is not None, evidence)]
+        if effect is _FX.DECODE_READY:
+            return [DecodeReady(record.key)]
+        if effect is _FX.SEND_OPEN:
+            return [SendMessage(e.ticket.ctx, e.open) for e in record.edges.values()]
+        raise AssertionError(f"unhandled parent effect {effect}")  # pragma: no cover
+
+    def _close(self, record: _Parent, how: str) -> None:
+        for ticket in record.edges:
+            self._sessions.close(ticket, how)
+        del self._parents[record.key]
+        self._closed_parents[record.key] = _PS.RELEASED
+        while len(self._closed_parents) > _CLOSED_PARENT_MEMORY:
+            self._closed_parents.popitem(last=False)
+
+    def _fire_edge(self, edge: _Edge, event: EdgeEvent) -> list[Action]:
+        tr = _fire(self._machine("edge"), self._edge_table, edge.state, event)
+        edge.state = tr.next  # type: ignore[assignment]
+        actions: list[Action] = []
+        for effect in tr.effects:
+            actions.extend(self._edge_effect(edge, effect))
+        return actions
+
+    def _edge_effect(self, edge: _Edge, effect: Effect) -> list[Action]:
+        raise NotImplementedError  # pragma: no cover
+
+    def _cancel(
+        self, record: _Parent, reason: CancelReason, now: float, *, intent: bool
+    ) -> list[Action]:
+        """Cancel the parent and every edge; then settle or quarantine as evidence allows."""
+        actions: list[Action] = []
+        self._fire_parent(record.key, _PE.CANCEL)
+        record.cancel_reason = reason
+        if intent:
+            actions.append(CancelIntent(record.key, reason))
+        for edge in list(record.edges.values()):
+            actions += self._cancel_edge(edge, now)
+        actions += self._settle(record, now)
+        return actions
+
+    def _cancel_edge(self, edge: _Edge, now: float) -> list[Action]:
+        return self._fire_edge(edge, _EE.CANCEL)
+
+    def _settle(self, record: _Parent, now: float) -> list[Action]:
+        """Fire the parent's coupling to its edges (h11's state-triggered transitions):
+        an UNKNOWN edge cancels the siblings and quarantines; all terminal settles."""
+        if record.state in (_PS.RELEASED, _PS.QUARANTINED, _PS.SETTLED, _PS.DECODE_READY):
+            return []
+        edges = record.edges.values()
+        if any(e.state is _ES.UNKNOWN for e in edges):
+            if record.cancel_reason is None:
+                # Siblings must stop too (the round tells the other ranks); the
+                # nested _settle of the cancel then quarantines.
+                return self._cancel(record, CancelReason.FAILURE, now, intent=True)
+            return self._fire_parent(record.key, _PE.QUIESCENCE_LOST, "edge evidence UNKNOWN")
+        waiting = record.state in (_PS.ADMITTED, _PS.RESIDENT) and record.cancel_reason is None
+        settling = record.state in (_PS.DECIDED, _PS.INSTALLED, _PS.CANCELLING)
+        if settling and not waiting and all(e.state in _TERMINAL_EDGE_STATES for e in edges):
+            return self._fire_parent(record.key, _PE.EDGES_SETTLED)
+        return []
+
+
+def _check_endpoint(what: str, got: Endpoint, ours: Endpoint) -> None:
+    if got.ns != ours.ns:
+        raise StaleError(f"{what} namespace", got.ns, ours.ns)
+    if got.epoch != ours.epoch:
+        raise StaleError(f"{what} epoch", got.epoch, ours.epoch)
+
+
+# ---------------------------------------------------------------------------
+# CTX side
+# ---------------------------------------------------------------------------
+
+
+class CtxRank(_Rank):
+    """The prefill side of one rank: sources of the DMA (see the module docstring)."""
+
+    _role = Role.CTX
+    _parent_table = CTX_PARENT_TRANSITIONS
+    _edge_table = CTX_EDGE_TRANSITIONS
+
+    def __init__(
+        self,
+        our: Endpoint,
+        digest: bytes,
+        pool: BlockPool,
+        *,
+        transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
+        chunk_window: int = DEFAULT_CHUNK_WINDOW,
+        post_on_decide: bool = True,
+    ) -> None:
+        """`post_on_decide=False` defers posting from `decided()` to `start_posting()`
+        (for an actor that must gather a staging slot first); the default posts at once."""
+        super().__init__(our, digest, pool, transfer_timeout=transfer_timeout)
+        if chunk_window < 1:
+            raise LeaseError(f"chunk_window must be at least 1, got {chunk_window}")
+        self.chunk_window = chunk_window
+        self.post_on_decide = post_on_decide
+
+    def admit(
+        self, parent: ParentKey, n_blocks: int, *, now: float, lease_deadline: float
+    ) -> tuple[BlockRef, ...]:
+        """Lease `n_blocks` for `parent` (after the CTX admission round).
+
+        The KV is held until `lease_deadline` waiting for the GEN side; past it,
+        `expire()` releases a parent that never started, or cancels it.
+        """
+        if lease_deadline < now:
+            raise LeaseError(f"lease deadline {lease_deadline} is before now {now}")
+        return self._admit(parent, n_blocks, lease_deadline)
+
+    def prefilled(self, parent: ParentKey) -> list[Action]:
+        """Prefill finished: the KV is resident and OPENs may be prepared."""
+        return self._fire_parent(parent, _PE.PREFILLED)
+
+    def receive_open(self, message: Open, now: float, *, num_chunks: int = 1) -> list[Action]:
+        """Validate a GEN rank's OPEN (default-deny) and record the edge as PREPARED.
+
+        The OPEN is a proposal: nothing is published or posted until
+        `decided()`. `num_chunks` is how many WRITE chunks the actor will split
+        the edge into (from the shard mapping). Any failure raises and records
+        nothing; answer it with `reject_for(message, error)`.
+        """
+        ticket = message.ticket
+        _check_endpoint("ctx", ticket.ctx, self.our)
+        if ticket.ctx_digest != self.digest:
+            raise StaleError("ctx topology digest", ticket.ctx_digest.hex(), self.digest.hex())
+        if ticket.gen.ns.role is not Role.GEN:
+            raise StaleError("gen namespace role", ticket.gen.ns.role, Role.GEN)
+        if message.buffer.endpoint_epoch != ticket.gen.epoch:
+            raise StaleError(
+                "gen epoch in buffer info", message.buffer.endpoint_epoch, ticket.gen.epoch
+            )
+        if num_chunks < 1:
+            raise PoolError(f"an edge needs at least one chunk, got {num_chunks}")
+        record = self._require(ticket.parent)
+        if ticket in self._sessions:
+            raise DuplicateSessionError(ticket)
+        if self._sessions.closed_how(ticket) is not None:
+            raise self._sessions.classify(ticket)
+        _fire(
+            self._machine("parent"), self._parent_table, record.state, _PE.EDGE_PREPARED
+        )  # validate
+        edge = _Edge(ticket=ticket, state=_ES.PREPARED, open=message, num_chunks=num_chunks)
+        self._sessions.install(ticket, edge)
+        record.edges[ticket] = edge
+        return self._fire_parent(record.key, _PE.EDGE_PREPARED)
+
+    def decided(self, parent: ParentKey, now: float) -> list[Action]:
+        """The CTX round decided `parent`: publish READY on every edge and start posting."""
+        actions = self._fire_parent(parent, _PE.DECIDED)
+        record = self._parents.get(parent)
+        if record is None or record.state is not _PS.DECIDED:
+            return actions  # cancelled, settled or released first: publish nothing
+        record.deadline = now + self.transfer_timeout
+        for edge in record.edges.values():
+            actions += self._fire_edge(edge, _EE.DECIDED)
+        if self.post_on_decide:
+            actions += self.start_posting(parent, now)
+        return actions + self._settle(record, now)
+
+    def start_posting(self, parent: ParentKey, now: float) -> list[Action]:
+        """Post the first window of chunks of every READY edge of a DECIDED parent.
+
+        A no-op once the parent is cancelled or finished (a cancel that won the
+        race means nothing is ever posted: the edges are NOT_STARTED).
+        """
+        state = self.parent_state(parent)
+        if state in (_PS.CANCELLING, _PS.SETTLED, _PS.RELEASED, _PS.QUARANTINED):
+            return []
+        if state is not _PS.DECIDED:
+            raise IllegalTransition(self._machine("parent"), state, "start_posting")
+        actions: list[Action] = []
+        for edge in self._parents[parent].edges.values():
+            if edge.state is _ES.READY:
+                actions += self._fire_edge(edge, _EE.START_POSTING)
+        return actions
+
+    def chunk_done(
+        self, ticket: ContextTicket, index: int, nbytes: int, now: float
+    ) -> list[Action]:
+        """A posted chunk reported DONE with `nbytes` written."""
+        edge = self._posted_edge(ticket, index)
+        if nbytes < 0:
+            raise PoolError(f"negative byte count {nbytes}")
+        if edge.state is _ES.UNKNOWN:
+            edge.in_flight.discard(index)
+            return self._fire_edge(edge, _EE.CHUNK_DONE)
+        edge.in_flight.discard(index)
+        edge.chunks_done += 1
+        edge.bytes_done += nbytes
+        record = self._parents[ticket.parent]
+        if edge.state is _ES.POSTING and edge.chunks_done == edge.num_chunks:
+            actions = self._fire_edge(edge, _EE.ALL_CHUNKS_DONE)
+        else:
+            actions = self._fire_edge(edge, _EE.CHUNK_DONE)
+            if edge.state is _ES.DRAINING and not edge.in_flight:
+                actions += self._fire_edge(edge, _EE.DRAIN_DONE)
+        return actions + self._settle(record, now)
+
+    def chunk_failed(self, ticket: ContextTicket, index: int, now: float) -> list[Action]:
+        """A posted chunk reported ERR: it is quiescent, the edge is incomplete, the parent is cancelled."""
+        edge = self._posted_edge(ticket, index)
+        edge.in_flight.discard(index)
+        record = self._parents[ticket.parent]
+        if edge.state is _ES.UNKNOWN:
+            return self._fire_edge(edge, _EE.CHUNK_FAILED)
+        edge.failed = True
+        actions = self._fire_edge(edge, _EE.CHUNK_FAILED)
+        if edge.state is _ES.DRAINING and not edge.in_flight:
+            actions += self._fire_edge(edge, _EE.DRAIN_DONE)
+        if record.cancel_reason is None:
+            actions += self._cancel(record, CancelReason.FAILURE, now, intent=True)
+        return actions + self._settle(record, now)
+
+    def receive_receipt(self, message: Receipt) -> list[Action]:
+        """GEN acknowledged the bytes of a COMPLETED edge (not quiescence, not completion)."""
+        edge = self._sessions.get(message.ticket)
+        _fire(self._machine("edge"), self._edge_table, edge.state, _EE.RECEIPT_RECEIVED)
+        if message.bytes_received != edge.bytes_done:
+            raise StaleError("receipt bytes", message.bytes_received, edge.bytes_done)
+        edge.receipt_bytes = message.bytes_received
+        return self._fire_edge(edge, _EE.RECEIPT_RECEIVED)
+
+    def receive_reject(self, message: Reject, now: float) -> list[Action]:
+        """GEN refused one of our messages for this session: it no longer wants the bytes."""
+        edge = self._sessions.get(message.ticket)
+        record = self._parents[edge.ticket.parent]
+        if record.cancel_reason is not None or record.state is _PS.QUARANTINED:
+            return []
+        return self._cancel(record, CancelReason.PEER, now, intent=True)
+
+    def receive(self, message: SessionMessage, now: float, *, num_chunks: int = 1) -> list[Action]:
+        """Dispatch a received message (OPEN, CANCEL, RECEIPT, REJECT) to its handler."""
+        match message:
+            case Open():
+                return self.receive_open(message, now, num_chunks=num_chunks)
+            case Cancel():
+                return self.receive_cancel(message, now)
+            case Receipt():
+                return self.receive_receipt(message)
+            case Reject():
+                return self.receive_reject(message, now)
+            case _:
+                raise IllegalTransition("ctx-receive", self._role, type(message).__name__)
+
+    def expire(self, now: float) -> list[Action]:
+        """Apply every deadline that passed at `now`.
+
+        * lease deadline while waiting for GEN (ADMITTED/RESIDENT): nothing was
+          ever posted from our blocks, so release now (and tell the round);
+        * transfer deadline of a DECIDED parent: cancel (drain) + CancelIntent;
+        * drain deadline of a DRAINING edge: UNKNOWN -> quarantine.
+        """
+        actions: list[Action] = []
+        for record in list(self._parents.values()):
+            if record.state in (_PS.ADMITTED, _PS.RESIDENT):
+                if record.lease_deadline is not None and now >= record.lease_deadline:
+                    # Nothing was decided, so nothing was posted from our blocks
+                    # and nothing ever will be: tell every proposer NOT_STARTED,
+                    # release, and let the round cancel the siblings elsewhere.
+                    record.cancel_reason = CancelReason.TIMEOUT
+                    actions.append(CancelIntent(record.key, CancelReason.TIMEOUT))
+                    for edge in record.edges.values():
+                        actions += self._fire_edge(edge, _EE.CANCEL)
+                    actions += self._fire_parent(record.key, _PE.EXPIRED_NOT_STARTED)
+                    continue
+            elif (
+                record.state is _PS.DECIDED
+                and record.deadline is not None
+                and now >= record.deadline
+            ):
+                actions += self._cancel(record, CancelReason.TIMEOUT, now, intent=True)
+            if record.state is _PS.CANCELLING:
+                for edge in record.edges.values():
+                    if (
+                        edge.state is _ES.DRAINING
+                        and edge.deadline is not None
+                        and now >= edge.deadline
+                    ):
+                        actions += self._fire_edge(edge, _EE.QUIESCENCE_LOST)
+                actions += self._settle(record, now)
+        return actions
+
+    def peer_restarted(self, their: Endpoint, now: float) -> list[Action]:
+        """A GEN rank came back with a newer epoch: its old sessions are dead.
+
+        Edges to the old epoch with chunks in flight cannot be proven quiescent
+        (UNKNOWN); the others are cancelled and drain/not-start normally.
+        """
+        actions: list[Action] = []
+        for record in list(self._parents.values()):
+            hit = [
+                e
+                for e in record.edges.values()
+                if e.ticket.gen.ns == their.ns and e.ticket.gen.epoch < their.epoch
+            ]
+            if not hit:
+                continue
+            for edge in hit:
+                if edge.in_flight and edge.state in (_ES.POSTING, _ES.DRAINING):
+                    actions += self._fire_edge(edge, _EE.QUIESCENCE_LOST)
+            if record.cancel_reason is None and record.state is not _PS.QUARANTINED:
+                actions += self._cancel(record, CancelReason.FAILURE, now, intent=True)
+            else:
+                actions += self._settle(record, now)
+        return actions
+
+    # ---- internals -----------------------------------------------------
+
+    def _posted_edge(self, ticket: ContextTicket, index: int) -> _Edge:
+        edge = self._sessions.get(ticket)
+        if index not in edge.in_flight:
+            raise PoolError(f"chunk {index} of edge {ticket.edge} is not in flight")
+        return edge
+
+    def _cancel_edge(self, edge: _Edge, now: float) -> list[Action]:
+        if edge.state is _ES.POSTING:
+            edge.deadline = now + self.transfer_timeout
+        actions = self._fire_edge(edge, _EE.CANCEL)
+        if edge.state is _ES.DRAINING and not edge.in_flight:
+            actions += self._fire_edge(edge, _EE.DRAIN_DONE)
+        return actions
+
+    def _edge_effect(self, edge: _Edge, effect: Effect) -> list[Action]:
+        to = edge.ticket.gen
+        if effect is _FX.SEND_READY:
+            return [SendMessage(to, Ready(ticket=edge.ticket))]
+        if effect is _FX.POST:
+            return self._post_more(edge)
+        if effect is _FX.SEND_TERMINAL:
+            kind = _EVIDENCE_OF[edge.state]
+            nbytes = edge.bytes_done if kind is TerminalKind.COMPLETED else 0
+            return [SendMessage(to, Terminal(ticket=edge.ticket, evidence=kind, bytes_done=nbytes))]
+        if effect is _FX.STOP_AND_DRAIN:
+            assert edge.deadline is not None
+            return [
+                StopPosting(edge.ticket),
+                Drain(edge.ticket, tuple(sorted(edge.in_flight)), edge.deadline),
+            ]
+        raise AssertionError(f"unhandled ctx edge effect {effect}")  # pragma: no cover
+
+    def _post_more(self, edge: _Edge) -> list[Action]:
+        # The chunk counts as in flight from the moment the action exists: the
+        # actor may post it before telling us anything (S1 is conservative).
+        actions: list[Action] = []
+        while len(edge.in_flight) < self.chunk_window and edge.next_index < edge.num_chunks:
+            self._fire_edge(edge, _EE.CHUNK_POSTED)
+            edge.in_flight.add(edge.next_index)
+            actions.append(PostChunk(edge.ticket, edge.next_index))
+            edge.next_index += 1
+        return actions
+
+
+# ---------------------------------------------------------------------------
+# GEN side
+# ---------------------------------------------------------------------------
+
+
+class GenRank(_Rank):
+    """The decode side of one rank: destinations of the DMA (see the module docstring)."""
+
+    _role = Role.GEN
+    _parent_table = GEN_PARENT_TRANSITIONS
+    _edge_table = GEN_EDGE_TRANSITIONS
+
+    def admit(
+        self, parent: ParentKey, n_blocks: int, *, now: float, deadline: float | None = None
+    ) -> tuple[BlockRef, ...]:
+        """Lease `n_blocks` for `parent` (after the GEN admission round).
+
+        `deadline`, if given, bounds the wait for `install()`; past it an
+        uninstalled parent (no OPEN ever sent) is released by `expire()`.
+        """
+        return self._admit(parent, n_blocks, deadline)
+
+    def install(self, parent: ParentKey, edges: Sequence[GenEdgeSpec], now: float) -> list[Action]:
+        """Install the session's edges (after the installation barrier): OPEN per edge.
+
+        Every ticket must name this parent, our endpoint and digest; every
+        block descriptor must be a current block of this parent's lease. All
+        checks run before anything is recorded.
+        """
+        record = self._require(parent)
+        _fire(self._machine("parent"), self._parent_table, record.state, _PE.INSTALLED)  # validate
+        if not edges:
+            raise PoolError("a session needs at least one edge")
+        seen: set[ContextTicket] = set()
+        ours = set(record.refs)
+        for spec in edges:
+            ticket = spec.ticket
+            if ticket.parent != parent:
+                raise StaleError("parent", ticket.parent, parent)
+            _check_endpoint("gen", ticket.gen, self.our)
+            if ticket.gen_digest != self.digest:
+                raise StaleError("gen topology digest", ticket.gen_digest.hex(), self.digest.hex())
+            if ticket.ctx.ns.role is not Role.CTX:
+                raise StaleError("ctx namespace role", ticket.ctx.ns.role, Role.CTX)
+            if spec.buffer.endpoint_epoch != self.our.epoch:
+                raise StaleError(
+                    "gen epoch in buffer info", spec.buffer.endpoint_epoch, self.our.epoch
+                )
+            if ticket in seen or ticket in self._sessions:
+                raise DuplicateSessionError(ticket)
+            if spec.expected_bytes < 0:
+                raise PoolError(f"negative expected bytes {spec.expected_bytes}")
+            seen.add(ticket)
+            for descriptor in spec.buffer.blocks:
+                ref = check_descriptor(self.pool, descriptor)
+                if ref not in ours:
+                    raise PoolError(
+                        f"block {ref} does not belong to the lease of {parent.request_id!r}"
+                    )
+        record.deadline = now + self.transfer_timeout
+        for spec in edges:
+            open_msg = Open(ticket=spec.ticket, buffer=spec.buffer, num_tokens=spec.num_tokens)
+            edge = _Edge(
+                ticket=spec.ticket,
+                state=_ES.OPEN_PROPOSED,
+                open=open_msg,
+                expected_bytes=spec.expected_bytes,
+            )
+            self._sessions.install(spec.ticket, edge)
+            record.edges[spec.ticket] = edge
+        return self._fire_parent(parent, _PE.INSTALLED)
+
+    def receive_ready(self, message: Ready, now: float) -> list[Action]:
+        """READY for an exact session: the CTX topology decided; DMA may happen."""
+        edge = self._sessions.get(message.ticket)
+        return self._fire_edge(edge, _EE.READY_RECEIVED)
+
+    def receive_terminal(self, message: Terminal, now: float) -> list[Action]:
+        """TERMINAL evidence for an exact session.
+
+        COMPLETED with the expected bytes -> RECEIPT; COMPLETED with other bytes
+        is quiescent but wrong, so it counts as DRAINED and cancels the parent;
+        NOT_STARTED/DRAINED cancel the parent (siblings); UNKNOWN quarantines.
+        """
+        edge = self._sessions.get(message.ticket)
+        record = self._parents[edge.ticket.parent]
+        event = _TERMINAL_EVENT[message.evidence]
+        bad_bytes = (
+            message.evidence is TerminalKind.COMPLETED and message.bytes_done != edge.expected_bytes
+        )
+        if bad_bytes:
+            event = _EE.TERMINAL_DRAINED
+        tr = _fire(self._machine("edge"), self._edge_table, edge.state, event)  # validate first
+        if tr.next is _ES.COMPLETED and edge.state is not _ES.COMPLETED:
+            edge.bytes_done = message.bytes_done  # what the RECEIPT acknowledges
+        actions = self._fire_edge(edge, event)
+        if (
+            edge.state is not _ES.COMPLETED
+            and record.cancel_reason is None
+            and record.state not in (_PS.QUARANTINED, _PS.DECODE_READY)
+        ):
+            reason = (
+                CancelReason.FAILURE
+                if bad_bytes or edge.state is _ES.UNKNOWN
+                else CancelReason.PEER
+            )
+            actions += self._cancel(record, reason, now, intent=True)
+        return actions + self._settle(record, now)
+
+    def receive_reject(self, message: Reject, now: float) -> list[Action]:
+        """CTX refused our OPEN: it never recorded it, so the edge is NOT_STARTED.
+
+        A DUPLICATE reject means an earlier copy of the OPEN *was* recorded: no change.
+        """
+        edge = self._sessions.get(message.ticket)
+        if message.reason is RejectReason.DUPLICATE:
+            return []
+        record = self._parents[edge.ticket.parent]
+        actions = self._fire_edge(edge, _EE.REJECTED)
+        if record.cancel_reason is None and record.state not in (_PS.QUARANTINED, _PS.DECODE_READY):
+            actions += self._cancel(record, CancelReason.PEER, now, intent=True)
+        return actions + self._settle(record, now)
+
+    def receive(self, message: SessionMessage, now: float) -> list[Action]:
+        """Dispatch a received message (READY, TERMINAL, REJECT, CANCEL) to its handler."""
+        match message:
+            case Ready():
+                return self.receive_ready(message, now)
+            case Terminal():
+                return self.receive_terminal(message, now)
+            case Reject():
+                return self.receive_reject(message, now)
+            case Cancel():
+                return self.receive_cancel(message, now)
+            case _:
+                raise IllegalTransition("gen-receive", self._role, type(message).__name__)
+
+    def free(self, parent: ParentKey) -> list[Action]:
+        """The client is done with a decode-ready request: release its KV, once."""
+        return self._fire_parent(parent, _PE.FREE)
+
+    def expire(self, now: float) -> list[Action]:
+        """Apply every deadline that passed at `now`.
+
+        * admitted, never installed, past its deadline: no OPEN exposed our
+          blocks, release now;
+        * installed, past the transfer deadline: cancel (CANCEL to every CTX
+          rank) + CancelIntent; each cancelled edge waits one more timeout;
+        * a cancelled edge still without TERMINAL past its wait: UNKNOWN ->
+          quarantine + AdmissionStop.
+        """
+        actions: list[Action] = []
+        for record in list(self._parents.values()):
+            if record.state is _PS.ADMITTED and record.cancel_reason is None:
+                if record.lease_deadline is not None and now >= record.lease_deadline:
+                    actions += self._fire_parent(record.key, _PE.EXPIRED_NOT_STARTED)
+                continue
+            if (
+                record.state is _PS.INSTALLED
+                and record.deadline is not None
+                and now >= record.deadline
+            ):
+                actions += self._cancel(record, CancelReason.TIMEOUT, now, intent=True)
+            if record.state is _PS.CANCELLING:
+                for edge in record.edges.values():
+                    if (
+                        edge.state not in _TERMINAL_EDGE_STATES
+                        and edge.deadline is not None
+                        and now >= edge.deadline
+                    ):
+                        actions += self._fire_edge(edge, _EE.QUIESCENCE_LOST)
+                actions += self._settle(record, now)
+        return actions
+
+    def peer_restarted(self, their: Endpoint, now: float) -> list[Action]:
+        """A CTX rank came back with a newer epoch: edges still waiting on the old
+        one can never get TERMINAL, and its posted writes are unproven: UNKNOWN."""
+        actions: list[Action] = []
+        for record in list(self._parents.values()):
+            hit = [
+                e
+                for e in record.edges.values()
+                if e.ticket.ctx.ns == their.ns
+                and e.ticket.ctx.epoch < their.epoch
+                and e.state not in _TERMINAL_EDGE_STATES
+            ]
+            for edge in hit:
+                actions += self._fire_edge(edge, _EE.QUIESCENCE_LOST)
+            if hit:
+                actions += self._settle(record, now)
+        return actions
+
+    # ---- internals -----------------------------------------------------
+
+    def _cancel_edge(self, edge: _Edge, now: float) -> list[Action]:
+        if edge.state not in _TERMINAL_EDGE_STATES and edge.deadline is None:
+            edge.deadline = now + self.transfer_timeout
+        return self._fire_edge(edge, _EE.CANCEL)
+
+    def _edge_effect(self, edge: _Edge, effect: Effect) -> list[Action]:
+        to = edge.ticket.ctx
+        if effect is _FX.SEND_CANCEL:
+            record = self._parents[edge.ticket.parent]
+            reason = record.cancel_reason or CancelReason.PEER
+            return [SendMessage(to, Cancel(ticket=edge.ticket, reason=reason))]
+        if effect is _FX.SEND_RECEIPT:
+            return [SendMessage(to, Receipt(ticket=edge.ticket, bytes_received=edge.bytes_done))]
+        raise AssertionError(f"unhandled gen edge effect {effect}")  # pragma: no cover

@@ -1,0 +1,434 @@
+"""A pair harness (h11's ConnectionPair): one CtxRank and N GenRanks wired together.
+
+It plays the actors layer: performs the actions the protocol objects return,
+pipes messages between them as encoded frames (`encode_frame`/`decode_frame`),
+keeps a model of the DMA chunks in flight (which GEN and CTX block
+incarnations each may still touch, for S1), and simulates the agreement rounds
+(cancel, decide, completion, NOT_STARTED verdict) with one CTX rank and the
+GEN ranks. Tests can hold messages in the queues to reorder, duplicate or drop
+them, restart a rank with a new epoch, and move time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from kvhandoff.protocol import (
+    Action,
+    AdmissionStop,
+    BlockDescriptor,
+    BlockPool,
+    BlockRef,
+    BufferInfo,
+    Cancel,
+    CancelIntent,
+    CancelReason,
+    ContextTicket,
+    CtxRank,
+    DecodeReady,
+    Endpoint,
+    GenEdgeSpec,
+    GenRank,
+    MemoryKind,
+    Open,
+    ParentKey,
+    ParentSettled,
+    ParentState,
+    PostChunk,
+    ProtocolError,
+    Quarantine,
+    RankNamespace,
+    Ready,
+    Receipt,
+    Reject,
+    Release,
+    Role,
+    SendMessage,
+    SessionMessage,
+    Terminal,
+    decode_frame,
+    encode_frame,
+    reject_for,
+)
+
+CTX_DIGEST = bytes(range(32))
+GEN_DIGEST = bytes(range(32, 64))
+CHUNK_BYTES = 4096
+TIMEOUT = 10.0
+
+
+def ctx_endpoint(epoch: int = 1, rank: int = 0) -> Endpoint:
+    return Endpoint(ns=RankNamespace(instance_id="ctx0", role=Role.CTX, rank=rank), epoch=epoch)
+
+
+def gen_endpoint(epoch: int = 1, rank: int = 0) -> Endpoint:
+    return Endpoint(ns=RankNamespace(instance_id="gen0", role=Role.GEN, rank=rank), epoch=epoch)
+
+
+def parent_key(n: int, ctx_attempt: int = 0, gen_attempt: int = 0) -> ParentKey:
+    return ParentKey(request_id=f"req-{n}", ctx_attempt=ctx_attempt, gen_attempt=gen_attempt)
+
+
+def make_ticket(parent: ParentKey, ctx: Endpoint, gen: Endpoint) -> ContextTicket:
+    return ContextTicket(
+        request_id=parent.request_id,
+        ctx_attempt=parent.ctx_attempt,
+        gen_attempt=parent.gen_attempt,
+        ctx=ctx,
+        gen=gen,
+        ctx_digest=CTX_DIGEST,
+        gen_digest=GEN_DIGEST,
+    )
+
+
+def buffer_for(refs: Iterable[BlockRef], epoch: int) -> BufferInfo:
+    """What a GEN actor builds from its lease: one descriptor per block."""
+    return BufferInfo(
+        agent_name=f"gen-agent-{epoch}",
+        endpoint_epoch=epoch,
+        memory=MemoryKind.DRAM,
+        blocks=[
+            BlockDescriptor(r.block, r.generation, r.block * CHUNK_BYTES, CHUNK_BYTES) for r in refs
+        ],
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Write:
+    """One posted chunk: which block incarnations it may still touch."""
+
+    ticket: ContextTicket
+    index: int
+    ctx_epoch: int
+    gen_epoch: int
+    gen_rank: int
+    ctx_refs: tuple[BlockRef, ...]
+    gen_refs: tuple[BlockRef, ...]
+
+
+@dataclasses.dataclass
+class Envelope:
+    to_role: Role
+    to_rank: int
+    frame: bytes
+
+
+class Pair:
+    """One CTX rank and `n_gen` GEN ranks; every parent has one edge per GEN rank."""
+
+    def __init__(
+        self,
+        *,
+        ctx_blocks: int = 16,
+        gen_blocks: int = 16,
+        n_gen: int = 1,
+        chunk_window: int = 2,
+        timeout: float = TIMEOUT,
+    ) -> None:
+        self.now = 0.0
+        self.timeout = timeout
+        self.chunk_window = chunk_window
+        self.ctx_blocks = ctx_blocks
+        self.gen_blocks = gen_blocks
+        self.ctx = self._new_ctx(1)
+        self.gens = [self._new_gen(1, r) for r in range(n_gen)]
+        self.queue: list[Envelope] = []
+        self.in_flight: dict[tuple[ContextTicket, int], Write] = {}
+        self.chunks: dict[ParentKey, int] = {}  # chunks per edge
+        self.intents: set[ParentKey] = set()
+        self.actions: list[Action] = []
+        self.errors: list[ProtocolError] = []
+        self.admission_stopped = False
+        self.decode_ready: set[ParentKey] = set()
+
+    # ---- construction --------------------------------------------------
+
+    def _new_ctx(self, epoch: int) -> CtxRank:
+        return CtxRank(
+            ctx_endpoint(epoch),
+            CTX_DIGEST,
+            BlockPool(self.ctx_blocks),
+            transfer_timeout=self.timeout,
+            chunk_window=self.chunk_window,
+        )
+
+    def _new_gen(self, epoch: int, rank: int) -> GenRank:
+        return GenRank(
+            gen_endpoint(epoch, rank),
+            GEN_DIGEST,
+            BlockPool(self.gen_blocks),
+            transfer_timeout=self.timeout,
+        )
+
+    def ranks(self) -> list[CtxRank | GenRank]:
+        return [self.ctx, *self.gens]
+
+    def tickets(self, parent: ParentKey) -> list[ContextTicket]:
+        return [make_ticket(parent, self.ctx.our, g.our) for g in self.gens]
+
+    # ---- lifecycle steps (what the actors and rounds would call) -------
+
+    def admit(
+        self, parent: ParentKey, *, blocks: int = 2, chunks: int = 2, lease: float = 5.0
+    ) -> None:
+        """Admission rounds on both sides: lease on every rank."""
+        self.ctx.admit(parent, blocks, now=self.now, lease_deadline=self.now + lease)
+        for gen in self.gens:
+            gen.admit(parent, blocks, now=self.now, deadline=self.now + lease)
+        self.chunks[parent] = chunks
+
+    def prefill(self, parent: ParentKey) -> None:
+        self.perform(self.ctx.prefilled(parent))
+
+    def install(self, parent: ParentKey) -> None:
+        chunks = self.chunks[parent]
+        for gen in self.gens:
+            ticket = make_ticket(parent, self.ctx.our, gen.our)
+            spec = GenEdgeSpec(
+                ticket=ticket,
+                buffer=buffer_for(gen.lease(parent), gen.our.epoch),
+                num_tokens=16,
+                expected_bytes=chunks * CHUNK_BYTES,
+            )
+            self.perform(gen.install(parent, [spec], self.now))
+
+    def decide(self, parent: ParentKey) -> None:
+        """CTX decision round: only when every edge is prepared (the round's rule)."""
+        self.perform(self.ctx.decided(parent, self.now))
+
+    def all_prepared(self, parent: ParentKey) -> bool:
+        edges = self.ctx.edges(parent)
+        return (
+            len(edges) == len(self.gens) and self.ctx.parent_state(parent) is ParentState.RESIDENT
+        )
+
+    def run_rounds(self) -> None:
+        """One batch of rounds: cancels (union), completions (intersection), verdicts."""
+        for parent in sorted(self.intents, key=repr):
+            for rank in self.ranks():
+                if parent in rank.parents():
+                    self.perform(rank.cancel(parent, CancelReason.PEER, self.now, from_round=True))
+        self.intents.clear()
+        # Topology-wide NOT_STARTED verdict first: the CTX rank (the only writer)
+        # proved it, and no GEN rank has contrary evidence.
+        gen_parents: set[ParentKey] = set()
+        for gen in self.gens:
+            gen_parents |= set(gen.parents())
+        for parent in sorted(gen_parents, key=repr):
+            holders = [g for g in self.gens if parent in g.parents()]
+            if (
+                parent in self.ctx.parents()
+                and self.ctx.local_not_started(parent)
+                and all(g.local_not_started(parent) for g in holders)
+            ):
+                for rank in [self.ctx, *holders]:
+                    self.perform(rank.release_not_started(parent))
+        # Completion rounds: CTX (one rank here), GEN (intersection over ranks).
+        for parent, state in self.ctx.parents().items():
+            if state is ParentState.SETTLED:
+                self.perform(self.ctx.completed(parent))
+        for parent in sorted(gen_parents, key=repr):
+            # A QUARANTINED rank is finished with the parent (a failure, in the
+            # round's union); it does not hold the others' completion back.
+            holders = [g for g in self.gens if parent in g.parents()]
+            states = {g.parents()[parent] for g in holders}
+            if ParentState.SETTLED in states and states <= {
+                ParentState.SETTLED,
+                ParentState.QUARANTINED,
+            }:
+                for gen in holders:
+                    if gen.parents()[parent] is ParentState.SETTLED:
+                        self.perform(gen.completed(parent))
+
+    def free(self, parent: ParentKey) -> None:
+        for gen in self.gens:
+            if parent in gen.parents():
+                self.perform(gen.free(parent))
+
+    def expire(self) -> None:
+        for rank in self.ranks():
+            self.perform(rank.expire(self.now))
+
+    # ---- the data plane model ------------------------------------------
+
+    def finish_chunk(self, key: tuple[ContextTicket, int], *, ok: bool = True) -> None:
+        """A posted chunk reports DONE (ok) or ERR; only its own CTX incarnation hears it."""
+        write = self.in_flight.pop(key)
+        if write.ctx_epoch != self.ctx.our.epoch:
+            return  # the incarnation that posted it is gone: nobody polls it
+        ticket, index = key
+        if ok:
+            self.perform(self.ctx.chunk_done(ticket, index, CHUNK_BYTES, self.now))
+        else:
+            self.perform(self.ctx.chunk_failed(ticket, index, self.now))
+
+    # ---- restarts ------------------------------------------------------
+
+    def restart_gen(self, rank: int = 0, *, notify: bool = True) -> None:
+        """GEN rank `rank` restarts with a new epoch: fresh pool, no sessions."""
+        old = self.gens[rank]
+        self.gens[rank] = self._new_gen(old.our.epoch + 1, rank)
+        if notify:
+            self.perform(self.ctx.peer_restarted(self.gens[rank].our, self.now))
+
+    def restart_ctx(self, *, notify: bool = True) -> None:
+        old = self.ctx
+        self.ctx = self._new_ctx(old.our.epoch + 1)
+        if notify:
+            for gen in self.gens:
+                self.perform(gen.peer_restarted(self.ctx.our, self.now))
+
+    # ---- actions and messages ------------------------------------------
+
+    def perform(self, actions: Iterable[Action]) -> None:
+        for action in actions:
+            self.actions.append(action)
+            match action:
+                case SendMessage(to=to, message=message):
+                    rank = to.ns.rank
+                    self.queue.append(Envelope(to.ns.role, rank, encode_frame(message)))
+                case PostChunk(ticket=ticket, index=index):
+                    gen_refs: tuple[BlockRef, ...] = ()
+                    edge_open = self._open_for(ticket)
+                    if edge_open is not None:
+                        gen_refs = tuple(
+                            BlockRef(d.block, d.generation) for d in edge_open.buffer.blocks
+                        )
+                    self.in_flight[(ticket, index)] = Write(
+                        ticket=ticket,
+                        index=index,
+                        ctx_epoch=ticket.ctx.epoch,
+                        gen_epoch=ticket.gen.epoch,
+                        gen_rank=ticket.gen.ns.rank,
+                        ctx_refs=self.ctx.lease(ticket.parent),
+                        gen_refs=gen_refs,
+                    )
+                case CancelIntent(parent=parent):
+                    self.intents.add(parent)
+                case AdmissionStop():
+                    self.admission_stopped = True
+                case DecodeReady(parent=parent):
+                    self.decode_ready.add(parent)
+                case Release() | Quarantine() | ParentSettled():
+                    pass
+                case _:
+                    pass
+
+    def _open_for(self, ticket: ContextTicket) -> Open | None:
+        # The CTX recorded the OPEN; its descriptors say which GEN blocks a chunk writes.
+        try:
+            return self.ctx.session_open(ticket)
+        except ProtocolError:
+            return None
+
+    def deliver(self, i: int = 0) -> ProtocolError | None:
+        """Deliver queued message `i`; return the ProtocolError it raised, if any."""
+        env = self.queue.pop(i)
+        return self.deliver_frame(env.to_role, env.to_rank, env.frame)
+
+    def deliver_frame(self, role: Role, rank: int, frame: bytes) -> ProtocolError | None:
+        message = decode_frame(frame)
+        assert isinstance(message, (Open, Ready, Cancel, Terminal, Receipt, Reject))
+        return self.deliver_message(role, rank, message)
+
+    def deliver_message(
+        self, role: Role, rank: int, message: SessionMessage
+    ) -> ProtocolError | None:
+        try:
+            if role is Role.CTX:
+                actions = self.ctx.receive(
+                    message, self.now, num_chunks=self.chunks.get(message.ticket.parent, 1)
+                )
+            else:
+                actions = self.gens[rank].receive(message, self.now)
+        except ProtocolError as error:
+            self.errors.append(error)
+            if role is Role.CTX and isinstance(message, Open):
+                # The actor answers a refused OPEN with a REJECT (to the ticket's GEN).
+                reject: Reject = reject_for(message, error, self.ctx.our)
+                self.queue.append(
+                    Envelope(Role.GEN, message.ticket.gen.ns.rank, encode_frame(reject))
+                )
+            return error
+        self.perform(actions)
+        return None
+
+    def deliver_all(self, limit: int = 1000) -> None:
+        for _ in range(limit):
+            if not self.queue:
+                return
+            self.deliver(0)
+        raise AssertionError("message storm: queue never drained")
+
+    def pump(self, limit: int = 100) -> None:
+        """Deliver messages and finish chunks until nothing moves."""
+        for _ in range(limit):
+            if self.queue:
+                self.deliver_all()
+            elif any(w.ctx_epoch == self.ctx.our.epoch for w in self.in_flight.values()):
+                key = next(
+                    k for k, w in self.in_flight.items() if w.ctx_epoch == self.ctx.our.epoch
+                )
+                self.finish_chunk(key)
+            else:
+                return
+        raise AssertionError("pump did not settle")
+
+    # ---- whole handoffs and invariants -----------------------------------
+
+    def handoff(self, parent: ParentKey, *, blocks: int = 2, chunks: int = 2) -> None:
+        """The success path, start to decode-ready."""
+        self.admit(parent, blocks=blocks, chunks=chunks)
+        self.prefill(parent)
+        self.install(parent)
+        self.deliver_all()
+        assert self.all_prepared(parent)
+        self.decide(parent)
+        self.pump()
+        self.run_rounds()
+
+    def settle_everything(self, rounds: int = 12) -> None:
+        """Drive every parent to an end: deliver, finish chunks, decide, expire, rounds."""
+        for _ in range(rounds):
+            self.pump()
+            for parent in list(self.ctx.parents()):
+                if self.all_prepared(parent):
+                    self.decide(parent)
+            self.pump()
+            self.run_rounds()
+            for parent in sorted(self.decode_ready, key=repr):
+                self.free(parent)
+            self.now += self.timeout + 1
+            self.expire()
+
+    def check_s1(self) -> None:
+        """No block a chunk may still touch is FREE or re-leased (same incarnation)."""
+        for write in self.in_flight.values():
+            if write.ctx_epoch == self.ctx.our.epoch:
+                for ref in write.ctx_refs:
+                    assert self.ctx.pool.is_current(ref), (
+                        f"S1: CTX block {ref} reused under {write}"
+                    )
+            gen = self.gens[write.gen_rank]
+            if write.gen_epoch == gen.our.epoch:
+                for ref in write.gen_refs:
+                    assert gen.pool.is_current(ref), f"S1: GEN block {ref} reused under {write}"
+
+    def check_s4_and_ownership(self) -> None:
+        """S4 in every pool, and pool ownership matches the protocol state exactly (no leak)."""
+        for rank in self.ranks():
+            rank.pool.check_invariants()
+            counts = rank.pool.counts()
+            owned = 0
+            for parent, state in rank.parents().items():
+                refs = rank.lease(parent)
+                owned += len(refs)
+                assert rank.pool.holds(parent), f"{parent} live but holds no lease"
+                assert rank.pool.is_quarantined(parent) == (state is ParentState.QUARANTINED), (
+                    parent,
+                    state,
+                )
+            assert counts.leased + counts.quarantined == owned, (
+                f"leak: pool {counts}, parents own {owned}"
+            )

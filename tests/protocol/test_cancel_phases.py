@@ -1,0 +1,376 @@
+"""Cancellation at every phase (DESIGN.md "Cancellation"), and lease expiry.
+
+Each test stops a handoff at one phase, cancels, and asserts exactly what each
+side released, drained or quarantined, and the TERMINAL evidence.
+"""
+
+from __future__ import annotations
+
+from kvhandoff.protocol import (
+    Action,
+    AdmissionStop,
+    Cancel,
+    CancelIntent,
+    CancelReason,
+    CtxRank,
+    DecodeReady,
+    Drain,
+    EdgeState,
+    ParentState,
+    PostChunk,
+    Quarantine,
+    Ready,
+    Release,
+    SendMessage,
+    StopPosting,
+    Terminal,
+    TerminalKind,
+)
+
+from .harness import CTX_DIGEST, Pair, ctx_endpoint, parent_key
+
+P = parent_key(1)
+
+
+def _of(actions: list[Action], kind: type) -> list:  # type: ignore[type-arg]
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def _terminals(pair: Pair) -> list[TerminalKind]:
+    return [
+        a.message.evidence
+        for a in _of(pair.actions, SendMessage)
+        if isinstance(a.message, Terminal)
+    ]
+
+
+def _released(pair: Pair) -> int:
+    return sum(len(a.blocks) for a in _of(pair.actions, Release))
+
+
+def _assert_all_free(pair: Pair) -> None:
+    for rank in pair.ranks():
+        counts = rank.pool.counts()
+        assert counts.free == counts.total, (rank.our, counts)
+    pair.check_s4_and_ownership()
+
+
+def _to_prepared(pair: Pair, chunks: int = 2) -> None:
+    pair.admit(P, chunks=chunks)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+
+
+def test_cancel_before_open() -> None:
+    pair = Pair()
+    pair.admit(P)
+    pair.prefill(P)
+    # The client cancels; the round applies it on every rank before GEN installed.
+    for rank in pair.ranks():
+        pair.perform(rank.cancel(P, CancelReason.CLIENT, pair.now, from_round=True))
+    assert not pair.queue, "no OPEN, no TERMINAL: nothing was exposed"
+    assert pair.ctx.local_not_started(P) and pair.gens[0].local_not_started(P)
+    assert pair.ctx.parent_state(P) is ParentState.SETTLED
+    pair.run_rounds()
+    assert _released(pair) == 4 and not _of(pair.actions, Quarantine)
+    assert not _of(pair.actions, CancelIntent)  # from_round: nothing echoed
+    _assert_all_free(pair)
+
+
+def test_cancel_after_open_before_ready() -> None:
+    pair = Pair()
+    _to_prepared(pair)
+    ticket = pair.tickets(P)[0]
+    gen = pair.gens[0]
+    actions = gen.cancel(P, CancelReason.CLIENT, pair.now)
+    pair.perform(actions)
+    assert [a.message for a in _of(actions, SendMessage)] == [
+        Cancel(ticket=ticket, reason=CancelReason.CLIENT)
+    ]
+    assert _of(actions, CancelIntent) == [CancelIntent(P, CancelReason.CLIENT)]
+    # GEN exposed its blocks in the OPEN: no release before CTX's evidence.
+    assert gen.evidence(ticket).state is EdgeState.CANCELLING
+    assert gen.pool.counts().leased == 2 and gen.parent_state(P) is ParentState.CANCELLING
+    pair.deliver_all()
+    assert pair.ctx.evidence(ticket).state is EdgeState.NOT_STARTED
+    assert gen.evidence(ticket).state is EdgeState.NOT_STARTED
+    assert _terminals(pair) == [TerminalKind.NOT_STARTED]
+    assert not _of(pair.actions, PostChunk) and not _of(pair.actions, Drain)
+    pair.run_rounds()
+    assert _released(pair) == 4 and not _of(pair.actions, Quarantine)
+    _assert_all_free(pair)
+
+
+def test_cancel_after_open_early_release_by_verdict() -> None:
+    """The round's topology-wide NOT_STARTED verdict frees GEN before the TERMINAL arrives."""
+    pair = Pair()
+    _to_prepared(pair)
+    for rank in pair.ranks():
+        pair.perform(rank.cancel(P, CancelReason.CLIENT, pair.now, from_round=True))
+    held = list(pair.queue)
+    pair.queue.clear()  # CANCEL and TERMINAL(NOT_STARTED) still on the wire
+    assert pair.ctx.local_not_started(P) and pair.gens[0].local_not_started(P)
+    pair.run_rounds()
+    assert pair.gens[0].parent_state(P) is ParentState.RELEASED
+    _assert_all_free(pair)
+    # The late messages are stale now and change nothing.
+    snaps = [r.snapshot() for r in pair.ranks()]
+    pair.queue.extend(held)
+    pair.deliver_all()
+    assert [r.snapshot() for r in pair.ranks()] == snaps
+
+
+def test_cancel_after_ready_before_post() -> None:
+    pair = Pair()
+    pair.ctx = CtxRank(
+        ctx_endpoint(),
+        CTX_DIGEST,
+        pair.ctx.pool,
+        transfer_timeout=pair.timeout,
+        post_on_decide=False,
+    )
+    _to_prepared(pair)
+    ticket = pair.tickets(P)[0]
+    pair.decide(P)
+    assert pair.ctx.evidence(ticket).state is EdgeState.READY
+    pair.deliver_all()
+    assert pair.gens[0].evidence(ticket).state is EdgeState.READY
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    assert pair.ctx.start_posting(P, pair.now) == []  # the cancel won: nothing is ever posted
+    pair.deliver_all()
+    assert pair.ctx.evidence(ticket).state is EdgeState.NOT_STARTED
+    assert pair.gens[0].evidence(ticket).state is EdgeState.NOT_STARTED
+    assert _terminals(pair) == [TerminalKind.NOT_STARTED]
+    assert not _of(pair.actions, PostChunk)
+    pair.run_rounds()
+    _assert_all_free(pair)
+
+
+def test_cancel_mid_dma_drains() -> None:
+    pair = Pair(chunk_window=2)
+    _to_prepared(pair, chunks=4)
+    ticket = pair.tickets(P)[0]
+    pair.decide(P)
+    pair.finish_chunk((ticket, 0))  # chunk 2 gets posted; 1 and 2 in flight
+    assert set(pair.in_flight) == {(ticket, 1), (ticket, 2)}
+    pair.deliver_all()  # READY reaches GEN
+    pair.perform(pair.gens[0].cancel(P, CancelReason.CLIENT, pair.now))
+    pair.actions.clear()
+    pair.deliver_all()  # CANCEL reaches CTX
+    assert _of(pair.actions, StopPosting) == [StopPosting(ticket)]
+    (drain,) = _of(pair.actions, Drain)
+    assert drain.in_flight == (1, 2) and drain.deadline == pair.now + pair.timeout
+    assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
+    assert pair.ctx.pool.counts().leased == 2 and pair.gens[0].pool.counts().leased == 2
+    pair.check_s1()
+    pair.finish_chunk((ticket, 1))
+    assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
+    pair.finish_chunk((ticket, 2), ok=False)  # ERR is quiescent too
+    assert pair.ctx.evidence(ticket).state is EdgeState.DRAINED
+    assert not [a for a in pair.actions if isinstance(a, PostChunk) and a.index == 3], (
+        "posted after cancel"
+    )
+    pair.deliver_all()
+    assert pair.gens[0].evidence(ticket).state is EdgeState.DRAINED
+    assert _terminals(pair) == [TerminalKind.DRAINED]
+    pair.run_rounds()
+    assert not _of(pair.actions, Quarantine)
+    _assert_all_free(pair)
+
+
+def test_cancel_mid_dma_with_siblings_is_parent_scoped() -> None:
+    pair = Pair(n_gen=2, chunk_window=1)
+    _to_prepared(pair, chunks=2)
+    first, second = pair.tickets(P)
+    pair.decide(P)
+    pair.deliver_all()
+    pair.perform(pair.gens[0].cancel(P, CancelReason.CLIENT, pair.now))
+    pair.deliver_all()  # CTX drains both edges; GEN 1 learns by TERMINAL
+    assert pair.ctx.evidence(first).state is EdgeState.DRAINING
+    assert pair.ctx.evidence(second).state is EdgeState.DRAINING
+    pair.pump()
+    assert pair.gens[1].evidence(second).state is EdgeState.DRAINED
+    assert pair.gens[1].is_cancelled(P)
+    assert CancelIntent(P, CancelReason.PEER) in pair.actions  # GEN 1 tells its round
+    pair.run_rounds()
+    _assert_all_free(pair)
+
+
+def test_drain_timeout_quarantines_both_sides() -> None:
+    pair = Pair(chunk_window=2)
+    _to_prepared(pair, chunks=2)
+    ticket = pair.tickets(P)[0]
+    pair.decide(P)
+    pair.deliver_all()
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
+    pair.now += pair.timeout  # the posted chunks never report
+    pair.perform(pair.ctx.expire(pair.now))
+    assert pair.ctx.evidence(ticket).state is EdgeState.UNKNOWN
+    assert pair.ctx.parent_state(P) is ParentState.QUARANTINED
+    assert pair.ctx.pool.counts().quarantined == 2
+    pair.deliver_all()
+    assert pair.gens[0].parent_state(P) is ParentState.QUARANTINED
+    assert pair.gens[0].pool.counts().quarantined == 2
+    assert _terminals(pair) == [TerminalKind.UNKNOWN]
+    assert len(_of(pair.actions, AdmissionStop)) == 2
+    pair.check_s1()
+    pair.run_rounds()
+    pair.check_s1()  # rounds never free quarantined blocks
+    # Late completions prove nothing; an explicit proof reclaims.
+    pair.finish_chunk((ticket, 0))
+    pair.finish_chunk((ticket, 1))
+    assert pair.ctx.pool.counts().quarantined == 2
+    pair.perform(pair.ctx.reclaim(P, proof="nixl agent epoch 1 torn down"))
+    assert pair.ctx.pool.counts().quarantined == 0
+
+
+def test_cancel_after_terminal() -> None:
+    pair = Pair()
+    _to_prepared(pair)
+    ticket = pair.tickets(P)[0]
+    pair.decide(P)
+    for key in list(pair.in_flight):
+        pair.finish_chunk(key)
+    assert pair.ctx.evidence(ticket).state is EdgeState.COMPLETED
+    pair.actions.clear()
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    assert not _of(pair.actions, SendMessage) and not _of(pair.actions, Drain)  # nothing to undo
+    pair.deliver_all()  # READY, TERMINAL(COMPLETED) -> RECEIPT
+    assert pair.gens[0].evidence(ticket).state is EdgeState.COMPLETED
+    pair.run_rounds()  # the cancel reaches GEN's round; completion releases without decode
+    assert pair.gens[0].parent_state(P) is ParentState.RELEASED
+    assert not _of(pair.actions, DecodeReady) and not _of(pair.actions, Quarantine)
+    _assert_all_free(pair)
+
+
+def test_cancel_after_receipt() -> None:
+    pair = Pair()
+    _to_prepared(pair)
+    ticket = pair.tickets(P)[0]
+    pair.decide(P)
+    pair.pump()
+    assert pair.ctx.evidence(ticket).state is EdgeState.COMPLETED
+    assert pair.ctx._sessions.get(ticket).receipt_bytes is not None
+    assert pair.ctx.parent_state(P) is ParentState.SETTLED
+    for rank in pair.ranks():
+        pair.perform(rank.cancel(P, CancelReason.CLIENT, pair.now, from_round=True))
+    assert not pair.queue
+    pair.run_rounds()
+    assert not _of(pair.actions, DecodeReady)
+    assert _terminals(pair) == [TerminalKind.COMPLETED]
+    _assert_all_free(pair)
+
+
+def test_cancel_after_decode_ready_keeps_the_kv_until_free() -> None:
+    pair = Pair()
+    pair.handoff(P)
+    gen = pair.gens[0]
+    assert gen.cancel(P, CancelReason.CLIENT, pair.now) == []
+    assert gen.pool.counts().leased == 2
+    pair.free(P)
+    _assert_all_free(pair)
+
+
+# ---- lease expiry ------------------------------------------------------------
+
+
+def test_ctx_lease_expiry_without_gen_releases() -> None:
+    pair = Pair()
+    pair.ctx.admit(P, 3, now=0.0, lease_deadline=5.0)
+    pair.perform(pair.ctx.prefilled(P))
+    assert pair.ctx.expire(4.9) == []
+    actions = pair.ctx.expire(5.0)
+    assert _of(actions, CancelIntent) == [CancelIntent(P, CancelReason.TIMEOUT)]
+    assert [len(a.blocks) for a in _of(actions, Release)] == [3]
+    assert pair.ctx.pool.counts().free == pair.ctx_blocks
+    assert pair.ctx.expire(100.0) == []  # once
+
+
+def test_ctx_lease_expiry_with_prepared_edge_tells_gen_not_started() -> None:
+    pair = Pair()
+    _to_prepared(pair)
+    ticket = pair.tickets(P)[0]
+    pair.now = 5.0
+    pair.perform(pair.ctx.expire(pair.now))
+    assert pair.ctx.parent_state(P) is ParentState.RELEASED
+    assert _terminals(pair) == [TerminalKind.NOT_STARTED]
+    pair.deliver_all()
+    assert pair.gens[0].evidence(ticket).state is EdgeState.NOT_STARTED
+    pair.run_rounds()
+    _assert_all_free(pair)
+    # A late decision for the expired parent publishes nothing.
+    assert not [a for a in pair.ctx.decided(P, pair.now) if isinstance(a, SendMessage)]
+
+
+def test_transfer_timeout_is_a_cancel_intent_not_a_release() -> None:
+    pair = Pair(chunk_window=1)
+    _to_prepared(pair, chunks=3)
+    ticket = pair.tickets(P)[0]
+    pair.decide(P)
+    pair.now += pair.timeout
+    actions = pair.ctx.expire(pair.now)
+    pair.perform(actions)
+    assert CancelIntent(P, CancelReason.TIMEOUT) in actions
+    assert not _of(actions, Release) and not _of(actions, Quarantine)
+    assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
+    pair.finish_chunk((ticket, 0))
+    assert pair.ctx.evidence(ticket).state is EdgeState.DRAINED
+
+
+def test_gen_admitted_never_installed_expires_to_release() -> None:
+    pair = Pair()
+    pair.gens[0].admit(P, 2, now=0.0, deadline=3.0)
+    assert pair.gens[0].expire(2.0) == []
+    assert [len(a.blocks) for a in _of(pair.gens[0].expire(3.0), Release)] == [2]
+
+
+def test_gen_waiting_forever_cancels_then_quarantines() -> None:
+    pair = Pair()
+    pair.admit(P)
+    pair.install(P)
+    pair.queue.clear()  # the CTX never hears the OPEN (it crashed)
+    gen = pair.gens[0]
+    pair.now = pair.timeout
+    first = gen.expire(pair.now)
+    assert CancelIntent(P, CancelReason.TIMEOUT) in first
+    assert [type(a.message) for a in _of(first, SendMessage)] == [Cancel]
+    assert gen.pool.counts().leased == 2  # the OPEN exposed the blocks: keep them
+    pair.now += pair.timeout
+    second = gen.expire(pair.now)
+    assert [len(a.blocks) for a in _of(second, Quarantine)] == [2]
+    assert _of(second, AdmissionStop)
+    assert gen.pool.counts().quarantined == 2
+
+
+def test_peer_restart_with_dma_in_flight_is_unknown() -> None:
+    pair = Pair()
+    _to_prepared(pair)
+    ticket = pair.tickets(P)[0]
+    pair.decide(P)
+    pair.deliver_all()
+    pair.restart_gen(0)  # CTX is told; chunks still in flight
+    assert pair.ctx.evidence(ticket).state is EdgeState.UNKNOWN
+    assert pair.ctx.pool.counts().quarantined == 2
+    pair.check_s1()
+
+
+def test_ctx_restart_quarantines_gen_blocks_it_may_write() -> None:
+    pair = Pair()
+    _to_prepared(pair)
+    pair.decide(P)
+    pair.deliver_all()
+    pair.restart_ctx()
+    assert pair.gens[0].parent_state(P) is ParentState.QUARANTINED
+    pair.check_s1()
+    pair.settle_everything()
+    pair.check_s1()
+
+
+def test_ready_message_is_just_a_ready() -> None:
+    pair = Pair()
+    _to_prepared(pair)
+    pair.decide(P)
+    readies = [a.message for a in _of(pair.actions, SendMessage) if isinstance(a.message, Ready)]
+    assert readies == [Ready(ticket=pair.tickets(P)[0])]

@@ -1,0 +1,118 @@
+"""BlockPool: S4, generations (ABA), all-or-nothing leases, cleanup-once, quarantine."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvhandoff.protocol import BlockPool, BlockRef, BlockState, Cleanup, LeaseError, PoolError
+
+
+def test_lease_bumps_generations_and_counts_add_up() -> None:
+    pool = BlockPool(4)
+    refs = pool.lease("a", 3)
+    assert [r.generation for r in refs] == [1, 1, 1]
+    assert pool.counts().free == 1 and pool.counts().leased == 3
+    assert all(pool.is_current(r) and pool.owner_of(r) == "a" for r in refs)
+    assert pool.release("a") is Cleanup.RELEASED
+    assert not any(pool.is_current(r) for r in refs)  # freed: no incarnation is current
+    again = pool.lease("b", 4)
+    reused = {r.block: r.generation for r in again}
+    for old in refs:
+        assert reused[old.block] == old.generation + 1  # ABA-safe: a new incarnation
+        assert not pool.is_current(old)
+    pool.check_invariants()
+
+
+def test_no_partial_lease() -> None:
+    pool = BlockPool(3)
+    pool.lease("a", 2)
+    with pytest.raises(PoolError):
+        pool.lease("b", 2)
+    assert pool.counts().free == 1 and not pool.holds("b")
+    with pytest.raises(PoolError):
+        pool.lease("c", 0)
+    with pytest.raises(LeaseError):
+        pool.lease("a", 1)  # one lease per owner
+
+
+def test_release_is_cleanup_once() -> None:
+    pool = BlockPool(2)
+    pool.lease("a", 2)
+    assert pool.release("a") is Cleanup.RELEASED
+    pool.lease("b", 2)  # the blocks now belong to b
+    assert pool.release("a") is Cleanup.ALREADY_RELEASED  # reported, b keeps its blocks
+    assert pool.counts().leased == 2 and pool.holds("b")
+    with pytest.raises(LeaseError):
+        pool.release("never")
+    with pytest.raises(LeaseError):
+        pool.lease("a", 1)  # a closed attempt is not reused
+
+
+def test_quarantine_is_never_reused_until_reclaimed() -> None:
+    pool = BlockPool(3)
+    refs = pool.lease("a", 2)
+    assert pool.quarantine("a") is Cleanup.QUARANTINED
+    assert pool.quarantine("a") is Cleanup.ALREADY_QUARANTINED
+    assert pool.release("a") is Cleanup.ALREADY_QUARANTINED  # the ordinary path cannot free it
+    assert all(pool.state_of(r.block) is BlockState.QUARANTINED for r in refs)
+    with pytest.raises(PoolError):
+        pool.lease("b", 2)
+    with pytest.raises(LeaseError):
+        pool.reclaim_quarantine("a", proof="")
+    assert pool.reclaim_quarantine("a", proof="agent epoch 1 gone") is Cleanup.RELEASED
+    assert pool.counts().free == 3
+    with pytest.raises(LeaseError):
+        pool.quarantine("a")  # released owners cannot be quarantined after the fact
+
+
+def test_check_invariants_detects_corruption() -> None:
+    pool = BlockPool(3)
+    pool.lease("a", 1)
+    pool._state[2] = BlockState.LEASED  # a block leased by nobody
+    with pytest.raises(PoolError):
+        pool.check_invariants()
+
+
+def test_bad_construction_and_indices() -> None:
+    with pytest.raises(PoolError):
+        BlockPool(0)
+    pool = BlockPool(1)
+    with pytest.raises(PoolError):
+        pool.state_of(5)
+    assert not pool.is_current(BlockRef(7, 1))
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["lease", "release", "quarantine", "reclaim"]),
+        st.integers(0, 5),
+        st.integers(1, 4),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(OPS)
+def test_random_operations_keep_s4(ops: list[tuple[str, int, int]]) -> None:
+    pool = BlockPool(8)
+    held: dict[int, tuple[BlockRef, ...]] = {}
+    for op, owner, n in ops:
+        before = pool.counts()
+        try:
+            if op == "lease":
+                held[owner] = pool.lease(owner, n)
+            elif op == "release":
+                pool.release(owner)
+            elif op == "quarantine":
+                pool.quarantine(owner)
+            else:
+                pool.reclaim_quarantine(owner, proof="test")
+        except (PoolError, LeaseError):
+            assert pool.counts() == before  # a refused call changes nothing
+        pool.check_invariants()
+        # No two live owners hold the same block incarnation.
+        live = [r for o, refs in held.items() if pool.holds(o) for r in refs]
+        assert len({r.block for r in live}) == len(live)

@@ -1,0 +1,434 @@
+"""Session machines: the tables, the docs rendered from them, default-deny, cleanup-once.
+
+Mirrors protocol/_session.py (h11's test_state.py, h2's test_state_machines.py).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvhandoff.protocol as protocol
+from kvhandoff.protocol import (
+    CTX_EDGE_TRANSITIONS,
+    CTX_PARENT_TRANSITIONS,
+    GEN_EDGE_TRANSITIONS,
+    GEN_PARENT_TRANSITIONS,
+    MACHINES,
+    BlockDescriptor,
+    CancelReason,
+    CleanupSkipped,
+    CtxRank,
+    DecodeReady,
+    DuplicateSessionError,
+    EdgeEvent,
+    EdgeState,
+    GenEdgeSpec,
+    IllegalTransition,
+    LeaseError,
+    Open,
+    ParentEvent,
+    ParentSettled,
+    ParentState,
+    PoolError,
+    PostChunk,
+    Ready,
+    Receipt,
+    Reject,
+    RejectReason,
+    Release,
+    SendMessage,
+    StaleError,
+    Terminal,
+    TerminalKind,
+    UnknownSessionError,
+    reject_for,
+    render_state_tables,
+)
+from kvhandoff.protocol._session import _STATE_DOCS, _fire
+
+from .harness import (
+    CHUNK_BYTES,
+    CTX_DIGEST,
+    Pair,
+    buffer_for,
+    ctx_endpoint,
+    gen_endpoint,
+    make_ticket,
+    parent_key,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+P = parent_key(1)
+
+
+# ---- tables ----------------------------------------------------------------
+
+ALL_PAIRS = [
+    (name, state, event)
+    for name, (_table, states, events) in MACHINES.items()
+    for state in states
+    for event in events
+]
+
+
+@given(st.sampled_from(ALL_PAIRS))
+def test_every_state_event_pair_is_a_transition_or_illegal(
+    pair: tuple[str, object, object],
+) -> None:
+    name, state, event = pair
+    table = MACHINES[name][0]
+    if (state, event) in table:
+        tr = _fire(name, table, state, event)  # type: ignore[arg-type]
+        assert tr is table[(state, event)]
+    else:
+        with pytest.raises(IllegalTransition) as info:
+            _fire(name, table, state, event)  # type: ignore[arg-type]
+        assert (info.value.machine, info.value.state, info.value.event) == (name, state, event)
+
+
+def test_every_pair_enumerated() -> None:
+    # The sampled test above covers this list; make sure it is the full product.
+    assert len(ALL_PAIRS) == 2 * len(ParentState) * len(ParentEvent) + 2 * len(EdgeState) * len(
+        EdgeEvent
+    )
+    for name, state, event in ALL_PAIRS:
+        table = MACHINES[name][0]
+        if (state, event) not in table:
+            with pytest.raises(IllegalTransition):
+                _fire(name, table, state, event)  # type: ignore[arg-type]
+
+
+def test_absorbing_states() -> None:
+    # RELEASED never leaves RELEASED; edge UNKNOWN never leaves UNKNOWN;
+    # QUARANTINED leaves only by RECLAIM.
+    for table in (CTX_PARENT_TRANSITIONS, GEN_PARENT_TRANSITIONS):
+        for (state, event), tr in table.items():
+            if state is ParentState.RELEASED:
+                assert tr.next is ParentState.RELEASED
+            if state is ParentState.QUARANTINED and event is not ParentEvent.RECLAIM:
+                assert tr.next is ParentState.QUARANTINED
+    for table in (CTX_EDGE_TRANSITIONS, GEN_EDGE_TRANSITIONS):
+        for (state, _event), tr in table.items():
+            if state is EdgeState.UNKNOWN:
+                assert tr.next is EdgeState.UNKNOWN and not tr.effects
+    # Release is reachable only from SETTLED/DECODE_READY/expiry/verdict, never from
+    # a state with DMA running.
+    for (state, _event), tr in CTX_PARENT_TRANSITIONS.items():
+        if tr.next is ParentState.RELEASED and state is not ParentState.RELEASED:
+            assert state in (
+                ParentState.ADMITTED,
+                ParentState.RESIDENT,
+                ParentState.SETTLED,
+                ParentState.QUARANTINED,
+            )
+
+
+def test_docs_file_is_the_rendering() -> None:
+    on_disk = (ROOT / "docs" / "state-machines.md").read_text()
+    assert on_disk == render_state_tables(), (
+        "regenerate docs/state-machines.md with render_state_tables()"
+    )
+
+
+def test_rendering_lists_every_row() -> None:
+    text = render_state_tables()
+    for name, (table, _s, _e) in MACHINES.items():
+        assert f"## {name}" in text
+        for (state, event), tr in table.items():
+            assert f"| `{state.value}` | `{event.value}` | `{tr.next.value}` |" in text
+
+
+def test_state_docs_match_enum_comments() -> None:
+    # The docs' state meanings are the enums' one-line comments, verbatim.
+    source = (ROOT / "protocol" / "_session.py").read_text()
+    for member, doc in _STATE_DOCS.items():
+        pattern = rf'{member.name} = "{member.value}"  # (.*)'
+        block = source[source.index(f"class {type(member).__name__}(") :]
+        match = re.search(pattern, block)
+        assert match and match.group(1) == doc, member
+
+
+def test_public_names_exported() -> None:
+    for name in (
+        "CtxRank",
+        "GenRank",
+        "BlockPool",
+        "SessionRegistry",
+        "render_state_tables",
+        "reject_for",
+    ):
+        assert name in protocol.__all__
+
+
+# ---- success path ----------------------------------------------------------
+
+
+def test_success_path_actions_in_order() -> None:
+    pair = Pair(chunk_window=2)
+    pair.admit(P, blocks=3, chunks=3)
+    pair.prefill(P)
+    pair.install(P)
+    (env,) = pair.queue
+    assert isinstance(msgspec.msgpack.decode(env.frame[12:]), dict)  # a real frame went through
+    pair.deliver_all()
+    ticket = pair.tickets(P)[0]
+    assert pair.ctx.evidence(ticket).state is EdgeState.PREPARED
+    assert not [a for a in pair.actions if isinstance(a, PostChunk)], "OPEN alone must not post"
+    pair.actions.clear()
+    pair.decide(P)
+    kinds = [type(a) for a in pair.actions]
+    assert kinds == [SendMessage, PostChunk, PostChunk]  # READY first, then the window
+    assert isinstance(pair.actions[0], SendMessage) and isinstance(pair.actions[0].message, Ready)
+    pair.pump()
+    assert pair.ctx.evidence(ticket).state is EdgeState.COMPLETED
+    assert pair.ctx.evidence(ticket).bytes_done == 3 * CHUNK_BYTES
+    assert pair.gens[0].evidence(ticket).state is EdgeState.COMPLETED
+    settled = [a for a in pair.actions if isinstance(a, ParentSettled)]
+    assert len(settled) == 2 and all(not s.cancelled for s in settled)
+    pair.run_rounds()
+    assert pair.ctx.pool.counts().leased == 0  # CTX released after its completion round
+    assert pair.gens[0].parent_state(P) is ParentState.DECODE_READY
+    assert pair.gens[0].pool.counts().leased == 3  # KV stays with the request
+    pair.free(P)
+    assert pair.gens[0].pool.counts().free == pair.gen_blocks
+
+
+# ---- default-deny on OPEN and on session messages ----------------------------
+
+
+def _resident_pair() -> tuple[Pair, Open]:
+    pair = Pair()
+    pair.admit(P)
+    pair.prefill(P)
+    pair.install(P)
+    env = pair.queue.pop()
+    message = protocol.decode_frame(env.frame)
+    assert isinstance(message, Open)
+    return pair, message
+
+
+def _variants(good: Open) -> list[tuple[Open, type[Exception]]]:
+    t = good.ticket
+    r = msgspec.structs.replace
+    return [
+        (r(good, ticket=r(t, ctx=ctx_endpoint(epoch=7))), StaleError),
+        (r(good, ticket=r(t, ctx_digest=bytes(32))), StaleError),
+        (r(good, ticket=r(t, ctx_attempt=3)), StaleError),
+        (r(good, ticket=r(t, gen_attempt=3)), StaleError),
+        (r(good, ticket=r(t, request_id="never-seen")), UnknownSessionError),
+        (r(good, buffer=r(good.buffer, endpoint_epoch=99)), StaleError),
+    ]
+
+
+def test_open_default_deny_changes_nothing() -> None:
+    pair, good = _resident_pair()
+    before = pair.ctx.snapshot()
+    for bad, error in _variants(good):
+        with pytest.raises(error):
+            pair.ctx.receive_open(bad, pair.now)
+        assert pair.ctx.snapshot() == before
+    pair.ctx.receive_open(good, pair.now)
+    with pytest.raises(DuplicateSessionError):
+        pair.ctx.receive_open(good, pair.now)
+
+
+def test_open_before_prefill_is_illegal_and_rejected() -> None:
+    pair = Pair()
+    pair.admit(P)
+    pair.install(P)
+    pair.deliver_all()  # CTX refuses, answers REJECT; GEN takes it as NOT_STARTED
+    assert isinstance(pair.errors[0], IllegalTransition)
+    ticket = pair.tickets(P)[0]
+    assert pair.gens[0].evidence(ticket).state is EdgeState.NOT_STARTED
+    assert pair.ctx.parent_state(P) is ParentState.ADMITTED
+
+
+def test_session_messages_need_the_exact_ticket() -> None:
+    pair = Pair()
+    pair.handoff(P)
+    ticket = pair.tickets(P)[0]
+    snap = [r.snapshot() for r in pair.ranks()]
+    r = msgspec.structs.replace
+    for bad in (
+        r(ticket, gen=gen_endpoint(epoch=5)),
+        r(ticket, gen_attempt=9),
+        r(ticket, gen_digest=bytes(32)),
+    ):
+        with pytest.raises(StaleError):
+            pair.ctx.receive_receipt(Receipt(ticket=bad, bytes_received=1))
+        with pytest.raises((StaleError, UnknownSessionError)):
+            pair.gens[0].receive_terminal(
+                Terminal(ticket=bad, evidence=TerminalKind.UNKNOWN), pair.now
+            )
+    assert [x.snapshot() for x in pair.ranks()] == snap
+
+
+def test_closed_session_is_stale_not_unknown() -> None:
+    pair = Pair()
+    pair.handoff(P)
+    ticket = pair.tickets(P)[0]
+    with pytest.raises(StaleError) as info:
+        pair.ctx.receive_receipt(Receipt(ticket=ticket, bytes_received=2 * CHUNK_BYTES))
+    assert "closed" in str(info.value)
+
+
+def test_install_checks_descriptors_against_the_lease() -> None:
+    pair = Pair()
+    pair.admit(P)
+    pair.admit(parent_key(2))
+    gen = pair.gens[0]
+    ticket = pair.tickets(P)[0]
+    refs = gen.lease(P)
+    stale = buffer_for(refs, gen.our.epoch)
+    stale = msgspec.structs.replace(
+        stale, blocks=[BlockDescriptor(refs[0].block, refs[0].generation + 1, 0, 1)]
+    )
+    foreign = buffer_for(gen.lease(parent_key(2)), gen.our.epoch)
+    before = gen.snapshot()
+    with pytest.raises(StaleError):
+        gen.install(
+            P, [GenEdgeSpec(ticket=ticket, buffer=stale, num_tokens=1, expected_bytes=1)], 0.0
+        )
+    with pytest.raises(PoolError):
+        gen.install(
+            P, [GenEdgeSpec(ticket=ticket, buffer=foreign, num_tokens=1, expected_bytes=1)], 0.0
+        )
+    with pytest.raises(StaleError):
+        wrong = make_ticket(P, pair.ctx.our, gen_endpoint(epoch=4))
+        gen.install(
+            P,
+            [GenEdgeSpec(ticket=wrong, buffer=buffer_for(refs, 1), num_tokens=1, expected_bytes=1)],
+            0.0,
+        )
+    assert gen.snapshot() == before
+
+
+def test_completed_with_wrong_bytes_is_not_decode_ready() -> None:
+    pair = Pair()
+    pair.admit(P)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    ticket = pair.tickets(P)[0]
+    actions = pair.gens[0].receive_terminal(
+        Terminal(ticket=ticket, evidence=TerminalKind.COMPLETED, bytes_done=1), pair.now
+    )
+    assert not any(isinstance(a, SendMessage) and isinstance(a.message, Receipt) for a in actions)
+    assert pair.gens[0].evidence(ticket).state is EdgeState.DRAINED
+    assert pair.gens[0].is_cancelled(P)
+
+
+def test_reject_from_a_restarted_ctx_proves_nothing() -> None:
+    pair, good = _resident_pair()
+    new_ctx = ctx_endpoint(epoch=2)
+    reject = reject_for(good, StaleError("ctx epoch", 1, 2), new_ctx)
+    assert reject.ticket.ctx == new_ctx
+    with pytest.raises(StaleError):
+        pair.gens[0].receive_reject(reject, pair.now)
+    assert pair.gens[0].evidence(good.ticket).state is EdgeState.OPEN_PROPOSED
+    # From the incarnation it was sent to, the same REJECT is NOT_STARTED evidence.
+    same = reject_for(good, StaleError("x", 1, 2), good.ticket.ctx)
+    assert same.reason is RejectReason.STALE
+    pair.gens[0].receive_reject(same, pair.now)
+    assert pair.gens[0].evidence(good.ticket).state is EdgeState.NOT_STARTED
+
+
+def test_duplicate_reject_is_a_no_op() -> None:
+    pair, good = _resident_pair()
+    before = pair.gens[0].snapshot()
+    pair.gens[0].receive_reject(Reject(ticket=good.ticket, reason=RejectReason.DUPLICATE), 0.0)
+    assert pair.gens[0].snapshot() == before
+
+
+# ---- cleanup-once ------------------------------------------------------------
+
+
+def test_free_twice_is_reported_never_a_double_free() -> None:
+    pair = Pair()
+    pair.handoff(P)
+    gen = pair.gens[0]
+    (release,) = [a for a in gen.free(P) if isinstance(a, Release)]
+    assert len(release.blocks) == 2
+    free_after = gen.pool.counts().free
+    again = gen.free(P)
+    assert again == [CleanupSkipped(P, ParentState.RELEASED, ParentEvent.FREE)]
+    assert gen.pool.counts().free == free_after
+    assert pair.ctx.completed(P) == [CleanupSkipped(P, ParentState.RELEASED, ParentEvent.COMPLETE)]
+
+
+def test_one_completed_child_cannot_release_a_partial_parent() -> None:
+    pair = Pair(n_gen=2, chunk_window=1)
+    pair.admit(P, chunks=2)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    first, second = pair.tickets(P)
+    # Finish only the first edge's chunks.
+    while any(k[0] == first for k in pair.in_flight):
+        pair.finish_chunk(next(k for k in pair.in_flight if k[0] == first))
+    assert pair.ctx.evidence(first).state is EdgeState.COMPLETED
+    assert pair.ctx.evidence(second).state is EdgeState.POSTING
+    leased = pair.ctx.pool.counts().leased
+    with pytest.raises(IllegalTransition):
+        pair.ctx.completed(P)
+    with pytest.raises(LeaseError):
+        pair.ctx.release_not_started(P)
+    assert pair.ctx.pool.counts().leased == leased
+    pair.deliver_all()
+    pair.run_rounds()
+    assert pair.ctx.parent_state(P) is ParentState.DECIDED  # the CTX round did not release
+    assert pair.ctx.pool.counts().leased == leased
+
+
+def test_gen_completion_round_is_the_intersection() -> None:
+    pair = Pair(n_gen=2, chunk_window=1)
+    pair.admit(P, chunks=1)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    first, _second = pair.tickets(P)
+    pair.finish_chunk(next(k for k in pair.in_flight if k[0] == first))
+    pair.deliver_all()
+    pair.run_rounds()
+    assert pair.gens[0].parent_state(P) is ParentState.SETTLED  # waits for gen 1
+    assert not pair.decode_ready
+    pair.pump()
+    pair.run_rounds()
+    assert pair.decode_ready == {P}
+
+
+def test_cancel_is_idempotent() -> None:
+    pair = Pair()
+    pair.admit(P)
+    first = pair.ctx.cancel(P, CancelReason.CLIENT, 0.0)
+    assert first and pair.ctx.is_cancelled(P)
+    snap = pair.ctx.snapshot()
+    assert pair.ctx.cancel(P, CancelReason.CLIENT, 0.0) == []
+    assert pair.ctx.snapshot() == snap
+
+
+def test_unknown_parent_and_bad_construction() -> None:
+    pair = Pair()
+    with pytest.raises(UnknownSessionError):
+        pair.ctx.cancel(P, CancelReason.CLIENT, 0.0)
+    pair.admit(P)
+    with pytest.raises(StaleError):
+        pair.ctx.cancel(parent_key(1, ctx_attempt=1), CancelReason.CLIENT, 0.0)
+    with pytest.raises(LeaseError):
+        CtxRank(gen_endpoint(), CTX_DIGEST, pair.ctx.pool)
+    with pytest.raises(LeaseError):
+        CtxRank(ctx_endpoint(), CTX_DIGEST, pair.ctx.pool, transfer_timeout=0)
+
+
+def test_decode_ready_action_only_on_success() -> None:
+    pair = Pair()
+    pair.handoff(P)
+    assert [a for a in pair.actions if isinstance(a, DecodeReady)] == [DecodeReady(P)]
