@@ -1,0 +1,317 @@
+"""`Deployment`: the client API (used by the CLI, the Ray job and the notebook).
+
+A deployment is one CTX instance and one GEN instance of rank actors, one
+coordinator per instance, and a directory where ranks find each other:
+
+    dep = await Deployment.launch(ctx_tp=2, gen_tp=1)
+    result = await dep.handoff("req-1", num_tokens=100)   # admit → ... → decode-ready
+    await dep.cancel("req-2")                               # at any moment
+    print(await dep.stats()); await dep.shutdown()
+
+`SyncDeployment` wraps it for scripts (`Deployment.launch_sync(...)`).
+
+One handoff (DESIGN.md "Lifecycle"):
+1. CTX admission round: every CTX rank leases blocks and prefills them with the
+   request's pattern (actors/_pattern.py).
+2. GEN admission round: every GEN rank leases blocks. The round's apply phase
+   finishing on every rank is the installation barrier.
+3. Each GEN rank installs the session and sends OPEN on each of its edges; a
+   CTX rank that has every edge of the parent prepared reports it, and the CTX
+   round that sees every rank prepared decides the parent: READY, then DMA in
+   chunks, then TERMINAL(COMPLETED); the GEN rank answers RECEIPT.
+4. Each GEN rank verifies every byte of its shard (S2); the GEN completion round
+   (intersection) makes the request decode-ready; the CTX completion round
+   releases the CTX blocks exactly once. The client then frees the GEN blocks.
+Cancellation enters as a cancel in both instances' next rounds; every rank then
+drains, proves NOT_STARTED, or quarantines (UNKNOWN), per the protocol layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import msgspec
+import ray
+
+from kvhandoff.actors._coordinator import Coordinator, CoordinatorError
+from kvhandoff.actors._dataplane import FaultPlan
+from kvhandoff.actors._directory import Directory
+from kvhandoff.actors.rank import RankActor, RankConfig
+from kvhandoff.protocol import Endpoint, MemoryKind, ParentKey, Role
+from kvhandoff.topology import KVLayout, TopologySpec, qualify_pair
+
+__all__ = ["Deployment", "SyncDeployment", "HandoffResult", "DEFAULT_LAYOUT"]
+
+T = TypeVar("T")
+
+#: A small model-like layout for host-memory demos: 4 layers, 8 KV heads of 64
+#: fp16 dims, 16 tokens per block (128 KiB per block at TP=1).
+DEFAULT_LAYOUT = KVLayout(num_layers=4, num_kv_heads=8, head_dim=64, dtype="float16", tokens_per_block=16)
+
+
+class HandoffResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What one handoff ended as."""
+
+    request_id: str
+    outcome: str  # completed | cancelled | rejected | failed | timeout
+    bytes_verified: int = 0
+    latency_s: float = 0.0
+    ctx_outcomes: tuple[str, ...] = ()
+    gen_outcomes: tuple[str, ...] = ()
+
+
+class _RankFactory:
+    """Picklable `(rank, epoch) -> handle` for the coordinator (creates and restarts ranks)."""
+
+    def __init__(self, configs: list[RankConfig], resources: list[dict[str, Any]]) -> None:
+        self.configs = configs
+        self.resources = resources
+
+    def __call__(self, rank: int, epoch: int) -> Any:
+        return RankActor.options(**self.resources[rank]).remote(self.configs[rank], epoch)
+
+
+class Deployment:
+    """A CTX instance and a GEN instance with their coordinators (async API)."""
+
+    def __init__(self) -> None:
+        self.name = ""
+        self.ctx_spec: TopologySpec
+        self.gen_spec: TopologySpec
+        self.layout = DEFAULT_LAYOUT
+        self.qualified = True
+        self.unqualified_reasons: tuple[str, ...] = ()
+        self._coords: dict[Role, Any] = {}
+        self._directory: Any = None
+        self._ids = itertools.count()
+
+    # -- launch ---------------------------------------------------------------------
+
+    @classmethod
+    async def launch(
+        cls,
+        *,
+        ctx_tp: int = 2,
+        gen_tp: int = 1,
+        layout: KVLayout | None = None,
+        pool_blocks: int = 64,
+        memory: str = "DRAM",
+        chunk_bytes: int = 256 << 10,
+        transfer_timeout_s: float = 10.0,
+        lease_timeout_s: float = 30.0,
+        round_timeout_s: float = 5.0,
+        max_restarts: int = 3,
+        fault_plan: FaultPlan | None = None,
+        ctx_overrides: dict[str, Any] | None = None,
+        gen_overrides: dict[str, Any] | None = None,
+        name: str | None = None,
+    ) -> Deployment:
+        """Start the actors on the current Ray cluster (`ray.init()` it first, or
+        let this call start a local one)."""
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False)
+        self = cls()
+        self.name = name or f"kvh-{uuid.uuid4().hex[:8]}"
+        self.layout = layout or DEFAULT_LAYOUT
+        mem = MemoryKind(memory)
+        common = {"memory": mem, "transfer_timeout_s": transfer_timeout_s}
+        self.ctx_spec = TopologySpec(instance_id=f"{self.name}-ctx", role=Role.CTX, tp=ctx_tp, **common, **(ctx_overrides or {}))
+        self.gen_spec = TopologySpec(instance_id=f"{self.name}-gen", role=Role.GEN, tp=gen_tp, **common, **(gen_overrides or {}))
+        verdict = qualify_pair(self.ctx_spec, self.gen_spec)
+        self.qualified = verdict.qualified
+        self.unqualified_reasons = verdict.reasons
+        device = "cuda" if mem is MemoryKind.VRAM else "cpu"
+        self._directory = Directory.options(name=f"{self.name}.directory").remote()
+        for spec, peer in ((self.ctx_spec, self.gen_spec), (self.gen_spec, self.ctx_spec)):
+            configs = [
+                RankConfig(
+                    deployment=self.name,
+                    spec=spec,
+                    peer_spec=peer,
+                    layout=self.layout,
+                    rank=r,
+                    pool_blocks=pool_blocks,
+                    chunk_bytes=chunk_bytes,
+                    lease_timeout_s=lease_timeout_s,
+                    device=device,
+                    fault_plan=fault_plan if spec.role is Role.CTX else None,
+                    conservative=not self.qualified,
+                )
+                for r in range(spec.tp)
+            ]
+            resources = [
+                {"num_cpus": 0, "num_gpus": 1 if device == "cuda" else 0} for _ in range(spec.tp)
+            ]
+            self._coords[spec.role] = Coordinator.options(name=f"{self.name}.coord.{spec.role.value}").remote(
+                spec.instance_id,
+                rank_factory=_RankFactory(configs, resources),
+                tp=spec.tp,
+                round_timeout=round_timeout_s,
+                max_restarts=max_restarts,
+            )
+        epochs = await asyncio.gather(*(c.epochs.remote() for c in self._coords.values()))
+        expected = {role.value: e for role, e in zip(self._coords, epochs)}
+        if not await self._directory.wait_for.remote(expected, 60.0):
+            raise CoordinatorError(f"{self.name}: rank actors did not register in time")
+        await asyncio.gather(*(h.connect.remote() for h in await self._all_ranks()))
+        return self
+
+    @classmethod
+    def launch_sync(cls, **kwargs: Any) -> SyncDeployment:
+        """`launch` for scripts: returns a blocking wrapper with the same methods."""
+        runner = _LoopThread()
+        return SyncDeployment(runner.run(cls.launch(**kwargs)), runner)
+
+    # -- the client API ------------------------------------------------------------------
+
+    def parent(self, request_id: str) -> ParentKey:
+        return ParentKey(request_id=request_id, ctx_attempt=0, gen_attempt=0)
+
+    async def ranks(self, role: Role) -> list[Any]:
+        return list(await self._coords[role].rank_handles.remote())
+
+    async def _all_ranks(self) -> list[Any]:
+        return [*(await self.ranks(Role.CTX)), *(await self.ranks(Role.GEN))]
+
+    async def ctx_endpoints(self) -> list[Endpoint]:
+        entries = await self._directory.all_of.remote(Role.CTX.value)
+        return [entry[0] for entry, _ in entries]
+
+    async def admit(self, request_id: str, num_tokens: int) -> bool:
+        """Both admission rounds (CTX leases and prefills, then GEN leases)."""
+        parent = self.parent(request_id)
+        if not await self._coords[Role.CTX].admit.remote(parent, num_tokens):
+            return False
+        if not await self._coords[Role.GEN].admit.remote(parent, num_tokens):
+            await self._coords[Role.CTX].cancel.remote(parent)
+            return False
+        return True
+
+    async def send_opens(self, request_id: str, gen_ranks: list[int] | None = None) -> int:
+        """Each (or the listed) GEN rank installs the session and sends its OPENs."""
+        parent = self.parent(request_id)
+        endpoints = await self.ctx_endpoints()
+        handles = await self.ranks(Role.GEN)
+        chosen = range(len(handles)) if gen_ranks is None else gen_ranks
+        sent = await asyncio.gather(*(handles[g].send_opens.remote(parent, endpoints) for g in chosen))
+        return sum(sent)
+
+    async def wait(self, request_id: str, role: Role, timeout: float) -> list[str]:
+        parent = self.parent(request_id)
+        handles = await self.ranks(role)
+        return list(await asyncio.gather(*(h.wait.remote(parent, timeout) for h in handles)))
+
+    async def handoff(self, request_id: str, num_tokens: int, *, timeout: float = 60.0) -> HandoffResult:
+        """Run one request end to end; returns its outcome (never raises for a
+        cancelled or rejected request)."""
+        start = time.perf_counter()
+        if not await self.admit(request_id, num_tokens):
+            return HandoffResult(request_id=request_id, outcome="rejected", latency_s=time.perf_counter() - start)
+        await self.send_opens(request_id)
+        gen = await self.wait(request_id, Role.GEN, timeout)
+        latency = time.perf_counter() - start
+        verified = 0
+        if all(o == "completed" for o in gen):
+            verified = await self._free(request_id)
+        ctx = await self.wait(request_id, Role.CTX, timeout)
+        outcome = _overall(gen, ctx)
+        return HandoffResult(
+            request_id=request_id,
+            outcome=outcome,
+            bytes_verified=verified,
+            latency_s=latency,
+            ctx_outcomes=tuple(ctx),
+            gen_outcomes=tuple(gen),
+        )
+
+    async def _free(self, request_id: str) -> int:
+        parent = self.parent(request_id)
+        handles = await self.ranks(Role.GEN)
+        sizes = await asyncio.gather(*(h.free.remote(parent) for h in handles))
+        return int(sum(sizes))
+
+    async def cancel(self, request_id: str) -> None:
+        """Cancel a request at any moment: both instances decide it in their next round."""
+        parent = self.parent(request_id)
+        await asyncio.gather(*(c.cancel.remote(parent) for c in self._coords.values()), return_exceptions=True)
+
+    async def stats(self) -> dict[str, Any]:
+        """Per-rank pool counts and counters, and each coordinator's stats."""
+        ranks = await self._all_ranks()
+        per_rank = await asyncio.gather(*(h.stats.remote() for h in ranks), return_exceptions=True)
+        coords = await asyncio.gather(*(c.stats.remote() for c in self._coords.values()))
+        return {
+            "name": self.name,
+            "qualified": self.qualified,
+            "unqualified_reasons": list(self.unqualified_reasons),
+            "ranks": [s if isinstance(s, dict) else {"error": repr(s)} for s in per_rank],
+            "coordinators": {role.value: c for role, c in zip(self._coords, coords)},
+        }
+
+    async def shutdown(self) -> None:
+        for coord in self._coords.values():
+            with contextlib.suppress(Exception):
+                await coord.shutdown.remote()
+            ray.kill(coord)
+        if self._directory is not None:
+            ray.kill(self._directory)
+
+
+def _overall(gen: list[str], ctx: list[str]) -> str:
+    if all(o == "completed" for o in gen):
+        return "completed"
+    every = set(gen) | set(ctx)
+    if "quarantined" in every or "failed" in every:
+        return "failed"
+    if "timeout" in every:
+        return "timeout"
+    if "rejected" in every and not ({"cancelled", "released"} & every):
+        return "rejected"
+    return "cancelled"
+
+
+class _LoopThread:
+    """An event loop in a daemon thread, for the synchronous wrapper."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="kvhandoff-loop")
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class SyncDeployment:
+    """Blocking wrapper around `Deployment` for scripts and Ray jobs."""
+
+    def __init__(self, deployment: Deployment, runner: _LoopThread) -> None:
+        self.deployment = deployment
+        self._runner = runner
+
+    def handoff(self, request_id: str, num_tokens: int, **kw: Any) -> HandoffResult:
+        return self._runner.run(self.deployment.handoff(request_id, num_tokens, **kw))
+
+    def cancel(self, request_id: str) -> None:
+        self._runner.run(self.deployment.cancel(request_id))
+
+    def stats(self) -> dict[str, Any]:
+        return self._runner.run(self.deployment.stats())
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run any coroutine (e.g. a workload) on the deployment's loop."""
+        return self._runner.run(coro)
+
+    def shutdown(self) -> None:
+        self._runner.run(self.deployment.shutdown())
+        self._runner.stop()

@@ -1,0 +1,662 @@
+"""`RankActor`: one rank of one instance (CTX or GEN) as a Ray async actor.
+
+Theory of operation (DESIGN.md "Lifecycle", "Agreement rounds", STYLE.md 5)
+---------------------------------------------------------------------------
+The actor is an I/O shell around one sans-IO protocol object (`CtxRank` or
+`GenRank` from `kvhandoff.protocol`) and its `BlockPool`. It makes no protocol
+decision itself: every entry point decodes or gathers the event, hands it to
+the protocol object in an await-free critical section, and then *performs* the
+returned actions (`_perform`): send a frame to a peer rank actor, post a NIXL
+WRITE chunk, poison released GEN blocks, feed intents to the next round.
+
+It holds:
+- a `KVBuffer` (one registered region: the rank's block pool memory) and a
+  `NixlTransport` whose agent name is unique per endpoint epoch;
+- a `RoundMember` through which its coordinator runs the agreement rounds
+  (`round_identity/join/vote/apply` are exposed as actor methods);
+- a poll task (owned, cancelled on shutdown) that polls posted chunks to DONE
+  or ERR and ticks `expire(now)`; it only reports results to the protocol
+  object and records intents, never frees memory on its own.
+
+Lock and await ordering: the actor runs on one event loop; every handler
+mutates protocol state only between awaits (see actors/_member.py and
+docs/rounds.md). Frames to peers are submitted with `.remote()` synchronously
+inside `_perform`, so frames from this rank to one peer are submitted in the
+order the protocol produced them (READY before TERMINAL); the resulting refs are
+awaited by owned tasks only to log delivery failures.
+
+Round channels used (protocol/_rounds.py): admissions (every rank leases),
+`prepared` → `decided` (CTX: every edge of the parent prepared on every rank:
+publish READY and post), completions (intersection: success), cancels and
+failures (union). A parent that was cancelled or failed is released per rank
+once every local edge has terminal evidence proving quiescence (the evidence
+is the proof; no further round is needed for that rank's own blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from typing import Any
+
+import msgspec
+import ray
+import torch
+
+from kvhandoff.actors._dataplane import (
+    Chunk,
+    FaultPlan,
+    FaultyTransport,
+    KVBuffer,
+    NixlTransport,
+    XferState,
+    split_chunks,
+)
+from kvhandoff.actors._member import RoundMember, VoteNews
+from kvhandoff.actors._pattern import POISON, expected_blocks, request_seed
+from kvhandoff.protocol import (
+    Action,
+    AdmissionStop,
+    BlockDescriptor,
+    BlockPool,
+    BufferInfo,
+    Cancel,
+    CancelIntent,
+    CancelReason,
+    CleanupSkipped,
+    ContextTicket,
+    CtxRank,
+    DecodeReady,
+    Drain,
+    EdgeState,
+    Endpoint,
+    GenEdgeSpec,
+    GenRank,
+    LeaseError,
+    MemoryKind,
+    Open,
+    ParentKey,
+    ParentSettled,
+    ParentState,
+    PoolError,
+    PostChunk,
+    ProtocolError,
+    Quarantine,
+    RankNamespace,
+    Release,
+    Role,
+    RoundDecision,
+    RoundProposal,
+    SendMessage,
+    StopPosting,
+    UnknownSessionError,
+    decode_frame,
+    encode_frame,
+    reject_for,
+)
+from kvhandoff.topology import (
+    KVLayout,
+    TopologySpec,
+    block_bytes,
+    blocks_for_tokens,
+    heads_per_rank,
+    shard_map,
+    topology_digest,
+)
+
+log = logging.getLogger("kvhandoff.rank")
+
+__all__ = ["RankConfig", "RankActor", "RankCore", "agent_name"]
+
+
+class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything one rank actor needs; the same for every incarnation but `epoch`."""
+
+    deployment: str  # namespace of the named directory actor
+    spec: TopologySpec  # our instance
+    peer_spec: TopologySpec  # the other side's instance
+    layout: KVLayout
+    rank: int
+    pool_blocks: int
+    chunk_bytes: int = 1 << 20
+    lease_timeout_s: float = 30.0
+    poll_interval_s: float = 0.0005
+    device: str = "cpu"
+    fault_plan: FaultPlan | None = None
+    #: Outside the qualified scope (topology/_gate.py): a cancel never
+    #: interrupts a decided transfer; it waits for it to finish, then releases.
+    conservative: bool = False
+
+
+def agent_name(deployment: str, ns: RankNamespace, epoch: int) -> str:
+    """NIXL agent names are unique per endpoint epoch: a restarted rank is a new agent."""
+    return f"{deployment}.{ns.instance_id}.{ns.role.value}{ns.rank}.e{epoch}"
+
+
+class RankCore:
+    """The rank actor's implementation (`RankActor` is this class as a Ray actor)."""
+
+    def __init__(self, config: RankConfig, epoch: int) -> None:
+        self.config = config
+        spec, peer = config.spec, config.peer_spec
+        self.role = spec.role
+        self.ns = RankNamespace(instance_id=spec.instance_id, role=spec.role, rank=config.rank)
+        self.our = Endpoint(ns=self.ns, epoch=epoch)
+        self.digest = topology_digest(spec)
+        self.peer_digest = topology_digest(peer)
+        ctx_spec, gen_spec = (spec, peer) if self.role is Role.CTX else (peer, spec)
+        self.ctx_digest = topology_digest(ctx_spec)
+        self.gen_digest = topology_digest(gen_spec)
+        self.shards = shard_map(config.layout, ctx_spec.tp, gen_spec.tp)
+        self.block_bytes = block_bytes(config.layout, spec.tp)
+        self.local_heads = heads_per_rank(config.layout, spec.tp)
+        self.buffer = KVBuffer(config.pool_blocks, self.block_bytes, config.device)
+        self.pool = BlockPool(config.pool_blocks)
+        name = agent_name(config.deployment, self.ns, epoch)
+        if config.fault_plan is not None:
+            self.transport: NixlTransport = FaultyTransport(name, self.buffer, config.fault_plan)
+        else:
+            self.transport = NixlTransport(name, self.buffer)
+        timeout = spec.transfer_timeout_s
+        self.side: CtxRank | GenRank
+        if self.role is Role.CTX:
+            self.side = CtxRank(self.our, self.digest, self.pool, transfer_timeout=timeout)
+        else:
+            self.side = GenRank(self.our, self.digest, self.pool, transfer_timeout=timeout)
+        self.member = RoundMember(config.rank, epoch, self._vote, self._apply, topology_digest=None)
+        # Peers: endpoint epoch -> actor handle, filled from the directory.
+        self._peer_handles: dict[tuple[str, int], tuple[Endpoint, Any]] = {}
+        self._coordinator: Any = None
+        # CTX data plane state.
+        self._chunks: dict[ContextTicket, list[list[tuple[int, int, int]]]] = {}
+        self._in_flight: dict[tuple[ContextTicket, int], Chunk] = {}
+        self._peer_agent: dict[ContextTicket, str] = {}
+        self._prepared_reported: set[ParentKey] = set()
+        self._verified: dict[ParentKey, int] = {}
+        self._deferred: set[ParentKey] = set()  # conservative path: cancels waiting for DMA
+        self._tokens: dict[ParentKey, int] = {}
+        # Outcomes and waiters (for the client API).
+        self._outcome: dict[ParentKey, str] = {}
+        self._waiters: dict[ParentKey, list[asyncio.Future[str]]] = collections.defaultdict(list)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._poll_task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.violations: list[str] = []
+        self._register()
+
+    # -- identity, directory, peers ---------------------------------------------
+
+    def _directory(self) -> Any:
+        return ray.get_actor(f"{self.config.deployment}.directory")
+
+    def _register(self) -> None:
+        entry = (self.our, self.transport.name, self.transport.metadata())
+        handle = ray.get_runtime_context().current_actor
+        # Fire-and-forget: the directory only stores it; lookups wait for it.
+        self._own(self._directory().register.remote(self.role.value, self.config.rank, entry, handle))
+
+    async def _peer(self, their: Endpoint) -> Any:
+        key = (their.ns.role.value, their.ns.rank)
+        cached = self._peer_handles.get(key)
+        if cached is not None and cached[0] == their:
+            return cached[1]
+        found = await self._directory().lookup.remote(key[0], key[1])
+        if found is None:
+            raise UnknownSessionError(f"no rank actor registered for {their}")
+        (endpoint, name, metadata), handle = found
+        self._peer_handles[key] = (endpoint, handle)
+        if self.role is Role.CTX and name not in self.transport.peers:
+            self.transport.add_peer(metadata)
+        if endpoint != their:
+            return None  # the peer restarted: the message is stale
+        return handle
+
+    async def connect(self) -> list[Endpoint]:
+        """Learn every current peer endpoint (and NIXL agent, on CTX)."""
+        peer_role = Role.GEN if self.role is Role.CTX else Role.CTX
+        peers = await self._directory().all_of.remote(peer_role.value)
+        endpoints = []
+        for (endpoint, name, metadata), handle in peers:
+            self._peer_handles[(peer_role.value, endpoint.ns.rank)] = (endpoint, handle)
+            if self.role is Role.CTX and name not in self.transport.peers:
+                self.transport.add_peer(metadata)
+            endpoints.append(endpoint)
+        return endpoints
+
+    def set_coordinator(self, handle: Any) -> None:
+        self._coordinator = handle
+
+    def _nudge(self) -> None:
+        """Tell our coordinator we have news (fire-and-forget: ranks never await rounds)."""
+        if self._coordinator is None:
+            name = f"{self.config.deployment}.coord.{self.role.value}"
+            try:
+                self._coordinator = ray.get_actor(name)
+            except ValueError:  # not up yet: the next round carries the news anyway
+                return
+        self._own(self._coordinator.nudge.remote(self.config.rank, self.our.epoch))
+
+    def _own(self, awaitable: Any) -> None:
+        """Keep a reference to a fire-and-forget call; log if it fails."""
+
+        async def watch() -> None:
+            try:
+                await awaitable
+            except Exception as exc:  # delivery failure: the protocol's timeouts handle it
+                self.counters["send_failures"] += 1
+                log.warning("rank %s: call failed: %r", self.ns, exc)
+
+        task = asyncio.get_running_loop().create_task(watch()) if _loop_running() else None
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    # -- rounds -------------------------------------------------------------------
+
+    def _vote(self, proposal: RoundProposal) -> VoteNews:
+        now = time.monotonic()
+        ok = []
+        for request in proposal.admissions:
+            n = blocks_for_tokens(self.config.layout, request.num_tokens)
+            try:
+                if isinstance(self.side, CtxRank):
+                    self.side.admit(
+                        request.parent, n, now=now, lease_deadline=now + self.config.lease_timeout_s
+                    )
+                else:
+                    self.side.admit(request.parent, n, now=now)
+            except PoolError:
+                self.counters["admit_refused"] += 1
+                continue
+            self._tokens[request.parent] = request.num_tokens
+            ok.append(request.parent)
+        return VoteNews(admit_ok=tuple(ok))
+
+    def _apply(self, decision: RoundDecision) -> None:
+        now = time.monotonic()
+        parents = self.side.parents()
+        for parent in decision.rejected:
+            # Leased tentatively in our vote: nothing was exposed, give it back.
+            if parents.get(parent) is ParentState.ADMITTED:
+                self._perform(self.side.release_not_started(parent))
+                self._finish(parent, "rejected")
+        for parent in decision.admitted:
+            if parent in parents and isinstance(self.side, CtxRank):
+                self._prefill(parent)
+                self._perform(self.side.prefilled(parent))
+        for parent in getattr(decision, "decided", ()):
+            if isinstance(self.side, CtxRank) and parent in parents:
+                self._perform(self.side.decided(parent, now))
+        for parent in decision.cancelled:
+            if parent in parents and not self._defer_cancel(parent):
+                self._perform(self.side.cancel(parent, CancelReason.CLIENT, now, from_round=True))
+        for parent in decision.failed:
+            if parent in parents:
+                self._perform(self.side.cancel(parent, CancelReason.FAILURE, now, from_round=True))
+        for parent in decision.completed:
+            if parent in parents:
+                self._perform(self.side.completed(parent))
+        self._wake.set()
+
+    # -- the control plane ------------------------------------------------------------
+
+    async def receive_frame(self, frame: bytes) -> bool:
+        """A control frame from a peer rank. Returns whether it was accepted."""
+        now = time.monotonic()
+        try:
+            message = decode_frame(frame)
+            if isinstance(message, Cancel) and self._defer_cancel(message.ticket.parent):
+                return True
+            if isinstance(message, Open) and isinstance(self.side, CtxRank):
+                chunks = self._plan_chunks(message)
+                actions = self.side.receive_open(message, now, num_chunks=len(chunks))
+                self._chunks[message.ticket] = chunks
+                self._peer_agent[message.ticket] = message.buffer.agent_name
+            else:
+                actions = self.side.receive(message, now)  # type: ignore[arg-type]
+        except ProtocolError as exc:
+            # Refused and nothing changed (S3). Late RECEIPTs for released parents land here too.
+            self.counters[f"refused_{type(exc).__name__}"] += 1
+            if isinstance(exc, ProtocolError) and "message" in locals() and isinstance(message, Open):
+                reject = reject_for(message, exc, self.our)
+                self._perform([SendMessage(to=message.ticket.gen, message=reject)])
+            return False
+        self._perform(actions)
+        if isinstance(message, Open):
+            self._check_prepared(message.ticket.parent)
+            if message.buffer.agent_name not in self.transport.peers:
+                await self._peer(message.ticket.gen)
+        return True
+
+    def _plan_chunks(self, message: Open) -> list[list[tuple[int, int, int]]]:
+        """The WRITE regions of one edge, in chunks (validated before anything is recorded)."""
+        ticket = message.ticket
+        edge = ticket.edge
+        if not self.shards.has_edge(edge) or ticket.ctx != self.our:
+            return [[]]  # the protocol rejects it with a precise error
+        lease = self.pool.lease_of(ticket.parent)
+        blocks = message.buffer.blocks
+        if len(blocks) != len(lease):
+            raise LeaseError(f"OPEN names {len(blocks)} blocks, our lease has {len(lease)}")
+        gen_bytes = self.shards.gen_block_bytes
+        if any(b.length != gen_bytes for b in blocks):
+            raise LeaseError(f"OPEN block length is not the GEN block size {gen_bytes}")
+        pairs = [(self.buffer.block_addr(ref.block), b.addr) for ref, b in zip(lease, blocks)]
+        regions = self.shards.descriptor_regions(edge, pairs)
+        return split_chunks(regions, self.config.chunk_bytes)
+
+    def _check_prepared(self, parent: ParentKey) -> None:
+        if parent in self._prepared_reported or not isinstance(self.side, CtxRank):
+            return
+        expected = len(self.shards.edges_for_ctx_rank(self.config.rank))
+        edges = self.side.edges(parent)
+        prepared = [e for e in edges.values() if e.state is EdgeState.PREPARED]
+        if len(prepared) == expected:
+            self._prepared_reported.add(parent)
+            self.member.record_prepared(parent)
+            self._nudge()
+
+    async def send_opens(self, parent: ParentKey, ctx_endpoints: list[Endpoint]) -> int:
+        """GEN: after the admission round (every GEN rank leased: the installation
+        barrier), install the session and send OPEN on each of our edges."""
+        assert isinstance(self.side, GenRank)
+        now = time.monotonic()
+        lease = self.pool.lease_of(parent)
+        gen_bytes = self.block_bytes
+        blocks = [
+            BlockDescriptor(ref.block, ref.generation, self.buffer.block_addr(ref.block), gen_bytes)
+            for ref in lease
+        ]
+        buffer = BufferInfo(
+            agent_name=self.transport.name,
+            endpoint_epoch=self.our.epoch,
+            memory=MemoryKind(self.buffer.mem_kind),
+            device=self.buffer.device_id,
+            blocks=blocks,
+        )
+        specs = []
+        for edge in self.shards.edges_for_gen_rank(self.config.rank):
+            ticket = ContextTicket(
+                request_id=parent.request_id,
+                ctx_attempt=parent.ctx_attempt,
+                gen_attempt=parent.gen_attempt,
+                ctx=ctx_endpoints[edge[0]],
+                gen=self.our,
+                ctx_digest=self.ctx_digest,
+                gen_digest=self.gen_digest,
+            )
+            expected = self.shards.edge_bytes_per_block(edge) * len(lease)
+            specs.append(
+                GenEdgeSpec(ticket=ticket, buffer=buffer, num_tokens=self._tokens.get(parent, 0), expected_bytes=expected)
+            )
+        actions = self.side.install(parent, specs, now)
+        refs = await self._perform_awaiting(actions)
+        return len(refs)
+
+    async def free(self, parent: ParentKey) -> int:
+        """GEN: the client is done with a decode-ready request's KV. Returns the
+        bytes this rank verified for it (0 if it was not decode-ready here)."""
+        assert isinstance(self.side, GenRank)
+        try:
+            actions = self.side.free(parent)
+        except ProtocolError:
+            return 0
+        self._perform(actions)
+        return self._verified.pop(parent, 0)
+
+    async def cancel_local(self, parent: ParentKey) -> None:
+        """Record a cancel intent for the next round (never frees anything here)."""
+        self.member.record_cancel(parent)
+        self._nudge()
+
+    # -- performing actions --------------------------------------------------------------
+
+    def _perform(self, actions: list[Action]) -> list[Any]:
+        refs: list[Any] = []
+        now = time.monotonic()
+        for action in actions:
+            match action:
+                case SendMessage(to=to, message=message):
+                    refs.append(self._send(to, encode_frame(message)))
+                case PostChunk(ticket=ticket, index=index):
+                    self._post(ticket, index, now)
+                case StopPosting() | Drain():
+                    self._wake.set()  # the poll loop drains what is posted
+                case Release(parent=parent, blocks=blocks):
+                    if self.role is Role.GEN:
+                        for ref in blocks:  # a late write to a freed block shows on verify
+                            self.buffer.block_view(ref.block).fill_(POISON)
+                    self.counters["released"] += 1
+                    self._finish(parent, self._outcome.get(parent, "released"))
+                case Quarantine(parent=parent, reason=reason):
+                    self.counters["quarantined"] += 1
+                    log.warning("rank %s quarantined %s: %s", self.ns, parent, reason)
+                    self._finish(parent, "quarantined")
+                case AdmissionStop(parent=parent, reason=reason):
+                    self.counters["admission_stop"] += 1
+                    self.member.record_failure(parent)
+                    self._nudge()
+                case CancelIntent(parent=parent):
+                    self.member.record_cancel(parent)
+                    self._nudge()
+                case ParentSettled(parent=parent, cancelled=cancelled, evidence=evidence):
+                    self._settled(parent, cancelled, evidence)
+                case DecodeReady(parent=parent):
+                    self._outcome[parent] = "completed"
+                    self._finish(parent, "completed", release_waiters_only=True)
+                case CleanupSkipped():
+                    self.counters["cleanup_skipped"] += 1
+        return [r for r in refs if r is not None]
+
+    async def _perform_awaiting(self, actions: list[Action]) -> list[Any]:
+        refs = self._perform(actions)
+        if refs:
+            await asyncio.gather(*refs, return_exceptions=True)
+        return refs
+
+    def _send(self, to: Endpoint, frame: bytes) -> Any:
+        cached = self._peer_handles.get((to.ns.role.value, to.ns.rank))
+        if cached is not None and cached[0] == to:
+            ref = cached[1].receive_frame.remote(frame)
+            self._own(ref)
+            return ref
+        # Unknown or restarted peer: resolve it, then send (a stale endpoint is dropped).
+        async def resolve_and_send() -> None:
+            handle = await self._peer(to)
+            if handle is None:
+                self.counters["dropped_stale_sends"] += 1
+                return
+            await handle.receive_frame.remote(frame)
+
+        self._own(resolve_and_send())
+        return None
+
+    def _defer_cancel(self, parent: ParentKey) -> bool:
+        """Conservative path: a CTX parent whose transfer was decided finishes it."""
+        if not self.config.conservative or not isinstance(self.side, CtxRank):
+            return False
+        if self.side.parents().get(parent) is not ParentState.DECIDED:
+            return False
+        if parent not in self._deferred:
+            self._deferred.add(parent)
+            self.counters["cancel_deferred"] += 1
+        return True
+
+    def _settled(self, parent: ParentKey, cancelled: bool, evidence: Any) -> None:
+        if cancelled or parent in self._deferred:
+            self._deferred.discard(parent)
+            self._outcome.setdefault(parent, "cancelled")
+            if self.side.parent_state(parent) is ParentState.SETTLED:
+                self._perform(self.side.completed(parent))
+            return
+        if self.role is Role.GEN and not self._verify(parent):
+            self.member.record_failure(parent)
+            self._outcome[parent] = "failed"
+        else:
+            self.member.record_completion(parent)
+        self._nudge()
+
+    # -- synthetic prefill and verification (S2) ------------------------------------------
+
+    def _pattern(self, parent: ParentKey, rank: int, n: int) -> torch.Tensor:
+        layout = self.config.layout
+        return expected_blocks(
+            request_seed(parent.request_id, parent.ctx_attempt),
+            num_layers=layout.num_layers,
+            local_heads=self.local_heads,
+            head_offset=rank * self.local_heads,
+            tokens_per_block=layout.tokens_per_block,
+            row_bytes=layout.head_dim * layout.dtype_bytes,
+            first_block=0,
+            num_blocks=n,
+        )
+
+    def _prefill(self, parent: ParentKey) -> None:
+        lease = self.pool.lease_of(parent)
+        pattern = self._pattern(parent, self.config.rank, len(lease))
+        for j, ref in enumerate(lease):
+            self.buffer.block_view(ref.block).copy_(pattern[j])
+
+    def _verify(self, parent: ParentKey) -> bool:
+        lease = self.pool.lease_of(parent)
+        expected = self._pattern(parent, self.config.rank, len(lease))
+        for j, ref in enumerate(lease):
+            if not torch.equal(self.buffer.block_view(ref.block), expected[j]):
+                self.violations.append(f"S2: {parent} block {ref.block} holds foreign bytes")
+                return False
+        self._verified[parent] = len(lease) * self.block_bytes
+        self.counters["bytes_verified"] += len(lease) * self.block_bytes
+        return True
+
+    # -- the data plane (CTX) ----------------------------------------------------------------
+
+    def _post(self, ticket: ContextTicket, index: int, now: float) -> None:
+        regions = self._chunks[ticket][index]
+        try:
+            chunk = self.transport.post(self._peer_agent[ticket], regions)
+        except Exception as exc:  # nothing was posted: the chunk failed before DMA
+            log.warning("rank %s: post failed: %r", self.ns, exc)
+            assert isinstance(self.side, CtxRank)
+            self._perform(self.side.chunk_failed(ticket, index, now))
+            return
+        self._in_flight[(ticket, index)] = chunk
+        self._ensure_polling()
+
+    def _ensure_polling(self) -> None:
+        self._wake.set()
+        if self._poll_task is None or self._poll_task.done():
+            self._poll_task = asyncio.get_running_loop().create_task(self._poll_loop())
+
+    async def _poll_loop(self) -> None:
+        """Poll posted chunks to DONE/ERR and tick deadlines. Reports results only."""
+        last_expire = 0.0
+        while True:
+            now = time.monotonic()
+            if self._in_flight:
+                for key, chunk in list(self._in_flight.items()):
+                    state = chunk.poll()
+                    if state is XferState.PROC or state is XferState.PENDING:
+                        continue
+                    del self._in_flight[key]
+                    chunk.release()
+                    ticket, index = key
+                    assert isinstance(self.side, CtxRank)
+                    try:
+                        if state is XferState.DONE:
+                            actions = self.side.chunk_done(ticket, index, chunk.nbytes, now)
+                        else:
+                            actions = self.side.chunk_failed(ticket, index, now)
+                    except ProtocolError as exc:
+                        self.counters[f"poll_{type(exc).__name__}"] += 1
+                        continue
+                    self._perform(actions)
+            if now - last_expire > 0.05:
+                last_expire = now
+                self._perform(self.side.expire(now))
+            if self._in_flight:
+                await asyncio.sleep(self.config.poll_interval_s)
+            else:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.25)
+
+    # -- outcomes, stats -------------------------------------------------------------------------
+
+    def _finish(self, parent: ParentKey, outcome: str, release_waiters_only: bool = False) -> None:
+        self._outcome.setdefault(parent, outcome)
+        for future in self._waiters.pop(parent, []):
+            if not future.done():
+                future.set_result(self._outcome[parent])
+
+    async def wait(self, parent: ParentKey, timeout: float) -> str:
+        """Wait until `parent` reaches a local outcome (completed, cancelled, ...)."""
+        self._ensure_polling()
+        state = self.side.parents().get(parent)
+        if parent in self._outcome and (
+            state is None or state in (ParentState.RELEASED, ParentState.QUARANTINED, ParentState.DECODE_READY)
+        ):
+            return self._outcome[parent]
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._waiters[parent].append(future)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            return "timeout"
+
+    async def stats(self) -> dict[str, Any]:
+        self.pool.check_invariants()  # S4: raises if a block is in two states
+        counts = self.pool.counts()
+        states = collections.Counter(s.value for s in self.side.parents().values())
+        return {
+            "role": self.role.value,
+            "rank": self.config.rank,
+            "epoch": self.our.epoch,
+            "agent": self.transport.name,
+            "free": counts.free,
+            "leased": counts.leased,
+            "quarantined": counts.quarantined,
+            "pool": self.config.pool_blocks,
+            "parents": dict(states),
+            "in_flight_chunks": len(self._in_flight),
+            "posted_chunks": self.transport.posted_chunks,
+            "posted_bytes": self.transport.posted_bytes,
+            "leaked_handles": len(self.transport.leaked),
+            "counters": dict(self.counters),
+            "violations": list(self.violations),
+        }
+
+    # -- rounds (RoundMember methods, exposed as actor methods) -------------------------
+
+    async def round_identity(self) -> tuple[int, int]:
+        return await self.member.round_identity()
+
+    async def round_join(self, next_round: int, epoch: int | None = None) -> int:
+        return await self.member.round_join(next_round, epoch)
+
+    async def round_vote(self, proposal: RoundProposal, epoch: int | None = None) -> Any:
+        return await self.member.round_vote(proposal, epoch)
+
+    async def round_apply(self, decision: RoundDecision, epoch: int | None = None) -> int:
+        self._ensure_polling()
+        return await self.member.round_apply(decision, epoch)
+
+    async def shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+RankActor = ray.remote(num_cpus=0)(RankCore)
