@@ -68,7 +68,8 @@ def expected_blocks(
     token = blk * tokens_per_block + tok
     # Distinct strides per coordinate; the 32-bit mix spreads them.
     row_id = (((layer * 2 + kv) * 4099 + head) * 1_000_003 + token) & 0xFFFFFFFF
-    row_hash = _mix(row_id ^ seed)
-    byte = torch.arange(row_bytes, dtype=torch.int64) * 157
-    rows = (row_hash.unsqueeze(-1) + byte) & 0xFF
-    return rows.to(torch.uint8).reshape(num_blocks, -1)
+    row_hash = (_mix(row_id ^ seed) & 0xFF).to(torch.uint8)
+    # uint8 addition wraps mod 256: the full-size tensor is built in bytes, not int64.
+    byte = ((torch.arange(row_bytes, dtype=torch.int64) * 157) & 0xFF).to(torch.uint8)
+    rows = row_hash.unsqueeze(-1) + byte
+    return rows.reshape(num_blocks, -1)

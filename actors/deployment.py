@@ -109,6 +109,7 @@ class Deployment:
         round_timeout_s: float = 5.0,
         max_restarts: int = 3,
         fault_plan: FaultPlan | None = None,
+        synthetic: bool = True,
         ctx_overrides: dict[str, Any] | None = None,
         gen_overrides: dict[str, Any] | None = None,
         name: str | None = None,
@@ -143,6 +144,7 @@ class Deployment:
                     device=device,
                     fault_plan=fault_plan if spec.role is Role.CTX else None,
                     conservative=not self.qualified,
+                    synthetic=synthetic,
                 )
                 for r in range(spec.tp)
             ]

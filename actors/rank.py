@@ -129,6 +129,9 @@ class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: Outside the qualified scope (topology/_gate.py): a cancel never
     #: interrupts a decided transfer; it waits for it to finish, then releases.
     conservative: bool = False
+    #: Synthetic prefill and byte verification (S2). Benchmarks of the protocol
+    #: and data plane turn it off so they time the handoff, not the pattern.
+    synthetic: bool = True
 
 
 def agent_name(deployment: str, ns: RankNamespace, epoch: int) -> str:
@@ -176,6 +179,8 @@ class RankCore:
         self._peer_agent: dict[ContextTicket, str] = {}
         self._prepared_reported: set[ParentKey] = set()
         self._verified: dict[ParentKey, int] = {}
+        # CTX data phase per parent: [first post, last DONE, bytes] (perf_counter), bounded.
+        self._xfer: collections.OrderedDict[ParentKey, list[float]] = collections.OrderedDict()
         self._deferred: set[ParentKey] = set()  # conservative path: cancels waiting for DMA
         self._tokens: dict[ParentKey, int] = {}
         # Outcomes and waiters (for the client API).
@@ -286,7 +291,8 @@ class RankCore:
                 self._finish(parent, "rejected")
         for parent in decision.admitted:
             if parent in parents and isinstance(self.side, CtxRank):
-                self._prefill(parent)
+                if self.config.synthetic:
+                    self._prefill(parent)
                 self._perform(self.side.prefilled(parent))
         for parent in getattr(decision, "decided", ()):
             if isinstance(self.side, CtxRank) and parent in parents:
@@ -493,7 +499,7 @@ class RankCore:
             if self.side.parent_state(parent) is ParentState.SETTLED:
                 self._perform(self.side.completed(parent))
             return
-        if self.role is Role.GEN and not self._verify(parent):
+        if self.role is Role.GEN and self.config.synthetic and not self._verify(parent):
             self.member.record_failure(parent)
             self._outcome[parent] = "failed"
         else:
@@ -544,6 +550,7 @@ class RankCore:
             self._perform(self.side.chunk_failed(ticket, index, now))
             return
         self._in_flight[(ticket, index)] = chunk
+        self._xfer.setdefault(ticket.parent, [time.perf_counter(), 0.0, 0])
         self._ensure_polling()
 
     def _ensure_polling(self) -> None:
@@ -565,6 +572,10 @@ class RankCore:
                     chunk.release()
                     ticket, index = key
                     assert isinstance(self.side, CtxRank)
+                    timing = self._xfer.get(ticket.parent)
+                    if timing is not None and state is XferState.DONE:
+                        timing[1] = time.perf_counter()
+                        timing[2] += chunk.nbytes
                     try:
                         if state is XferState.DONE:
                             actions = self.side.chunk_done(ticket, index, chunk.nbytes, now)
@@ -629,6 +640,67 @@ class RankCore:
             "violations": list(self.violations),
         }
 
+    # -- benchmark baselines (same agent, same buffers, same descriptors) -----------------
+
+    async def raw_write(self, gen_rank: int, blocks: list[int], gen_blocks: list[int], chunk_bytes: int | None = None) -> tuple[int, float]:
+        """CTX: a raw NIXL WRITE of our `blocks` into GEN rank `gen_rank`'s
+        `gen_blocks`, with exactly the regions a handoff would use, no protocol.
+        Returns (bytes, seconds from first post to last DONE)."""
+        assert self.role is Role.CTX
+        entry = await self._directory().lookup.remote(Role.GEN.value, gen_rank)
+        (endpoint, name, metadata), _ = entry
+        if name not in self.transport.peers:
+            self.transport.add_peer(metadata)
+        gen_base = await _gen_base(entry[1])
+        gen_bytes = self.shards.gen_block_bytes
+        pairs = [(self.buffer.block_addr(b), gen_base + g * gen_bytes) for b, g in zip(blocks, gen_blocks)]
+        regions = self.shards.descriptor_regions((self.config.rank, gen_rank), pairs)
+        chunks = split_chunks(regions, chunk_bytes or self.config.chunk_bytes)
+        window = 4  # the protocol's default chunk window
+        start = time.perf_counter()
+        posted: list[Chunk] = []
+        pending = list(chunks)
+        while pending or posted:
+            while pending and len(posted) < window:
+                posted.append(NixlTransport.post(self.transport, name, pending.pop(0)))
+            for chunk in list(posted):
+                if chunk.poll() in (XferState.DONE, XferState.ERR):
+                    if chunk.state is XferState.ERR:
+                        raise RuntimeError("raw NIXL WRITE failed")
+                    chunk.release()
+                    posted.remove(chunk)
+            if posted:
+                await asyncio.sleep(0)
+        seconds = time.perf_counter() - start
+        return sum(n for _, _, n in regions), seconds
+
+    async def transfer_timings(self) -> list[tuple[str, float, int]]:
+        """CTX: (request id, seconds from first post to last DONE, bytes) of recent parents."""
+        out = [(p.request_id, t[1] - t[0], int(t[2])) for p, t in self._xfer.items() if t[1] > 0]
+        while len(self._xfer) > 4096:
+            self._xfer.popitem(last=False)
+        return out
+
+    async def buffer_base(self) -> int:
+        return self.buffer.base
+
+    async def copy_bench(self, nbytes: int, repeats: int = 3) -> float:
+        """Best seconds of a plain in-process copy of `nbytes` (the physical ceiling)."""
+        n = min(nbytes, self.buffer.nbytes // 2)
+        src, dst = self.buffer.tensor[:n], self.buffer.tensor[n : 2 * n]
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            if self.buffer.tensor.is_cuda:
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        return best * (nbytes / n)
+
+    async def ping(self) -> int:
+        """One Ray actor round trip (the control-plane yardstick)."""
+        return self.config.rank
+
     # -- rounds (RoundMember methods, exposed as actor methods) -------------------------
 
     async def round_identity(self) -> tuple[int, int]:
@@ -660,3 +732,7 @@ def _loop_running() -> bool:
 
 
 RankActor = ray.remote(num_cpus=0)(RankCore)
+
+
+async def _gen_base(handle: Any) -> int:
+    return int(await handle.buffer_base.remote())
