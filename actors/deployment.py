@@ -47,7 +47,11 @@ from kvhandoff.actors.rank import RankActor, RankConfig
 from kvhandoff.protocol import Endpoint, MemoryKind, ParentKey, Role
 from kvhandoff.topology import KVLayout, TopologySpec, qualify_pair
 
-__all__ = ["Deployment", "SyncDeployment", "HandoffResult", "DEFAULT_LAYOUT"]
+__all__ = ["Deployment", "SyncDeployment", "HandoffResult", "DEFAULT_LAYOUT", "CANCEL_PHASES"]
+
+#: Phases at which `handoff(cancel_at=...)` injects a cancel (None: no cancel).
+CANCEL_PHASES = (None, "before_open", "before_ready", "mid_dma", "after_complete")
+_ENDED = ("released", "quarantined", "decode_ready", "settled", "completed", "cancelled")
 
 T = TypeVar("T")
 
@@ -173,6 +177,10 @@ class Deployment:
 
     # -- the client API ------------------------------------------------------------------
 
+    def coordinator(self, role: Role) -> Any:
+        """The coordinator actor of one instance (rounds, stats, decision log)."""
+        return self._coords[role]
+
     def parent(self, request_id: str) -> ParentKey:
         return ParentKey(request_id=request_id, ctx_attempt=0, gen_attempt=0)
 
@@ -210,16 +218,46 @@ class Deployment:
         handles = await self.ranks(role)
         return list(await asyncio.gather(*(h.wait.remote(parent, timeout) for h in handles)))
 
-    async def handoff(self, request_id: str, num_tokens: int, *, timeout: float = 60.0) -> HandoffResult:
+    async def handoff(
+        self, request_id: str, num_tokens: int, *, timeout: float = 60.0, cancel_at: str | None = None
+    ) -> HandoffResult:
         """Run one request end to end; returns its outcome (never raises for a
-        cancelled or rejected request)."""
+        cancelled or rejected request).
+
+        `cancel_at` injects a cancel at one exact phase (tests, demo, benchmarks):
+        - "before_open": both admissions done, no OPEN sent yet;
+        - "before_ready": OPENs sent but the OPEN to the last CTX rank is held
+          back (so no CTX round can decide the parent), cancel, then deliver it;
+        - "mid_dma": cancel once a CTX rank has posted a chunk of this request
+          (with a FaultPlan that defers completions, DMA is genuinely in flight);
+        - "after_complete": cancel after the GEN side is decode-ready (a no-op:
+          the KV stays valid until freed).
+        """
+        if cancel_at not in CANCEL_PHASES:
+            raise ValueError(f"cancel_at must be one of {CANCEL_PHASES}, got {cancel_at!r}")
         start = time.perf_counter()
         if not await self.admit(request_id, num_tokens):
             return HandoffResult(request_id=request_id, outcome="rejected", latency_s=time.perf_counter() - start)
-        await self.send_opens(request_id)
+        if cancel_at == "before_open":
+            await self.cancel(request_id)
+        elif cancel_at == "before_ready":
+            gen_ranks = await self.ranks(Role.GEN)
+            last_ctx = self.ctx_spec.tp - 1
+            await asyncio.gather(*(g.hold_frames.remote(Role.CTX.value, last_ctx, True) for g in gen_ranks))
+            await self.send_opens(request_id)
+            await self.cancel(request_id)
+            await asyncio.gather(*(g.hold_frames.remote(Role.CTX.value, last_ctx, False) for g in gen_ranks))
+        elif cancel_at == "mid_dma":
+            await self.send_opens(request_id)
+            await self._until_posted(request_id, timeout)
+            await self.cancel(request_id)
+        else:
+            await self.send_opens(request_id)
         gen = await self.wait(request_id, Role.GEN, timeout)
         latency = time.perf_counter() - start
         verified = 0
+        if cancel_at == "after_complete":
+            await self.cancel(request_id)
         if all(o == "completed" for o in gen):
             verified = await self._free(request_id)
         ctx = await self.wait(request_id, Role.CTX, timeout)
@@ -232,6 +270,16 @@ class Deployment:
             ctx_outcomes=tuple(ctx),
             gen_outcomes=tuple(gen),
         )
+
+    async def _until_posted(self, request_id: str, timeout: float) -> None:
+        parent = self.parent(request_id)
+        ctx_ranks = await self.ranks(Role.CTX)
+        deadline = time.perf_counter() + timeout
+        while time.perf_counter() < deadline:
+            phases = await asyncio.gather(*(h.phase.remote(parent) for h in ctx_ranks))
+            if any(p["posted"] > 0 for p in phases) or any(p["state"] in _ENDED for p in phases):
+                return
+            await asyncio.sleep(0.001)
 
     async def _free(self, request_id: str) -> int:
         parent = self.parent(request_id)

@@ -179,6 +179,8 @@ class RankCore:
         self._peer_agent: dict[ContextTicket, str] = {}
         self._prepared_reported: set[ParentKey] = set()
         self._verified: dict[ParentKey, int] = {}
+        # Control-plane fault injection: frames to a held peer wait here, in order.
+        self._held: dict[tuple[str, int], list[tuple[Endpoint, bytes]]] = {}
         # CTX data phase per parent: [first post, last DONE, bytes] (perf_counter), bounded.
         self._xfer: collections.OrderedDict[ParentKey, list[float]] = collections.OrderedDict()
         self._deferred: set[ParentKey] = set()  # conservative path: cancels waiting for DMA
@@ -414,6 +416,29 @@ class RankCore:
         self._perform(actions)
         return self._verified.pop(parent, 0)
 
+    async def hold_frames(self, role: str, rank: int, hold: bool, drop: bool = False) -> int:
+        """Fault injection: delay (hold=True) every frame to peer (role, rank);
+        hold=False sends the held frames in order, or drops them if `drop`."""
+        key = (role, rank)
+        if hold:
+            self._held.setdefault(key, [])
+            return 0
+        frames = self._held.pop(key, [])
+        if not drop:
+            await asyncio.gather(*[r for r in (self._send(to, f) for to, f in frames) if r is not None], return_exceptions=True)
+        return len(frames)
+
+    async def phase(self, parent: ParentKey) -> dict[str, Any]:
+        """The parent's local state and its edges' states (for tests and the demo)."""
+        state = self.side.parents().get(parent)
+        edges = self.side.edges(parent) if state is not None else {}
+        return {
+            "state": state.value if state is not None else self._outcome.get(parent),
+            "edges": sorted(e.state.value for e in edges.values()),
+            "posted": sum(e.posted for e in edges.values()),
+            "in_flight": sum(len(e.in_flight) for e in edges.values()),
+        }
+
     async def cancel_local(self, parent: ParentKey) -> None:
         """Record a cancel intent for the next round (never frees anything here)."""
         self.member.record_cancel(parent)
@@ -465,6 +490,10 @@ class RankCore:
         return refs
 
     def _send(self, to: Endpoint, frame: bytes) -> Any:
+        held = self._held.get((to.ns.role.value, to.ns.rank))
+        if held is not None:  # fault injection: the frame is delayed, in order
+            held.append((to, frame))
+            return None
         cached = self._peer_handles.get((to.ns.role.value, to.ns.rank))
         if cached is not None and cached[0] == to:
             ref = cached[1].receive_frame.remote(frame)
@@ -561,13 +590,16 @@ class RankCore:
     async def _poll_loop(self) -> None:
         """Poll posted chunks to DONE/ERR and tick deadlines. Reports results only."""
         last_expire = 0.0
+        idle_sweeps = 0  # sweeps in a row where no chunk finished: back off
         while True:
             now = time.monotonic()
+            progressed = False
             if self._in_flight:
                 for key, chunk in list(self._in_flight.items()):
                     state = chunk.poll()
                     if state is XferState.PROC or state is XferState.PENDING:
                         continue
+                    progressed = True
                     del self._in_flight[key]
                     chunk.release()
                     ticket, index = key
@@ -588,8 +620,11 @@ class RankCore:
             if now - last_expire > 0.05:
                 last_expire = now
                 self._perform(self.side.expire(now))
+            idle_sweeps = 0 if progressed else idle_sweeps + 1
             if self._in_flight:
-                await asyncio.sleep(self.config.poll_interval_s)
+                # Stuck chunks (e.g. of a quarantined lease) are kept and polled, never
+                # released: back off from 0.5 ms to 50 ms so they cost no CPU.
+                await asyncio.sleep(min(self.config.poll_interval_s * (1 << min(idle_sweeps // 64, 7)), 0.05))
             else:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):

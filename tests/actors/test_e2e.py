@@ -1,0 +1,240 @@
+"""End to end on a real local Ray cluster with real NIXL agents moving real host bytes.
+
+Every test checks the invariants the actors layer can observe: S2 (GEN verifies
+every byte against the request's pattern), S4 (each rank's pool checks its own
+states on every stats() call), L1 (every handoff ends within its timeout) and
+L2 (after the dust settles, free + quarantined == pool on every rank).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import pytest
+
+from kvhandoff.actors._dataplane import FaultPlan
+from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment
+from kvhandoff.protocol import Cancel as CancelMsg
+from kvhandoff.protocol import CancelReason, ContextTicket, Endpoint, Role, encode_frame
+from kvhandoff.topology import block_bytes
+
+pytestmark = pytest.mark.ray
+
+POOL = 24
+TOKENS = 100  # 7 blocks of 16 tokens
+TIMEOUT = 20.0
+# The watchdog has its own tests (test_coordinator.py); here a loaded 2-core box must not trip it.
+ROUND_TIMEOUT = 20.0
+
+
+def gen_bytes(tokens: int, gen_tp: int) -> int:
+    """Bytes every GEN rank together must hold for `tokens` (the whole KV)."""
+    return math.ceil(tokens / DEFAULT_LAYOUT.tokens_per_block) * block_bytes(DEFAULT_LAYOUT, gen_tp) * gen_tp
+
+
+async def settled_stats(dep: Deployment, timeout: float = 10.0) -> dict:
+    """Stats once no rank holds a lease any more (bounded: L1/L2)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await dep.stats()
+        if all(s["leased"] == 0 for s in stats["ranks"]) or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.05)
+
+
+def assert_clean(stats: dict, *, quarantined_ok: bool = False) -> None:
+    for s in stats["ranks"]:
+        assert "error" not in s, s
+        assert s["violations"] == [], s["violations"]  # S2
+        assert s["leased"] == 0, s  # nothing still held: no leak (L2)
+        assert s["free"] + s["quarantined"] == s["pool"], s
+        assert s["leaked_handles"] == 0, s  # every release that was tried succeeded
+        if not quarantined_ok:
+            assert s["quarantined"] == 0, s
+            assert s["in_flight_chunks"] == 0, s
+
+
+@pytest.fixture(scope="module", params=[(1, 1), (2, 1), (1, 2), (2, 2)], ids=lambda p: f"ctx{p[0]}-gen{p[1]}")
+def deployment(request, ray_cluster):
+    ctx_tp, gen_tp = request.param
+    # Deferred completions: every chunk stays in flight for ~40 polls, and its
+    # real bytes land only then, so mid-DMA cancels race genuinely late writes.
+    dep = asyncio.run(
+        Deployment.launch(
+            round_timeout_s=ROUND_TIMEOUT,
+            ctx_tp=ctx_tp,
+            gen_tp=gen_tp,
+            pool_blocks=POOL,
+            chunk_bytes=64 << 10,
+            fault_plan=FaultPlan(defer_polls=40),
+            transfer_timeout_s=5.0,
+        )
+    )
+    yield dep
+    asyncio.run(dep.shutdown())
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_happy_path_moves_and_verifies_every_byte(deployment: Deployment) -> None:
+    dep = deployment
+    result = run(dep.handoff("happy", TOKENS, timeout=TIMEOUT))
+    assert result.outcome == "completed", result
+    assert result.bytes_verified == gen_bytes(TOKENS, dep.gen_spec.tp)
+    assert result.ctx_outcomes == ("released",) * dep.ctx_spec.tp  # CTX released exactly once each
+    stats = run(settled_stats(dep))
+    assert_clean(stats)
+    for s in stats["ranks"]:
+        assert s["counters"].get("released", 0) >= 1
+        assert s["counters"].get("cleanup_skipped", 0) == 0  # no double release attempted
+
+
+def test_concurrent_handoffs_never_mix_bytes(deployment: Deployment) -> None:
+    dep = deployment
+
+    async def many():
+        return await asyncio.gather(*(dep.handoff(f"many-{i}", 20 + 13 * i, timeout=TIMEOUT) for i in range(6)))
+
+    results = run(many())
+    done = [r for r in results if r.outcome == "completed"]
+    assert done, results
+    assert {r.outcome for r in results} <= {"completed", "rejected"}  # rejected: pool full
+    for r in done:
+        assert r.bytes_verified == gen_bytes(int(r.request_id.split("-")[1]) * 13 + 20, dep.gen_spec.tp)
+    assert_clean(run(settled_stats(dep)))
+
+
+@pytest.mark.parametrize("phase", ["before_open", "before_ready", "mid_dma"])
+def test_cancel_at_each_phase_releases_everything(deployment: Deployment, phase: str) -> None:
+    dep = deployment
+    before = run(dep.stats())
+    posted_before = sum(s["posted_chunks"] for s in before["ranks"])
+    result = run(dep.handoff(f"cancel-{phase}", TOKENS, cancel_at=phase, timeout=TIMEOUT))
+    assert result.outcome == "cancelled", result
+    assert result.bytes_verified == 0
+    stats = run(settled_stats(dep))
+    assert_clean(stats)
+    posted = sum(s["posted_chunks"] for s in stats["ranks"]) - posted_before
+    if phase == "mid_dma":
+        assert posted > 0  # DMA really was posted when the cancel came, and was drained
+    else:
+        assert posted == 0  # nothing may be posted for a parent cancelled before READY
+
+
+def test_cancel_after_completion_changes_nothing(deployment: Deployment) -> None:
+    result = run(deployment.handoff("late-cancel", TOKENS, cancel_at="after_complete", timeout=TIMEOUT))
+    assert result.outcome == "completed"
+    assert result.bytes_verified == gen_bytes(TOKENS, deployment.gen_spec.tp)
+    assert_clean(run(settled_stats(deployment)))
+
+
+def test_mid_dma_cancel_then_immediate_reuse_sees_no_stale_bytes(ray_cluster) -> None:
+    """S1/S2 under reuse pressure: GEN's pool holds exactly one request, the
+    cancelled request's chunks land late, and the next request takes the same
+    blocks at once. Releasing before the drain finished would let the late
+    bytes overwrite the new request's KV, and GEN's verification would catch it."""
+
+    async def scenario():
+        blocks = math.ceil(TOKENS / DEFAULT_LAYOUT.tokens_per_block)
+        dep = await Deployment.launch(
+            round_timeout_s=ROUND_TIMEOUT,
+            ctx_tp=2, gen_tp=1, pool_blocks=blocks, chunk_bytes=64 << 10,
+            fault_plan=FaultPlan(defer_polls=60), transfer_timeout_s=5.0,
+        )
+        try:
+            outcomes = []
+            for i in range(2):
+                cancelled = await dep.handoff(f"reuse-c{i}", TOKENS, cancel_at="mid_dma", timeout=TIMEOUT)
+                fresh = await dep.handoff(f"reuse-f{i}", TOKENS, timeout=TIMEOUT)
+                outcomes.append((cancelled.outcome, fresh.outcome, fresh.bytes_verified))
+            return outcomes, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    outcomes, stats = run(scenario())
+    for cancelled, fresh, verified in outcomes:
+        assert cancelled == "cancelled"
+        assert fresh == "completed" and verified == gen_bytes(TOKENS, 1)
+    assert_clean(stats)
+
+
+def test_transfer_that_never_finishes_is_quarantined_not_reused(ray_cluster) -> None:
+    """UNKNOWN: chunks stuck in flight past the transfer timeout. The blocks are
+    quarantined on both sides (never reused), the request fails within a bound
+    (L1), and free + quarantined == pool (L2)."""
+
+    async def scenario():
+        dep = await Deployment.launch(
+            round_timeout_s=ROUND_TIMEOUT,
+            ctx_tp=1, gen_tp=1, pool_blocks=POOL, chunk_bytes=64 << 10,
+            fault_plan=FaultPlan(hold=True), transfer_timeout_s=1.0,
+        )
+        try:
+            start = time.monotonic()
+            result = await dep.handoff("stuck", TOKENS, cancel_at="mid_dma", timeout=TIMEOUT)
+            elapsed = time.monotonic() - start
+            return result, elapsed, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    result, elapsed, stats = run(scenario())
+    assert result.outcome == "failed", result
+    assert elapsed < TIMEOUT  # bounded by the transfer timeout, not by the test's patience
+    assert_clean(stats, quarantined_ok=True)
+    blocks = math.ceil(TOKENS / DEFAULT_LAYOUT.tokens_per_block)
+    for s in stats["ranks"]:
+        assert s["quarantined"] == blocks, s  # exactly the lease, still owned, never free
+    ctx = next(s for s in stats["ranks"] if s["role"] == "ctx")
+    # The stuck chunks are still tracked, never released to "abort" them (NIXL: not an abort).
+    assert ctx["in_flight_chunks"] > 0 and ctx["leaked_handles"] == 0
+
+
+def test_ctx_lease_expires_when_gen_never_opens(ray_cluster) -> None:
+    async def scenario():
+        dep = await Deployment.launch(ctx_tp=2, gen_tp=1, pool_blocks=POOL, lease_timeout_s=0.5, round_timeout_s=ROUND_TIMEOUT)
+        try:
+            parent = dep.parent("orphan")
+            assert await dep.coordinator(Role.CTX).admit.remote(parent, TOKENS)
+            held = await dep.stats()
+            outcomes = await dep.wait("orphan", Role.CTX, TIMEOUT)
+            return held, outcomes, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    held, outcomes, stats = run(scenario())
+    blocks = math.ceil(TOKENS / DEFAULT_LAYOUT.tokens_per_block)
+    assert [s["leased"] for s in held["ranks"] if s["role"] == "ctx"] == [blocks, blocks]
+    assert all(o in ("released", "cancelled") for o in outcomes), outcomes
+    assert_clean(stats)
+
+
+def test_stale_and_garbage_frames_change_nothing(deployment: Deployment) -> None:
+    """S3 at the actor boundary: a CANCEL naming an old epoch, or bytes that
+    are not a frame, are refused and leave every rank's state unchanged."""
+    dep = deployment
+
+    async def scenario():
+        ctx = (await dep.ranks(Role.CTX))[0]
+        endpoints = await dep.ctx_endpoints()
+        gen_entry = (await dep._directory.all_of.remote(Role.GEN.value))[0][0][0]
+        ok = await dep.handoff("s3-victim", TOKENS, cancel_at=None, timeout=TIMEOUT)
+        before = await dep.stats()
+        stale_ctx = Endpoint(ns=endpoints[0].ns, epoch=endpoints[0].epoch + 1000)
+        ticket = ContextTicket(
+            request_id="s3-victim", ctx_attempt=0, gen_attempt=0, ctx=stale_ctx, gen=gen_entry,
+            ctx_digest=b"\0" * 32, gen_digest=b"\0" * 32,
+        )
+        stale = encode_frame(CancelMsg(ticket=ticket, reason=CancelReason.PEER))
+        accepted = [await ctx.receive_frame.remote(stale), await ctx.receive_frame.remote(b"\x00garbage")]
+        after = await dep.stats()
+        return ok, accepted, before, after
+
+    ok, accepted, before, after = run(scenario())
+    assert ok.outcome == "completed"
+    assert accepted == [False, False]
+    strip = lambda st: [(s["free"], s["leased"], s["quarantined"], s["parents"]) for s in st["ranks"]]  # noqa: E731
+    assert strip(before) == strip(after)
