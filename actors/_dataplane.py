@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -259,14 +260,16 @@ class NixlTransport:
 class FaultPlan:
     """What a FaultyTransport does to the chunks posted through it.
 
-    `defer_polls`: a chunk's real post happens only after this many polls (the
-    real bytes land late). `fail_every`: every Nth chunk reports ERR without
+    `defer_polls` / `defer_s`: a chunk's real post happens only after this many
+    polls / seconds (the real bytes land late). `fail_every`: every Nth chunk reports ERR without
     being posted. `hold`: while True, deferred chunks stay PENDING/PROC.
     """
 
     defer_polls: int = 0
     fail_every: int = 0
     hold: bool = False
+    #: A chunk's real post happens this many seconds after it was posted (a slow link).
+    defer_s: float = 0.0
 
 
 class _DeferredHandle:
@@ -275,6 +278,7 @@ class _DeferredHandle:
         self.regions = list(regions)
         self.notif = notif
         self.polls = 0
+        self.born = time.monotonic()
         self.real: Chunk | None = None
         self.failed = False
 
@@ -300,7 +304,7 @@ class FaultyTransport(NixlTransport):
         if self.plan.fail_every and self._count % self.plan.fail_every == 0:
             handle.failed = True
             return Chunk(self, handle, nbytes, XferState.ERR)
-        if self.plan.defer_polls <= 0 and not self.plan.hold:
+        if self.plan.defer_polls <= 0 and self.plan.defer_s <= 0 and not self.plan.hold:
             handle.real = super().post(peer, regions, notif)
             return Chunk(self, handle, nbytes, handle.real.state)
         return Chunk(self, handle, nbytes, XferState.PROC)
@@ -313,7 +317,8 @@ class FaultyTransport(NixlTransport):
             return XferState.ERR
         if handle.real is None:
             handle.polls += 1
-            if self.plan.hold or handle.polls < self.plan.defer_polls:
+            too_soon = time.monotonic() - handle.born < self.plan.defer_s
+            if self.plan.hold or handle.polls < self.plan.defer_polls or too_soon:
                 return XferState.PROC
             handle.real = super().post(handle.peer, handle.regions, handle.notif)
         return handle.real.poll()

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import threading
 import time
 import uuid
@@ -40,7 +39,7 @@ from typing import Any, TypeVar
 import msgspec
 import ray
 
-from kvhandoff.actors._coordinator import Coordinator, CoordinatorError
+from kvhandoff.actors._coordinator import AdmissionStopped, Coordinator, CoordinatorError
 from kvhandoff.actors._dataplane import FaultPlan
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors.rank import RankActor, RankConfig
@@ -94,7 +93,7 @@ class Deployment:
         self.unqualified_reasons: tuple[str, ...] = ()
         self._coords: dict[Role, Any] = {}
         self._directory: Any = None
-        self._ids = itertools.count()
+        self._attempts: dict[str, int] = {}
 
     # -- launch ---------------------------------------------------------------------
 
@@ -182,7 +181,18 @@ class Deployment:
         return self._coords[role]
 
     def parent(self, request_id: str) -> ParentKey:
-        return ParentKey(request_id=request_id, ctx_attempt=0, gen_attempt=0)
+        """The current attempt of `request_id`. Each `handoff` of the same request id
+        is a new attempt (both attempt ids advance), so leftovers of an earlier
+        attempt (a late cancel, a stale frame) can never touch the new one."""
+        attempt = self._attempts.get(request_id, 0)
+        return ParentKey(request_id=request_id, ctx_attempt=attempt, gen_attempt=attempt)
+
+    def _new_attempt(self, request_id: str) -> ParentKey:
+        if request_id in self._attempts:
+            self._attempts[request_id] += 1
+        else:
+            self._attempts[request_id] = 0
+        return self.parent(request_id)
 
     async def ranks(self, role: Role) -> list[Any]:
         return list(await self._coords[role].rank_handles.remote())
@@ -190,16 +200,28 @@ class Deployment:
     async def _all_ranks(self) -> list[Any]:
         return [*(await self.ranks(Role.CTX)), *(await self.ranks(Role.GEN))]
 
-    async def ctx_endpoints(self) -> list[Endpoint]:
+    async def ctx_endpoints(self, timeout: float = 30.0) -> list[Endpoint]:
+        """The current CTX endpoints. The coordinator's epochs are the truth; the
+        directory may lag a restart by a moment (registration is fire-and-forget),
+        so wait until it has caught up rather than hand GEN a dead incarnation."""
+        epochs = await self._coords[Role.CTX].epochs.remote()
+        await self._directory.wait_for.remote({Role.CTX.value: epochs}, timeout)
         entries = await self._directory.all_of.remote(Role.CTX.value)
         return [entry[0] for entry, _ in entries]
 
     async def admit(self, request_id: str, num_tokens: int) -> bool:
         """Both admission rounds (CTX leases and prefills, then GEN leases)."""
         parent = self.parent(request_id)
-        if not await self._coords[Role.CTX].admit.remote(parent, num_tokens):
+        try:
+            if not await self._coords[Role.CTX].admit.remote(parent, num_tokens):
+                return False
+        except AdmissionStopped:  # a rank is restarting: refused, retry later
             return False
-        if not await self._coords[Role.GEN].admit.remote(parent, num_tokens):
+        try:
+            admitted = await self._coords[Role.GEN].admit.remote(parent, num_tokens)
+        except AdmissionStopped:
+            admitted = False
+        if not admitted:
             await self._coords[Role.CTX].cancel.remote(parent)
             return False
         return True
@@ -216,7 +238,9 @@ class Deployment:
     async def wait(self, request_id: str, role: Role, timeout: float) -> list[str]:
         parent = self.parent(request_id)
         handles = await self.ranks(role)
-        return list(await asyncio.gather(*(h.wait.remote(parent, timeout) for h in handles)))
+        found = await asyncio.gather(*(h.wait.remote(parent, timeout) for h in handles), return_exceptions=True)
+        # A rank that died mid-request is an outcome (the request failed), not an error.
+        return [o if isinstance(o, str) else "died" for o in found]
 
     async def handoff(
         self, request_id: str, num_tokens: int, *, timeout: float = 60.0, cancel_at: str | None = None
@@ -236,6 +260,7 @@ class Deployment:
         if cancel_at not in CANCEL_PHASES:
             raise ValueError(f"cancel_at must be one of {CANCEL_PHASES}, got {cancel_at!r}")
         start = time.perf_counter()
+        self._new_attempt(request_id)
         if not await self.admit(request_id, num_tokens):
             return HandoffResult(request_id=request_id, outcome="rejected", latency_s=time.perf_counter() - start)
         if cancel_at == "before_open":
@@ -284,8 +309,8 @@ class Deployment:
     async def _free(self, request_id: str) -> int:
         parent = self.parent(request_id)
         handles = await self.ranks(Role.GEN)
-        sizes = await asyncio.gather(*(h.free.remote(parent) for h in handles))
-        return int(sum(sizes))
+        sizes = await asyncio.gather(*(h.free.remote(parent) for h in handles), return_exceptions=True)
+        return int(sum(n for n in sizes if isinstance(n, int)))
 
     async def cancel(self, request_id: str) -> None:
         """Cancel a request at any moment: both instances decide it in their next round."""
@@ -318,7 +343,7 @@ def _overall(gen: list[str], ctx: list[str]) -> str:
     if all(o == "completed" for o in gen):
         return "completed"
     every = set(gen) | set(ctx)
-    if "quarantined" in every or "failed" in every:
+    if {"quarantined", "failed", "died"} & every:
         return "failed"
     if "timeout" in every:
         return "timeout"

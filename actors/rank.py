@@ -373,6 +373,8 @@ class RankCore:
         barrier), install the session and send OPEN on each of our edges."""
         assert isinstance(self.side, GenRank)
         now = time.monotonic()
+        if self.side.parents().get(parent) is not ParentState.ADMITTED:
+            return 0  # cancelled (and released) between admission and OPEN: nothing to open
         lease = self.pool.lease_of(parent)
         gen_bytes = self.block_bytes
         blocks = [
@@ -401,7 +403,11 @@ class RankCore:
             specs.append(
                 GenEdgeSpec(ticket=ticket, buffer=buffer, num_tokens=self._tokens.get(parent, 0), expected_bytes=expected)
             )
-        actions = self.side.install(parent, specs, now)
+        try:
+            actions = self.side.install(parent, specs, now)
+        except ProtocolError as exc:
+            self.counters[f"refused_{type(exc).__name__}"] += 1
+            return 0
         refs = await self._perform_awaiting(actions)
         return len(refs)
 
@@ -522,11 +528,17 @@ class RankCore:
         return True
 
     def _settled(self, parent: ParentKey, cancelled: bool, evidence: Any) -> None:
-        if cancelled or parent in self._deferred:
+        """Every local edge of `parent` is terminal. A cancelled parent is released
+        by the protocol once its cancel is decided; a success feeds the completion
+        round (GEN verifies every byte first: S2)."""
+        if parent in self._deferred:
+            # Conservative path: the transfer we let finish is done; apply the cancel now.
             self._deferred.discard(parent)
             self._outcome.setdefault(parent, "cancelled")
-            if self.side.parent_state(parent) is ParentState.SETTLED:
-                self._perform(self.side.completed(parent))
+            self._perform(self.side.cancel(parent, CancelReason.CLIENT, time.monotonic(), from_round=True))
+            return
+        if cancelled:
+            self._outcome.setdefault(parent, "cancelled")
             return
         if self.role is Role.GEN and self.config.synthetic and not self._verify(parent):
             self.member.record_failure(parent)
@@ -571,6 +583,7 @@ class RankCore:
 
     def _post(self, ticket: ContextTicket, index: int, now: float) -> None:
         regions = self._chunks[ticket][index]
+        self._xfer.setdefault(ticket.parent, [time.perf_counter(), 0.0, 0])  # before the post
         try:
             chunk = self.transport.post(self._peer_agent[ticket], regions)
         except Exception as exc:  # nothing was posted: the chunk failed before DMA
@@ -579,7 +592,6 @@ class RankCore:
             self._perform(self.side.chunk_failed(ticket, index, now))
             return
         self._in_flight[(ticket, index)] = chunk
-        self._xfer.setdefault(ticket.parent, [time.perf_counter(), 0.0, 0])
         self._ensure_polling()
 
     def _ensure_polling(self) -> None:
@@ -639,7 +651,10 @@ class RankCore:
                 future.set_result(self._outcome[parent])
 
     async def wait(self, parent: ParentKey, timeout: float) -> str:
-        """Wait until `parent` reaches a local outcome (completed, cancelled, ...)."""
+        """Wait until `parent` reaches a local outcome (completed, cancelled, ...).
+
+        A parent this rank has never heard of and has no outcome for waits too
+        (its admission or OPEN may still be on the way); `timeout` bounds it."""
         self._ensure_polling()
         state = self.side.parents().get(parent)
         if parent in self._outcome and (

@@ -714,6 +714,10 @@ class _Parent:
     edges: dict[ContextTicket, _Edge] = field(default_factory=dict)
     deadline: float | None = None  # CTX: transfer deadline after DECIDED; GEN: after INSTALLED
     cancel_reason: CancelReason | None = None
+    # The agreement round decided this parent cancelled (or failed): no
+    # completion round will ever come, so the rank releases it itself as soon
+    # as every edge is terminal (SETTLED), i.e. as soon as nothing can write.
+    cancel_decided: bool = False
 
 
 class _Rank:
@@ -840,13 +844,23 @@ class _Rank:
         state = self.parent_state(parent)
         _fire(self._machine("parent"), self._parent_table, state, _PE.CANCEL)  # validate only
         record = self._parents.get(parent)
-        if (
-            record is None
-            or record.cancel_reason is not None
-            or state in (_PS.DECODE_READY, _PS.QUARANTINED)
-        ):
-            return []  # idempotent: already cancelled, released or past the handoff
-        return self._cancel(record, reason, now, intent=not from_round)
+        if record is None or state in (_PS.DECODE_READY, _PS.QUARANTINED):
+            return []  # idempotent: released or past the handoff
+        actions: list[Action] = []
+        if record.cancel_reason is None:
+            actions += self._cancel(record, reason, now, intent=not from_round)
+        if from_round:
+            # A decided cancel can find the parent already SETTLED (its transfer
+            # finished and its completion was reported, but the cancel won the
+            # round): without this it would wait forever for a completion round.
+            record.cancel_decided = True
+            actions += self._release_if_decided(record)
+        return actions
+
+    def _release_if_decided(self, record: _Parent) -> list[Action]:
+        if record.cancel_decided and record.state is _PS.SETTLED:
+            return self._fire_parent(record.key, _PE.COMPLETE_CANCELLED)
+        return []
 
     def receive_cancel(self, message: Cancel, now: float) -> list[Action]:
         """A peer's CANCEL for an exact installed session: cancel the parent."""
@@ -1001,7 +1015,7 @@ class _Rank:
         waiting = record.state in (_PS.ADMITTED, _PS.RESIDENT) and record.cancel_reason is None
         settling = record.state in (_PS.DECIDED, _PS.INSTALLED, _PS.CANCELLING)
         if settling and not waiting and all(e.state in _TERMINAL_EDGE_STATES for e in edges):
-            return self._fire_parent(record.key, _PE.EDGES_SETTLED)
+            return self._fire_parent(record.key, _PE.EDGES_SETTLED) + self._release_if_decided(record)
         return []
 
 

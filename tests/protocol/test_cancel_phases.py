@@ -25,6 +25,7 @@ from kvhandoff.protocol import (
     StopPosting,
     Terminal,
     TerminalKind,
+    decode_frame,
 )
 
 from .harness import CTX_DIGEST, Pair, ctx_endpoint, parent_key
@@ -46,6 +47,11 @@ def _terminals(pair: Pair) -> list[TerminalKind]:
 
 def _released(pair: Pair) -> int:
     return sum(len(a.blocks) for a in _of(pair.actions, Release))
+
+
+def _terminals_sent_by_ctx(queue: list) -> list[TerminalKind]:
+    messages = [decode_frame(envelope.frame) for envelope in queue]
+    return [m.evidence for m in messages if isinstance(m, Terminal)]
 
 
 def _assert_all_free(pair: Pair) -> None:
@@ -70,10 +76,13 @@ def test_cancel_before_open() -> None:
     for rank in pair.ranks():
         pair.perform(rank.cancel(P, CancelReason.CLIENT, pair.now, from_round=True))
     assert not pair.queue, "no OPEN, no TERMINAL: nothing was exposed"
-    assert pair.ctx.local_not_started(P) and pair.gens[0].local_not_started(P)
-    assert pair.ctx.parent_state(P) is ParentState.SETTLED
-    pair.run_rounds()
+    # Decided cancel + every local edge terminal (there are none): no completion
+    # round will come for a cancelled parent, so each rank releases at once.
+    assert pair.ctx.parent_state(P) is ParentState.RELEASED
+    assert pair.gens[0].parent_state(P) is ParentState.RELEASED
     assert _released(pair) == 4 and not _of(pair.actions, Quarantine)
+    pair.run_rounds()
+    assert _released(pair) == 4  # nothing released twice
     assert not _of(pair.actions, CancelIntent)  # from_round: nothing echoed
     _assert_all_free(pair)
 
@@ -110,8 +119,15 @@ def test_cancel_after_open_early_release_by_verdict() -> None:
         pair.perform(rank.cancel(P, CancelReason.CLIENT, pair.now, from_round=True))
     held = list(pair.queue)
     pair.queue.clear()  # CANCEL and TERMINAL(NOT_STARTED) still on the wire
-    assert pair.ctx.local_not_started(P) and pair.gens[0].local_not_started(P)
-    pair.run_rounds()
+    # CTX proved its edge NOT_STARTED locally (it is the writer): released at once.
+    assert pair.ctx.parent_state(P) is ParentState.RELEASED
+    # GEN exposed its blocks in the OPEN and has no TERMINAL yet: it waits.
+    assert pair.gens[0].parent_state(P) is ParentState.CANCELLING
+    assert pair.gens[0].local_not_started(P)
+    # The round's topology-wide verdict (CTX proved NOT_STARTED before it released;
+    # no GEN has contrary evidence) frees GEN without waiting for the TERMINAL.
+    assert _terminals_sent_by_ctx(held) == [TerminalKind.NOT_STARTED]
+    pair.perform(pair.gens[0].release_not_started(P))
     assert pair.gens[0].parent_state(P) is ParentState.RELEASED
     _assert_all_free(pair)
     # The late messages are stale now and change nothing.
@@ -374,3 +390,21 @@ def test_ready_message_is_just_a_ready() -> None:
     pair.decide(P)
     readies = [a.message for a in _of(pair.actions, SendMessage) if isinstance(a.message, Ready)]
     assert readies == [Ready(ticket=pair.tickets(P)[0])]
+
+
+def test_decided_cancel_releases_a_parent_that_already_settled() -> None:
+    """Regression (found by the benchmark): the transfer finished and the parent
+    settled and reported completion, then a cancel won the round. No completion
+    round follows a cancelled parent, so the decided cancel must release it."""
+    pair = Pair()
+    _to_prepared(pair)
+    pair.decide(P)
+    pair.pump()  # chunks DONE, TERMINAL and RECEIPT delivered; no completion round yet
+    assert pair.ctx.parent_state(P) is ParentState.SETTLED
+    assert pair.gens[0].parent_state(P) is ParentState.SETTLED
+    for rank in pair.ranks():
+        pair.perform(rank.cancel(P, CancelReason.CLIENT, pair.now, from_round=True))
+    assert pair.ctx.parent_state(P) is ParentState.RELEASED
+    assert pair.gens[0].parent_state(P) is ParentState.RELEASED
+    assert not _of(pair.actions, Quarantine)
+    _assert_all_free(pair)
