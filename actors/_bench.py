@@ -550,16 +550,17 @@ class _Bench:
             released = await _wait_leased(dep, baseline, a.cancel_timeout_s)
             freed = time.perf_counter() - start
             outcome = result.outcome
-            if outcome == "completed":
-                outcomes[outcome] += 1
-                continue  # finished before the cancel landed: nothing to release early
             if not released:
+                # Also for a handoff that completed: its CTX side may still never release.
                 stuck.append(
                     f"{outcome} ctx={','.join(result.ctx_outcomes)} gen={','.join(result.gen_outcomes)}"
                 )
-                outcomes["not released"] += 1
+                outcomes[f"{outcome}, not released"] += 1
                 baseline = [max(b, x) for b, x in zip(baseline, await _leased(dep))]
                 continue
+            if outcome == "completed":
+                outcomes[outcome] += 1
+                continue  # finished before the cancel landed: nothing to release early
             outcomes[outcome] += 1
             to_return.append(returned)
             to_free.append(freed)

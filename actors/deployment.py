@@ -12,7 +12,7 @@ coordinator per instance, and a directory where ranks find each other:
 
 One handoff (DESIGN.md "Lifecycle"):
 1. CTX admission round: every CTX rank leases blocks and prefills them with the
-   request's pattern (actors/_pattern.py).
+   request's pattern (actors/_pattern.py); concurrently,
 2. GEN admission round: every GEN rank leases blocks. The round's apply phase
    finishing on every rank is the installation barrier.
 3. Each GEN rank installs the session and sends OPEN on each of its edges; a
@@ -210,21 +210,25 @@ class Deployment:
         return [entry[0] for entry, _ in entries]
 
     async def admit(self, request_id: str, num_tokens: int) -> bool:
-        """Both admission rounds (CTX leases and prefills, then GEN leases)."""
+        """Both admission rounds, concurrently (CTX leases and prefills, GEN leases).
+
+        They are independent: no OPEN is sent before both are admitted, so running
+        them side by side takes one round off the critical path. If only one side
+        admits, that side's parent is cancelled (nothing was exposed yet)."""
         parent = self.parent(request_id)
-        try:
-            if not await self._coords[Role.CTX].admit.remote(parent, num_tokens):
+
+        async def one(role: Role) -> bool:
+            try:
+                return bool(await self._coords[role].admit.remote(parent, num_tokens))
+            except AdmissionStopped:  # a rank is restarting: refused, retry later
                 return False
-        except AdmissionStopped:  # a rank is restarting: refused, retry later
-            return False
-        try:
-            admitted = await self._coords[Role.GEN].admit.remote(parent, num_tokens)
-        except AdmissionStopped:
-            admitted = False
-        if not admitted:
-            await self._coords[Role.CTX].cancel.remote(parent)
-            return False
-        return True
+
+        ctx_ok, gen_ok = await asyncio.gather(one(Role.CTX), one(Role.GEN))
+        if ctx_ok and gen_ok:
+            return True
+        losers = [role for role, ok in ((Role.CTX, ctx_ok), (Role.GEN, gen_ok)) if ok]
+        await asyncio.gather(*(self._coords[role].cancel.remote(parent) for role in losers))
+        return False
 
     async def send_opens(self, request_id: str, gen_ranks: list[int] | None = None) -> int:
         """Each (or the listed) GEN rank installs the session and sends its OPENs."""

@@ -564,13 +564,13 @@ class RankCore:
 
     def _prefill(self, parent: ParentKey) -> None:
         lease = self.pool.lease_of(parent)
-        pattern = self._pattern(parent, self.config.rank, len(lease))
+        pattern = self._pattern(parent, self.config.rank, len(lease)).to(self.buffer.tensor.device)
         for j, ref in enumerate(lease):
             self.buffer.block_view(ref.block).copy_(pattern[j])
 
     def _verify(self, parent: ParentKey) -> bool:
         lease = self.pool.lease_of(parent)
-        expected = self._pattern(parent, self.config.rank, len(lease))
+        expected = self._pattern(parent, self.config.rank, len(lease)).to(self.buffer.tensor.device)
         for j, ref in enumerate(lease):
             if not torch.equal(self.buffer.block_view(ref.block), expected[j]):
                 self.violations.append(f"S2: {parent} block {ref.block} holds foreign bytes")
