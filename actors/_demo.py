@@ -60,14 +60,19 @@ OUTCOMES = ("completed", "cancelled", "rejected", "failed", "timeout")
 # Request sizes: log-uniform, so most requests are short and a few are long,
 # like real prompts; and cheap enough for a 2-core machine.
 MIN_TOKENS = 16
-MAX_TOKENS = 2048
-#: Per-request timeout passed to `handoff`. It waits for the GEN side and then
-#: for the CTX side, each up to `timeout`, so L1's bound is twice that plus slack.
-REQUEST_TIMEOUT_S = 20.0
+MAX_TOKENS = 1024
+#: Default per-request timeout passed to `handoff` (`--timeout`). It waits for
+#: the GEN side and then for the CTX side, each up to `timeout`, so L1's bound
+#: is twice that plus slack.
+REQUEST_TIMEOUT_S = 15.0
 #: After the workload, how long ranks may take to give back every leased block.
 SETTLE_S = 20.0
-#: Upper bound of the random delay before a concurrent cancel (seconds).
-MAX_CANCEL_DELAY_S = 0.05
+#: Range of the random delay before a concurrent cancel (seconds), log-uniform:
+#: from "right after the handoff started" (admission) to about the p99 latency
+#: of a handoff on a loaded 2-core machine (after completion), so the cancels
+#: land in every phase in between.
+MIN_CANCEL_DELAY_S = 0.001
+MAX_CANCEL_DELAY_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -114,8 +119,8 @@ def plan_workload(
             phase = EXACT_PHASES[(n_cancels // 2) % len(EXACT_PHASES)]
             plan.append(Planned(request_id, tokens, cancel=phase))
         else:
-            # Squared: more cancels land early (admission, OPEN), some during DMA.
-            delay = MAX_CANCEL_DELAY_S * rng.random() ** 2
+            low, high = math.log(MIN_CANCEL_DELAY_S), math.log(MAX_CANCEL_DELAY_S)
+            delay = math.exp(rng.uniform(low, high))
             plan.append(Planned(request_id, tokens, cancel=DELAYED, cancel_delay_s=delay))
         n_cancels += 1
     return plan
@@ -169,6 +174,13 @@ class DemoReport:
     def leaked(self) -> int:
         return sum(_leaked(s) for s in self.ranks if "error" not in s)
 
+    def counters(self) -> dict[str, int]:
+        """The ranks' protocol counters, summed (refusals, deferred cancels, ...)."""
+        total: collections.Counter[str] = collections.Counter()
+        for s in self.ranks:
+            total.update(s.get("counters", {}) if "error" not in s else {})
+        return dict(sorted(total.items()))
+
     def quarantined(self) -> int:
         return sum(int(s.get("quarantined", 0)) for s in self.ranks if "error" not in s)
 
@@ -198,6 +210,7 @@ class DemoReport:
             "qualified": self.qualified,
             "unqualified_reasons": list(self.unqualified_reasons),
             "durations": dict(self.durations),
+            "counters": self.counters(),
             "ranks": [_rank_summary(s) for s in self.ranks],
             "config": dict(self.args),
         }
@@ -268,7 +281,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pool-blocks", type=_positive, default=1024, help="KV blocks per rank (default 1024)"
     )
+    parser.add_argument(
+        "--max-tokens",
+        type=_positive,
+        default=MAX_TOKENS,
+        help=f"largest request, in tokens (sizes are log-uniform from {MIN_TOKENS}; default {MAX_TOKENS})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=REQUEST_TIMEOUT_S,
+        help=f"per-request handoff timeout in seconds (default {REQUEST_TIMEOUT_S:g})",
+    )
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object on stdout and nothing else"
     )
@@ -292,6 +317,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def _rate(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:
@@ -304,6 +336,11 @@ def run(args: argparse.Namespace) -> int:
     # Before Ray (and therefore any worker) starts: workers inherit it.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     t0 = time.perf_counter()
+    progress = _Progress(sys.stderr, enabled=not args.json and sys.stderr.isatty())
+    progress.note(
+        f"starting Ray and launching CTX tp={args.ctx_tp} -> GEN tp={args.gen_tp} "
+        f"({args.memory}, NIXL/UCX)..."
+    )
     import ray
 
     started_ray = False
@@ -319,7 +356,6 @@ def run(args: argparse.Namespace) -> int:
             return 2
         started_ray = True
     ray_init_s = time.perf_counter() - t0
-    progress = _Progress(sys.stderr, enabled=not args.json and sys.stderr.isatty())
     try:
         report = asyncio.run(_run_async(args, progress))
     except _LaunchFailed as exc:
@@ -340,11 +376,11 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.json:
         print(json.dumps(report.to_json()))
+        for violation in report.violations:
+            # Errors go to stderr too, so that `--json` callers see why it failed.
+            print(f"kvhandoff demo: invariant violated: {violation}", file=sys.stderr)
     else:
         print(render_summary(report))
-    for violation in report.violations:
-        # Also on stderr (an error) so that `--json` callers see why it failed.
-        print(f"kvhandoff demo: invariant violated: {violation}", file=sys.stderr)
     return 0 if not report.violations else 1
 
 
@@ -375,10 +411,17 @@ async def _run_async(args: argparse.Namespace, progress: _Progress) -> DemoRepor
     durations["launch_s"] = time.perf_counter() - t
     try:
         exact = "cancel_at" in inspect.signature(dep.handoff).parameters
-        plan = plan_workload(args.requests, args.cancel_rate, args.seed, exact_phases=exact)
+        plan = plan_workload(
+            args.requests,
+            args.cancel_rate,
+            args.seed,
+            exact_phases=exact,
+            min_tokens=min(MIN_TOKENS, args.max_tokens),
+            max_tokens=args.max_tokens,
+        )
         progress.start(len(plan))
         t = time.perf_counter()
-        results = await run_workload(dep, plan, args.concurrency, progress)
+        results = await run_workload(dep, plan, args.concurrency, progress, args.timeout)
         durations["workload_s"] = time.perf_counter() - t
         progress.close()
         t = time.perf_counter()
@@ -399,6 +442,8 @@ async def _run_async(args: argparse.Namespace, progress: _Progress) -> DemoRepor
             "memory": args.memory,
             "pool_blocks": args.pool_blocks,
             "seed": args.seed,
+            "max_tokens": args.max_tokens,
+            "timeout_s": args.timeout,
             "unqualified": bool(args.unqualified),
             "chaos": bool(args.chaos),
             "cancel_at_phases": exact,
@@ -417,17 +462,21 @@ async def _run_async(args: argparse.Namespace, progress: _Progress) -> DemoRepor
 
 
 async def run_workload(
-    dep: Any, plan: list[Planned], concurrency: int, progress: _Progress
+    dep: Any,
+    plan: list[Planned],
+    concurrency: int,
+    progress: _Progress,
+    timeout: float = REQUEST_TIMEOUT_S,
 ) -> list[Finished]:
     """Run every planned request, at most `concurrency` at once."""
     slots = asyncio.Semaphore(concurrency)
-    bound = 2 * REQUEST_TIMEOUT_S + 5.0  # L1: GEN wait + CTX wait + slack
+    bound = 2 * timeout + 5.0  # L1: GEN wait + CTX wait + slack
 
     async def one(planned: Planned) -> Finished:
         async with slots:
             start = time.perf_counter()
             try:
-                result = await asyncio.wait_for(_handoff(dep, planned), bound)
+                result = await asyncio.wait_for(_handoff(dep, planned, timeout), bound)
                 finished = Finished(
                     planned,
                     result.outcome,
@@ -454,19 +503,16 @@ async def run_workload(
     return list(await asyncio.gather(*(one(p) for p in plan)))
 
 
-async def _handoff(dep: Any, planned: Planned) -> Any:
+async def _handoff(dep: Any, planned: Planned, timeout: float) -> Any:
     if planned.cancel is None:
-        return await dep.handoff(planned.request_id, planned.num_tokens, timeout=REQUEST_TIMEOUT_S)
+        return await dep.handoff(planned.request_id, planned.num_tokens, timeout=timeout)
     if planned.cancel in EXACT_PHASES:
         return await dep.handoff(
-            planned.request_id,
-            planned.num_tokens,
-            timeout=REQUEST_TIMEOUT_S,
-            cancel_at=planned.cancel,
+            planned.request_id, planned.num_tokens, timeout=timeout, cancel_at=planned.cancel
         )
     # A concurrent cancel: both run on this loop; the handoff is owned and awaited.
     handoff = asyncio.ensure_future(
-        dep.handoff(planned.request_id, planned.num_tokens, timeout=REQUEST_TIMEOUT_S)
+        dep.handoff(planned.request_id, planned.num_tokens, timeout=timeout)
     )
     try:
         await asyncio.sleep(planned.cancel_delay_s)
@@ -482,7 +528,10 @@ async def settle(dep: Any, limit_s: float) -> tuple[dict[str, Any], bool]:
     Returns the last stats and whether every rank settled."""
     deadline = time.perf_counter() + limit_s
     while True:
-        stats = await dep.stats()
+        try:
+            stats = await dep.stats()
+        except Exception as exc:  # e.g. a coordinator died: nothing can be proven
+            return {"ranks": [{"error": f"stats() failed: {exc!r}"}], "coordinators": {}}, False
         ranks = stats.get("ranks", [])
         busy = [
             s
@@ -502,14 +551,15 @@ def check_invariants(report: DemoReport) -> list[str]:
             out.append(f"S4: a rank's stats failed (pool invariant?): {s['error']}")
     leaked = report.leaked()
     if leaked:
+        # Blocks still leased after the bounded settle wait are leaks too.
         where = ", ".join(
             f"{s['role']}{s['rank']}={_leaked(s)}"
             for s in report.ranks
             if "error" not in s and _leaked(s)
         )
         out.append(f"L2: {leaked} blocks leaked (pool - free - quarantined): {where}")
-    if not report.settled:
-        out.append(f"L2: ranks still held leased blocks {SETTLE_S:.0f} s after the workload")
+    if not report.settled and not leaked:
+        out.append(f"L2: DMA chunks still in flight {SETTLE_S:.0f} s after the workload")
     for s in report.ranks:
         for v in s.get("violations", []) if "error" not in s else []:
             out.append(f"S2: {s['role']}{s['rank']}: {v}")
@@ -540,6 +590,7 @@ def check_invariants(report: DemoReport) -> list[str]:
 def render_summary(report: DemoReport) -> str:
     """The human-readable summary table."""
     j = report.to_json()
+    max_tokens = report.args.get("max_tokens", MAX_TOKENS)
     lines = ["", "kvhandoff demo", "=" * 62]
     lines.append(
         f"topology     CTX tp={report.args['ctx_tp']} -> GEN tp={report.args['gen_tp']}, "
@@ -556,8 +607,12 @@ def render_summary(report: DemoReport) -> str:
         )
         for reason in report.unqualified_reasons:
             lines.append(f"               - {reason}")
+        deferred = j["counters"].get("cancel_deferred", 0)
+        lines.append(
+            f"               {deferred} cancels waited for their decided transfer to finish"
+        )
     lines.append(
-        f"workload     {j['requests']} requests, {MIN_TOKENS}..{MAX_TOKENS} tokens, "
+        f"workload     {j['requests']} requests, {min(MIN_TOKENS, max_tokens)}..{max_tokens} tokens, "
         f"{report.args['concurrency']} in flight, cancel rate {report.args['cancel_rate']:.0%}, seed {report.args['seed']}"
     )
     lines.append("-" * 62)
@@ -622,6 +677,11 @@ class _Progress:
         self.counts: collections.Counter[str] = collections.Counter()
         self.started = 0.0
         self.last_draw = 0.0
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            self.stream.write(text + "\n")
+            self.stream.flush()
 
     def start(self, total: int) -> None:
         self.total = total

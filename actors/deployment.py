@@ -94,6 +94,7 @@ class Deployment:
         self._coords: dict[Role, Any] = {}
         self._directory: Any = None
         self._attempts: dict[str, int] = {}
+        self._cancelled: set[ParentKey] = set()  # attempts a client asked to cancel (bounded below)
 
     # -- launch ---------------------------------------------------------------------
 
@@ -111,6 +112,7 @@ class Deployment:
         lease_timeout_s: float = 30.0,
         round_timeout_s: float = 5.0,
         max_restarts: int = 3,
+        start_timeout_s: float = 60.0,
         fault_plan: FaultPlan | None = None,
         synthetic: bool = True,
         ctx_overrides: dict[str, Any] | None = None,
@@ -160,6 +162,7 @@ class Deployment:
                 tp=spec.tp,
                 round_timeout=round_timeout_s,
                 max_restarts=max_restarts,
+                restart_timeout=start_timeout_s,
             )
         epochs = await asyncio.gather(*(c.epochs.remote() for c in self._coords.values()))
         expected = {role.value: e for role, e in zip(self._coords, epochs)}
@@ -266,7 +269,9 @@ class Deployment:
         start = time.perf_counter()
         self._new_attempt(request_id)
         if not await self.admit(request_id, num_tokens):
-            return HandoffResult(request_id=request_id, outcome="rejected", latency_s=time.perf_counter() - start)
+            # A client cancel that won the admission round is a cancel, not a refusal.
+            outcome = "cancelled" if self.parent(request_id) in self._cancelled else "rejected"
+            return HandoffResult(request_id=request_id, outcome=outcome, latency_s=time.perf_counter() - start)
         if cancel_at == "before_open":
             await self.cancel(request_id)
         elif cancel_at == "before_ready":
@@ -319,6 +324,9 @@ class Deployment:
     async def cancel(self, request_id: str) -> None:
         """Cancel a request at any moment: both instances decide it in their next round."""
         parent = self.parent(request_id)
+        if len(self._cancelled) > 65536:
+            self._cancelled.clear()
+        self._cancelled.add(parent)
         await asyncio.gather(*(c.cancel.remote(parent) for c in self._coords.values()), return_exceptions=True)
 
     async def stats(self) -> dict[str, Any]:

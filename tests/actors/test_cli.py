@@ -1,0 +1,238 @@
+"""`kvhandoff demo` and the Ray job example, end to end (subprocesses), plus the
+demo's workload plan and invariant checks on synthetic reports (no Ray).
+
+The end-to-end tests start their own local Ray cluster in a child process, so
+they do not use the module's `ray_cluster` fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvhandoff.actors._demo import (
+    DELAYED,
+    EXACT_PHASES,
+    DemoReport,
+    Finished,
+    Planned,
+    check_invariants,
+    plan_workload,
+    render_summary,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+# The fields the public contract (DESIGN.md) and the brief promise in `--json`.
+JSON_FIELDS = {
+    "requests": int,
+    "completed": int,
+    "cancelled": int,
+    "failed": int,
+    "rejected": int,
+    "bytes_verified": int,
+    "leaked_blocks": int,
+    "quarantined_blocks": int,
+    "invariant_violations": list,
+    "wall_s": float,
+    "handoffs_per_s": float,
+    "qualified": bool,
+    "durations": dict,
+}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)  # always a fresh local cluster in the child
+    env["NIXL_LOG_LEVEL"] = "WARN"
+    return env
+
+
+# -- end to end -------------------------------------------------------------------------
+
+
+@pytest.mark.ray
+def test_demo_json_reports_every_field_and_holds_the_invariants() -> None:
+    requests, seed = 24, 3
+    argv = ["demo", "--json", "--requests", str(requests), "--seed", str(seed)]
+    argv += [
+        "--cancel-rate",
+        "0.5",
+        "--concurrency",
+        "8",
+        "--pool-blocks",
+        "512",
+        "--timeout",
+        "10",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvhandoff.actors.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=ROOT,
+        env=_env(),
+    )
+    # Exactly one JSON object on stdout, nothing else.
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, (
+        f"stdout must be one JSON line, got:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    )
+    report = json.loads(lines[0])
+    for field, kind in JSON_FIELDS.items():
+        assert field in report, f"missing {field}"
+        assert isinstance(report[field], kind), f"{field}: {report[field]!r} is not {kind.__name__}"
+    assert report["requests"] == requests
+    outcomes = report["completed"] + report["cancelled"] + report["failed"] + report["rejected"]
+    assert outcomes + report.get("timeout", 0) == requests
+    # Every planned cancel kind shows up in the per-kind outcomes.
+    plan = plan_workload(requests, 0.5, seed, exact_phases=report["config"]["cancel_at_phases"])
+    kinds = {p.cancel for p in plan if p.cancel}
+    assert kinds <= set(report["cancel_mix"]), report["cancel_mix"]
+    if report["config"]["cancel_at_phases"]:
+        assert set(EXACT_PHASES) <= kinds
+    assert report["completed"] > 0 and report["bytes_verified"] > 0
+    assert report["qualified"] is True
+    assert {"launch_s", "workload_s", "total_s"} <= set(report["durations"])
+    # The invariants: exit 0 if and only if no violation; and here none may occur.
+    assert (proc.returncode == 0) == (report["invariant_violations"] == [])
+    assert report["invariant_violations"] == [], report["invariant_violations"]
+    assert report["leaked_blocks"] == 0
+    assert proc.returncode == 0, proc.stderr
+    # With --json and success, stderr carries nothing (no progress bar, no Ray banners).
+    assert proc.stderr.strip() == "", proc.stderr
+
+
+@pytest.mark.ray
+def test_ray_job_example_runs_and_leaks_nothing() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "ray_job.py")],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=ROOT,
+        env=_env(),
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "job-2: completed" in proc.stdout
+    assert "job-cancel-race:" in proc.stdout
+    assert proc.stdout.strip().endswith("ok")
+
+
+def test_notebook_is_valid_json_with_async_code_and_no_outputs() -> None:
+    notebook = json.loads((ROOT / "examples" / "notebook.ipynb").read_text())
+    assert notebook["nbformat"] == 4
+    code = [c for c in notebook["cells"] if c["cell_type"] == "code"]
+    assert code and all(c["outputs"] == [] and c["execution_count"] is None for c in code)
+    source = "".join("".join(c["source"]) for c in code)
+    assert "await Deployment.launch(" in source and "await dep.shutdown()" in source
+
+
+# -- the plan and the checks, without Ray ---------------------------------------------------
+
+
+def test_plan_is_deterministic_and_spreads_cancels_over_every_phase() -> None:
+    plan = plan_workload(400, 0.3, seed=7, exact_phases=True)
+    assert plan == plan_workload(400, 0.3, seed=7, exact_phases=True)
+    assert len({p.request_id for p in plan}) == 400
+    kinds = [p.cancel for p in plan if p.cancel]
+    assert 0.2 < len(kinds) / 400 < 0.4
+    assert set(kinds) == {*EXACT_PHASES, DELAYED}
+    assert all(16 <= p.num_tokens <= 1024 for p in plan)
+    without = plan_workload(100, 1.0, seed=7, exact_phases=False)
+    assert {p.cancel for p in without} == {DELAYED}
+    assert plan_workload(50, 0.0, seed=1, exact_phases=True)[0].cancel is None
+
+
+def _rank(
+    role: str, rank: int, *, free: int = 64, leased: int = 0, quarantined: int = 0, **kw: object
+) -> dict:
+    return {
+        "role": role,
+        "rank": rank,
+        "pool": 64,
+        "free": free,
+        "leased": leased,
+        "quarantined": quarantined,
+        "violations": [],
+        **kw,
+    }
+
+
+def _report(results: list[Finished], ranks: list[dict], *, settled: bool = True) -> DemoReport:
+    return DemoReport(
+        args={
+            "ctx_tp": 2,
+            "gen_tp": 1,
+            "memory": "DRAM",
+            "pool_blocks": 64,
+            "chaos": False,
+            "concurrency": 4,
+            "cancel_rate": 0.3,
+            "seed": 0,
+        },
+        qualified=True,
+        unqualified_reasons=[],
+        results=results,
+        ranks=ranks,
+        coordinators={"ctx": {"state": "running"}, "gen": {"state": "running"}},
+        durations={"workload_s": 2.0, "total_s": 5.0},
+        settled=settled,
+        violations=[],
+    )
+
+
+def _done(i: int, outcome: str, cancel: str | None = None) -> Finished:
+    return Finished(
+        Planned(f"r{i}", 64, cancel),
+        outcome,
+        4096 if outcome == "completed" else 0,
+        0.01 * (i + 1),
+        0.1,
+    )
+
+
+def test_invariants_hold_on_a_clean_report_and_summary_says_so() -> None:
+    report = _report(
+        [_done(0, "completed"), _done(1, "cancelled", "mid_dma")],
+        [_rank("ctx", 0), _rank("ctx", 1), _rank("gen", 0, free=60, quarantined=4)],
+    )
+    assert check_invariants(report) == []
+    j = report.to_json()
+    assert (j["completed"], j["cancelled"], j["leaked_blocks"], j["quarantined_blocks"]) == (
+        1,
+        1,
+        0,
+        4,
+    )
+    assert j["handoffs_per_s"] == 0.5 and j["latency_p50_s"] == pytest.approx(0.01)
+    assert "invariants   OK" in render_summary(report)
+
+
+def test_each_violated_invariant_is_reported() -> None:
+    report = _report(
+        [_done(0, "timeout", "mid_dma"), _done(1, "hung", DELAYED)],
+        [
+            _rank("ctx", 0, free=60, leased=4),
+            {"error": "PoolError('block 3 in two states')"},
+            _rank("gen", 0, violations=["S2: r9 block 2 holds foreign bytes"]),
+        ],
+        settled=False,
+    )
+    report.coordinators["gen"] = {"state": "failed", "failure_reason": "restart budget exhausted"}
+    text = "\n".join(check_invariants(report))
+    for tag in (
+        "S4:",
+        "L2: 4 blocks leaked",
+        "S2:",
+        "L1: r1",
+        "L1: 1 requests timed out",
+        "coordinator gen is failed",
+    ):
+        assert tag in text, tag
+    report.violations = check_invariants(report)
+    assert "INVARIANTS VIOLATED" in render_summary(report)
