@@ -1,1 +1,26 @@
-"""The I/O layer: Ray actors, the NIXL data plane, the client API and the CLI."""
+"""kvhandoff.actors: the I/O layer.
+
+Ray actors (a `RankActor` per rank with its NIXL agent and preallocated KV
+buffer, a `Coordinator` per instance), the NIXL data plane, the `Deployment`
+client API (used by the CLI, the Ray job and the notebook) and the CLI.
+"""
+
+from ._coordinator import AdmissionStopped, Coordinator, RoundTimeout, TopologyFailed
+from ._dataplane import FaultPlan
+from .deployment import CANCEL_PHASES, DEFAULT_LAYOUT, Deployment, HandoffResult, SyncDeployment
+from .rank import RankActor, RankConfig
+
+__all__ = [
+    "Deployment",
+    "SyncDeployment",
+    "HandoffResult",
+    "CANCEL_PHASES",
+    "DEFAULT_LAYOUT",
+    "FaultPlan",
+    "RankActor",
+    "RankConfig",
+    "Coordinator",
+    "AdmissionStopped",
+    "RoundTimeout",
+    "TopologyFailed",
+]

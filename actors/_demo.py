@@ -306,7 +306,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chaos",
         action="store_true",
-        help="defer every DMA chunk's real post by some polls, so cancels meet DMA genuinely in flight",
+        help="defer every DMA chunk's real post by 5 ms, so cancels meet DMA genuinely in flight",
     )
 
 
@@ -401,7 +401,7 @@ async def _run_async(args: argparse.Namespace, progress: _Progress) -> DemoRepor
             gen_tp=args.gen_tp,
             pool_blocks=args.pool_blocks,
             memory=args.memory,
-            fault_plan=FaultPlan(defer_polls=64) if args.chaos else None,
+            fault_plan=FaultPlan(defer_s=0.005) if args.chaos else None,
             ctx_overrides=overrides,
             gen_overrides=overrides,
             name=f"kvh-demo-{os.getpid()}",
