@@ -95,6 +95,11 @@ class Deployment:
         self._directory: Any = None
         self._attempts: dict[str, int] = {}
         self._cancelled: set[ParentKey] = set()  # attempts a client asked to cancel (bounded below)
+        # Rank handles and CTX endpoints change only when a rank restarts (a new
+        # epoch): cached, keyed by both coordinators' epochs, refreshed off the
+        # critical path (concurrently with the admission rounds).
+        self._view_epochs: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._view: tuple[dict[Role, list[Any]], list[Endpoint]] | None = None
 
     # -- launch ---------------------------------------------------------------------
 
@@ -197,20 +202,42 @@ class Deployment:
             self._attempts[request_id] = 0
         return self.parent(request_id)
 
+    async def refresh_view(self) -> None:
+        """Re-read rank handles and CTX endpoints if any rank restarted since."""
+        ctx_epochs, gen_epochs = await asyncio.gather(
+            self._coords[Role.CTX].epochs.remote(), self._coords[Role.GEN].epochs.remote()
+        )
+        epochs = (tuple(ctx_epochs), tuple(gen_epochs))
+        if epochs == self._view_epochs:
+            return
+        # The directory may lag a restart by a moment: wait until it caught up,
+        # rather than hand GEN a dead incarnation's endpoint.
+        await self._directory.wait_for.remote({Role.CTX.value: ctx_epochs, Role.GEN.value: gen_epochs}, 30.0)
+        ctx_handles, gen_handles, entries = await asyncio.gather(
+            self._coords[Role.CTX].rank_handles.remote(),
+            self._coords[Role.GEN].rank_handles.remote(),
+            self._directory.all_of.remote(Role.CTX.value),
+        )
+        self._view = ({Role.CTX: list(ctx_handles), Role.GEN: list(gen_handles)}, [e[0] for e, _ in entries])
+        self._view_epochs = epochs
+
     async def ranks(self, role: Role) -> list[Any]:
-        return list(await self._coords[role].rank_handles.remote())
+        """The current rank actor handles of one instance (rank i at index i)."""
+        await self.refresh_view()
+        return self._cached_ranks(role)
+
+    def _cached_ranks(self, role: Role) -> list[Any]:
+        assert self._view is not None, "refresh_view() first"
+        return list(self._view[0][role])
 
     async def _all_ranks(self) -> list[Any]:
         return [*(await self.ranks(Role.CTX)), *(await self.ranks(Role.GEN))]
 
-    async def ctx_endpoints(self, timeout: float = 30.0) -> list[Endpoint]:
-        """The current CTX endpoints. The coordinator's epochs are the truth; the
-        directory may lag a restart by a moment (registration is fire-and-forget),
-        so wait until it has caught up rather than hand GEN a dead incarnation."""
-        epochs = await self._coords[Role.CTX].epochs.remote()
-        await self._directory.wait_for.remote({Role.CTX.value: epochs}, timeout)
-        entries = await self._directory.all_of.remote(Role.CTX.value)
-        return [entry[0] for entry, _ in entries]
+    async def ctx_endpoints(self) -> list[Endpoint]:
+        """The current CTX endpoints."""
+        await self.refresh_view()
+        assert self._view is not None
+        return list(self._view[1])
 
     async def admit(self, request_id: str, num_tokens: int) -> bool:
         """Both admission rounds, concurrently (CTX leases and prefills, GEN leases).
@@ -236,15 +263,18 @@ class Deployment:
     async def send_opens(self, request_id: str, gen_ranks: list[int] | None = None) -> int:
         """Each (or the listed) GEN rank installs the session and sends its OPENs."""
         parent = self.parent(request_id)
-        endpoints = await self.ctx_endpoints()
-        handles = await self.ranks(Role.GEN)
+        if self._view is None:
+            await self.refresh_view()
+        assert self._view is not None
+        endpoints = self._view[1]
+        handles = self._cached_ranks(Role.GEN)
         chosen = range(len(handles)) if gen_ranks is None else gen_ranks
         sent = await asyncio.gather(*(handles[g].send_opens.remote(parent, endpoints) for g in chosen))
         return sum(sent)
 
     async def wait(self, request_id: str, role: Role, timeout: float) -> list[str]:
         parent = self.parent(request_id)
-        handles = await self.ranks(role)
+        handles = self._cached_ranks(role) if self._view is not None else await self.ranks(role)
         found = await asyncio.gather(*(h.wait.remote(parent, timeout) for h in handles), return_exceptions=True)
         # A rank that died mid-request is an outcome (the request failed), not an error.
         return [o if isinstance(o, str) else "died" for o in found]
@@ -268,7 +298,8 @@ class Deployment:
             raise ValueError(f"cancel_at must be one of {CANCEL_PHASES}, got {cancel_at!r}")
         start = time.perf_counter()
         self._new_attempt(request_id)
-        if not await self.admit(request_id, num_tokens):
+        admitted, _ = await asyncio.gather(self.admit(request_id, num_tokens), self.refresh_view())
+        if not admitted:
             # A client cancel that won the admission round is a cancel, not a refusal.
             outcome = "cancelled" if self.parent(request_id) in self._cancelled else "rejected"
             return HandoffResult(request_id=request_id, outcome=outcome, latency_s=time.perf_counter() - start)
@@ -317,7 +348,7 @@ class Deployment:
 
     async def _free(self, request_id: str) -> int:
         parent = self.parent(request_id)
-        handles = await self.ranks(Role.GEN)
+        handles = self._cached_ranks(Role.GEN)
         sizes = await asyncio.gather(*(h.free.remote(parent) for h in handles), return_exceptions=True)
         return int(sum(n for n in sizes if isinstance(n, int)))
 
