@@ -64,7 +64,7 @@ from kvhandoff.protocol import (
     StaleEpochError,
 )
 
-__all__ = ["VoteNews", "RoundMember", "MemberBroken"]
+__all__ = ["VoteNews", "RoundMember", "MemberBroken", "RoundParticipant"]
 
 
 class VoteNews(msgspec.Struct, frozen=True, kw_only=True):
@@ -256,3 +256,22 @@ class RoundMember:
             self._cancels -= reported_cancels
             self._failures -= reported_failures
         return decision.round_no
+
+
+class RoundParticipant:
+    """Mixin for an actor that owns ``self.member`` (a `RoundMember`): exposes
+    the four methods the coordinator calls as actor methods of the same name."""
+
+    member: RoundMember
+
+    async def round_identity(self) -> tuple[int, int]:
+        return await self.member.round_identity()
+
+    async def round_join(self, next_round: int, epoch: int | None = None) -> int:
+        return await self.member.round_join(next_round, epoch)
+
+    async def round_vote(self, proposal: RoundProposal, epoch: int | None = None) -> RoundVote:
+        return await self.member.round_vote(proposal, epoch)
+
+    async def round_apply(self, decision: RoundDecision, epoch: int | None = None) -> int:
+        return await self.member.round_apply(decision, epoch)

@@ -55,7 +55,7 @@ from kvhandoff.actors._dataplane import (
     XferState,
     split_chunks,
 )
-from kvhandoff.actors._member import RoundMember, VoteNews
+from kvhandoff.actors._member import RoundMember, RoundParticipant, VoteNews
 from kvhandoff.actors._pattern import POISON, expected_blocks, request_seed
 from kvhandoff.protocol import (
     Action,
@@ -139,7 +139,7 @@ def agent_name(deployment: str, ns: RankNamespace, epoch: int) -> str:
     return f"{deployment}.{ns.instance_id}.{ns.role.value}{ns.rank}.e{epoch}"
 
 
-class RankCore:
+class RankCore(RoundParticipant):
     """The rank actor's implementation (`RankActor` is this class as a Ray actor)."""
 
     def __init__(self, config: RankConfig, epoch: int) -> None:
@@ -751,20 +751,11 @@ class RankCore:
         """One Ray actor round trip (the control-plane yardstick)."""
         return self.config.rank
 
-    # -- rounds (RoundMember methods, exposed as actor methods) -------------------------
-
-    async def round_identity(self) -> tuple[int, int]:
-        return await self.member.round_identity()
-
-    async def round_join(self, next_round: int, epoch: int | None = None) -> int:
-        return await self.member.round_join(next_round, epoch)
-
-    async def round_vote(self, proposal: RoundProposal, epoch: int | None = None) -> Any:
-        return await self.member.round_vote(proposal, epoch)
+    # -- rounds (RoundParticipant exposes the member's methods as actor methods) ------
 
     async def round_apply(self, decision: RoundDecision, epoch: int | None = None) -> int:
-        self._ensure_polling()
-        return await self.member.round_apply(decision, epoch)
+        self._ensure_polling()  # a decision may post chunks or start drains
+        return await super().round_apply(decision, epoch)
 
     async def shutdown(self) -> None:
         for task in list(self._tasks):

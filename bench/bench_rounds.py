@@ -31,12 +31,12 @@ from typing import Any
 import ray
 
 from kvhandoff.actors._coordinator import Coordinator
-from kvhandoff.actors._member import RoundMember, VoteNews
+from kvhandoff.actors._member import RoundMember, RoundParticipant, VoteNews
 from kvhandoff.protocol import ParentKey, RoundDecision, RoundProposal
 
 
 @ray.remote(num_cpus=0)
-class BenchRank:
+class BenchRank(RoundParticipant):
     def __init__(self, rank: int, epoch: int) -> None:
         self.member = RoundMember(rank, epoch, self._vote, self._apply)
         self.applied = 0
@@ -46,18 +46,6 @@ class BenchRank:
 
     def _apply(self, decision: RoundDecision) -> None:
         self.applied += len(decision.admitted)
-
-    async def round_identity(self) -> tuple[int, int]:
-        return await self.member.round_identity()
-
-    async def round_join(self, next_round: int, epoch: int | None = None) -> int:
-        return await self.member.round_join(next_round, epoch)
-
-    async def round_vote(self, proposal: RoundProposal, epoch: int | None = None) -> Any:
-        return await self.member.round_vote(proposal, epoch)
-
-    async def round_apply(self, decision: RoundDecision, epoch: int | None = None) -> int:
-        return await self.member.round_apply(decision, epoch)
 
     async def ping(self) -> None:
         return None
