@@ -474,7 +474,12 @@ class CoordinatorCore:
                 return False
             return True
 
-        await self._fan_out(ask, range(self._tp), stop_on_failure=True)
+        # No early stop: a vote we cancelled would count as missing, and the fail
+        # policy would restart a healthy rank (seen as a CI flake: a stale-epoch
+        # vote from one rank got the other, healthy rank restarted too). The
+        # watchdog still bounds the phase; only ranks that failed or truly
+        # missed the deadline are blamed.
+        await self._fan_out(ask, range(self._tp))
         if not bad and not leader.missing():
             return leader.close(loop.time())
         return leader.abort(bad, loop.time())
@@ -494,29 +499,19 @@ class CoordinatorCore:
             return True
 
         # Every survivor must get the decision: no early stop here.
-        await self._fan_out(tell, ranks, stop_on_failure=False)
+        await self._fan_out(tell, ranks)
         return set(ranks) - done
 
-    async def _fan_out(
-        self, call: Callable[[int], Awaitable[bool]], ranks: Sequence[int], *, stop_on_failure: bool
-    ) -> None:
+    async def _fan_out(self, call: Callable[[int], Awaitable[bool]], ranks: Sequence[int]) -> None:
         """Run ``call(rank)`` for every rank under the watchdog (one
-        ``asyncio.timeout`` around one TaskGroup that owns every task).
-        ``call`` returns False when its rank failed; with ``stop_on_failure``
-        the first failure cancels the other calls (the round is lost anyway,
-        their answers are not needed). The deadline cancels whatever is left.
+        ``asyncio.timeout`` around one TaskGroup that owns every task). Every
+        call runs to its end or to the deadline, which cancels whatever is left:
+        cancelling a healthy rank's call early would make it look missing.
         """
-        tasks: list[asyncio.Task[None]] = []
-
-        async def guarded(rank: int) -> None:
-            if not await call(rank) and stop_on_failure:
-                for task in tasks:
-                    if task is not asyncio.current_task():
-                        task.cancel()  # the TaskGroup ignores cancelled children
-
         try:
             async with asyncio.timeout(self._round_timeout), asyncio.TaskGroup() as group:
-                tasks.extend(group.create_task(guarded(rank)) for rank in ranks)
+                for rank in ranks:
+                    group.create_task(call(rank))
         except TimeoutError:
             pass
 

@@ -40,6 +40,10 @@ pytestmark = pytest.mark.ray
 TOKENS_PER_BLOCK = 16
 
 
+
+#: How late past its bound a watchdog may be seen to fire on a loaded 2-core box.
+SLACK = 1.5
+
 def pk(name: str) -> ParentKey:
     return ParentKey(request_id=name, ctx_attempt=0, gen_attempt=0)
 
@@ -337,7 +341,9 @@ def test_tp4_batches_concurrent_admissions_and_agrees_everywhere(ray_cluster: An
 
 
 def test_killed_rank_watchdog_restart_new_epoch_and_resume(ray_cluster: Any) -> None:
-    timeout = 1.0
+    # 3 s: a healthy rank must answer within the bound even while a replacement
+    # rank starts on the same 2 cores (1 s flaked in CI: both ranks "missed").
+    timeout = 3.0
     coordinator, ranks = make(
         2, factory=Factory(join_delay=1.0), round_timeout=timeout, max_restarts=2
     )
@@ -351,10 +357,10 @@ def test_killed_rank_watchdog_restart_new_epoch_and_resume(ray_cluster: Any) -> 
     time.sleep(0.2)
     ray.kill(ranks[1])
     while ray.get(coordinator.stats.remote())["state"] != "recovering":
-        assert time.monotonic() - started < timeout + 1.0, "watchdog did not fire in time"
+        assert time.monotonic() - started < timeout + SLACK, "watchdog did not fire in time"
         time.sleep(0.02)
     fired = time.monotonic() - started
-    assert fired < timeout + 1.0
+    assert fired < timeout + SLACK
     with pytest.raises(AdmissionStopped):
         ray.get(coordinator.admit.remote(pk("b"), 16))
     with pytest.raises(RoundTimeout) as info:
@@ -398,7 +404,7 @@ def fresh_vote(rank: Any, epoch: int) -> Any:
 
 
 def test_restart_budget_exhausted_fails_the_topology(ray_cluster: Any) -> None:
-    timeout = 0.5
+    timeout = 2.0
     coordinator, ranks = make(2, round_timeout=timeout, max_restarts=1)
     ray.get(coordinator.run_round.remote())
     ray.get(ranks[1].set_vote_delay.remote(60.0))  # hung, not dead: the timeout path
@@ -411,7 +417,7 @@ def test_restart_budget_exhausted_fails_the_topology(ray_cluster: Any) -> None:
     with pytest.raises(TopologyFailed) as info:
         ray.get(coordinator.run_round.remote())
     elapsed = time.monotonic() - started
-    assert timeout <= elapsed < timeout + 1.0  # the watchdog bound, nothing more
+    assert timeout <= elapsed < timeout + SLACK  # the watchdog bound, nothing more
     assert "restart budget (1) exhausted" in str(info.value)
     for call in (
         coordinator.admit.remote(pk("x"), 16),
