@@ -297,3 +297,31 @@ def test_rank_killed_mid_handoff_restarts_with_new_epoch(ray_cluster) -> None:
     gen = next(s for s in stats["ranks"] if s["role"] == "gen")
     assert gen["quarantined"] == math.ceil(TOKENS / DEFAULT_LAYOUT.tokens_per_block)  # unprovable: kept
     assert_clean(stats, quarantined_ok=True)
+
+
+def test_unqualified_topology_cancel_waits_for_the_transfer(ray_cluster) -> None:
+    """Outside the qualified scope (here zero-copy) the conservative path runs:
+    a cancel that arrives while the transfer is decided and in flight does not
+    interrupt it; the transfer finishes, then everything is released."""
+
+    async def scenario():
+        dep = await Deployment.launch(
+            ctx_tp=2, gen_tp=1, pool_blocks=POOL, chunk_bytes=32 << 10,
+            fault_plan=FaultPlan(defer_s=0.02), transfer_timeout_s=5.0,
+            round_timeout_s=ROUND_TIMEOUT, ctx_overrides={"zero_copy": True},
+        )
+        try:
+            before = await dep.stats()
+            result = await dep.handoff("conservative", TOKENS, cancel_at="mid_dma", timeout=TIMEOUT)
+            return dep.qualified, dep.unqualified_reasons, before, result, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    qualified, reasons, before, result, stats = run(scenario())
+    assert not qualified and any("zero" in r for r in reasons), reasons
+    assert result.outcome == "cancelled", result
+    ctx = [s for s in stats["ranks"] if s["role"] == "ctx"]
+    assert all(s["counters"].get("cancel_deferred", 0) >= 1 for s in ctx)  # the cancel waited
+    moved = sum(s["posted_bytes"] for s in ctx) - sum(s["posted_bytes"] for s in before["ranks"] if s["role"] == "ctx")
+    assert moved == gen_bytes(TOKENS, 1)  # every chunk was posted: the transfer ran to its end
+    assert_clean(stats)
