@@ -109,6 +109,9 @@ from kvhandoff.topology import (
 
 log = logging.getLogger("kvhandoff.rank")
 
+#: Finished requests whose outcome (and data-phase timing) a rank remembers.
+_OUTCOME_MEMORY = 65536
+
 __all__ = ["RankConfig", "RankActor", "RankCore", "agent_name"]
 
 
@@ -186,7 +189,7 @@ class RankCore(RoundParticipant):
         self._deferred: set[ParentKey] = set()  # conservative path: cancels waiting for DMA
         self._tokens: dict[ParentKey, int] = {}
         # Outcomes and waiters (for the client API).
-        self._outcome: dict[ParentKey, str] = {}
+        self._outcome: collections.OrderedDict[ParentKey, str] = collections.OrderedDict()
         self._waiters: dict[ParentKey, list[asyncio.Future[str]]] = collections.defaultdict(list)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._poll_task: asyncio.Task[None] | None = None
@@ -484,7 +487,7 @@ class RankCore(RoundParticipant):
                     self._settled(parent, cancelled, evidence)
                 case DecodeReady(parent=parent):
                     self._outcome[parent] = "completed"
-                    self._finish(parent, "completed", release_waiters_only=True)
+                    self._finish(parent, "completed")
                 case CleanupSkipped():
                     self.counters["cleanup_skipped"] += 1
         return [r for r in refs if r is not None]
@@ -583,7 +586,10 @@ class RankCore(RoundParticipant):
 
     def _post(self, ticket: ContextTicket, index: int, now: float) -> None:
         regions = self._chunks[ticket][index]
-        self._xfer.setdefault(ticket.parent, [time.perf_counter(), 0.0, 0])  # before the post
+        if ticket.parent not in self._xfer:
+            self._xfer[ticket.parent] = [time.perf_counter(), 0.0, 0]  # before the post
+            while len(self._xfer) > _OUTCOME_MEMORY:
+                self._xfer.popitem(last=False)
         try:
             chunk = self.transport.post(self._peer_agent[ticket], regions)
         except Exception as exc:  # nothing was posted: the chunk failed before DMA
@@ -644,11 +650,22 @@ class RankCore(RoundParticipant):
 
     # -- outcomes, stats -------------------------------------------------------------------------
 
-    def _finish(self, parent: ParentKey, outcome: str, release_waiters_only: bool = False) -> None:
+    def _finish(self, parent: ParentKey, outcome: str) -> None:
+        """`parent` reached a local outcome: answer its waiters and drop the
+        per-request bookkeeping (a long-running rank must not grow with traffic).
+        Outcomes themselves are remembered, boundedly, for late `wait` calls."""
         self._outcome.setdefault(parent, outcome)
+        self._outcome.move_to_end(parent)
+        while len(self._outcome) > _OUTCOME_MEMORY:
+            self._outcome.popitem(last=False)
         for future in self._waiters.pop(parent, []):
             if not future.done():
                 future.set_result(self._outcome[parent])
+        self._tokens.pop(parent, None)
+        self._prepared_reported.discard(parent)
+        for ticket in [t for t in self._chunks if t.parent == parent]:
+            del self._chunks[ticket]
+            self._peer_agent.pop(ticket, None)
 
     async def wait(self, parent: ParentKey, timeout: float) -> str:
         """Wait until `parent` reaches a local outcome (completed, cancelled, ...).
@@ -666,6 +683,11 @@ class RankCore(RoundParticipant):
         try:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
+            waiting = self._waiters.get(parent, [])
+            if future in waiting:
+                waiting.remove(future)
+            if not waiting:
+                self._waiters.pop(parent, None)
             return "timeout"
 
     async def stats(self) -> dict[str, Any]:
@@ -686,6 +708,9 @@ class RankCore(RoundParticipant):
             "posted_chunks": self.transport.posted_chunks,
             "posted_bytes": self.transport.posted_bytes,
             "leaked_handles": len(self.transport.leaked),
+            # Per-request bookkeeping of requests still in progress: empty when idle.
+            "tracking": len(self._tokens) + len(self._chunks) + len(self._peer_agent)
+            + len(self._prepared_reported) + len(self._deferred) + len(self._waiters),
             "counters": dict(self.counters),
             "violations": list(self.violations),
         }
@@ -726,10 +751,7 @@ class RankCore(RoundParticipant):
 
     async def transfer_timings(self) -> list[tuple[str, float, int]]:
         """CTX: (request id, seconds from first post to last DONE, bytes) of recent parents."""
-        out = [(p.request_id, t[1] - t[0], int(t[2])) for p, t in self._xfer.items() if t[1] > 0]
-        while len(self._xfer) > 4096:
-            self._xfer.popitem(last=False)
-        return out
+        return [(p.request_id, t[1] - t[0], int(t[2])) for p, t in self._xfer.items() if t[1] > 0]
 
     async def buffer_base(self) -> int:
         return self.buffer.base

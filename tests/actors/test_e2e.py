@@ -51,6 +51,7 @@ def assert_clean(stats: dict, *, quarantined_ok: bool = False) -> None:
         assert s["leased"] == 0, s  # nothing still held: no leak (L2)
         assert s["free"] + s["quarantined"] == s["pool"], s
         assert s["leaked_handles"] == 0, s  # every release that was tried succeeded
+        assert s["tracking"] == 0, s  # no per-request bookkeeping outlives its request
         if not quarantined_ok:
             assert s["quarantined"] == 0, s
             assert s["in_flight_chunks"] == 0, s
