@@ -237,9 +237,6 @@ class RankCore(RoundParticipant):
             endpoints.append(endpoint)
         return endpoints
 
-    def set_coordinator(self, handle: Any) -> None:
-        self._coordinator = handle
-
     def _nudge(self) -> None:
         """Tell our coordinator we have news (fire-and-forget: ranks never await rounds)."""
         if self._coordinator is None:
@@ -318,6 +315,7 @@ class RankCore(RoundParticipant):
     async def receive_frame(self, frame: bytes) -> bool:
         """A control frame from a peer rank. Returns whether it was accepted."""
         now = time.monotonic()
+        message = None
         try:
             message = decode_frame(frame)
             if isinstance(message, Cancel) and self._defer_cancel(message.ticket.parent):
@@ -332,7 +330,7 @@ class RankCore(RoundParticipant):
         except ProtocolError as exc:
             # Refused and nothing changed (S3). Late RECEIPTs for released parents land here too.
             self.counters[f"refused_{type(exc).__name__}"] += 1
-            if isinstance(exc, ProtocolError) and "message" in locals() and isinstance(message, Open):
+            if isinstance(message, Open):  # a refused proposal gets a typed REJECT
                 reject = reject_for(message, exc, self.our)
                 self._perform([SendMessage(to=message.ticket.gen, message=reject)])
             return False
@@ -447,11 +445,6 @@ class RankCore(RoundParticipant):
             "posted": sum(e.posted for e in edges.values()),
             "in_flight": sum(len(e.in_flight) for e in edges.values()),
         }
-
-    async def cancel_local(self, parent: ParentKey) -> None:
-        """Record a cancel intent for the next round (never frees anything here)."""
-        self.member.record_cancel(parent)
-        self._nudge()
 
     # -- performing actions --------------------------------------------------------------
 
