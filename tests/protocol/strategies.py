@@ -8,6 +8,8 @@ must give ``m`` back. Public and stable:
 - `block_descriptors()`, `buffer_infos(max_blocks)`
 - one strategy per kind: `opens()`, `readies()`, `cancels()`, `terminals()`,
   `receipts()`, `rejects()`, `descriptors_v1()`, `descriptors_v2()`
+- `worst_case_open(blocks)`: the largest legal OPEN, every field at its bound
+  (the reference cost for decode-time checks).
 - `descriptors()` (either descriptor kind), `session_messages()`, and
   `messages(version=None)`: any message, or only the kinds `version` allows.
 
@@ -24,6 +26,7 @@ from hypothesis import strategies as st
 from kvhandoff.protocol import (
     DIGEST_LEN,
     MAX_AGENT_NAME_LEN,
+    MAX_BLOCKS_PER_OPEN,
     MAX_DETAIL_LEN,
     MAX_ID_LEN,
     BlockDescriptor,
@@ -49,6 +52,7 @@ from kvhandoff.protocol import (
 )
 
 __all__ = [
+    "worst_case_open",
     "ID_ALPHABET",
     "u32s",
     "u63s",
@@ -256,4 +260,35 @@ def messages(version: int | None = None) -> st.SearchStrategy[Message]:
             for msg_type, strategy in MESSAGE_STRATEGIES.items()
             if msg_type.__struct_config__.tag in allowed  # type: ignore[attr-defined]
         )
+    )
+
+
+def worst_case_open(blocks: int = MAX_BLOCKS_PER_OPEN) -> Open:
+    # Every variable-length field at its bound and every int at its widest encoding.
+    big_id = "x" * MAX_ID_LEN
+    top = 2**63 - 1
+
+    def endpoint(role: Role) -> Endpoint:
+        return Endpoint(ns=RankNamespace(instance_id=big_id, role=role, rank=4095), epoch=top)
+
+    ticket = ContextTicket(
+        request_id=big_id,
+        ctx_attempt=2**32 - 1,
+        gen_attempt=2**32 - 1,
+        ctx=endpoint(Role.CTX),
+        gen=endpoint(Role.GEN),
+        ctx_digest=b"\xff" * 32,
+        gen_digest=b"\xff" * 32,
+    )
+    return Open(
+        ticket=ticket,
+        buffer=BufferInfo(
+            agent_name="\U0001f600" * MAX_AGENT_NAME_LEN,  # 4 UTF-8 bytes each
+            endpoint_epoch=top,
+            memory=MemoryKind.VRAM,
+            device=1023,
+            blocks=[BlockDescriptor(block=2**32 - 1, generation=top, addr=top, length=2**32 - 1)]
+            * blocks,
+        ),
+        num_tokens=2**32 - 1,
     )

@@ -1,15 +1,17 @@
-"""Fuzzing `decode_frame`: only FrameError/DecodeError escape, fast, and nothing changes.
+"""Fuzzing `decode_frame`: only FrameError/DecodeError escape, cheaply, and nothing changes.
 
 Every decode in this module goes through `_decode`, which lets exactly
 `FrameError` and `DecodeError` through as values and lets anything else
 (msgspec errors, struct.error, RecursionError, MemoryError...) fail the test.
-It also times each call (GC paused, so a collection is not billed to the
-decoder). `_timing` checks the slowest decode of each test against a 20 ms
-single-shot budget, re-timing that input (best of 5) before failing so that a
-preempted process on a shared 2-core box does not fail the run; and
-`test_hostile_frames_decode_fast` and test_wire's worst-case OPEN test assert
-the intrinsic cost (best of several runs) of the heaviest inputs we know of
-stays under the 5 ms target.
+
+Cost is checked against a yardstick measured in the same process, not against
+wall-clock constants (which say more about the machine than the decoder): the
+decode of the largest *legal* message, `strategies.worst_case_open()`, a cost
+the protocol accepts by design. No hostile input may cost more than twice that
+(`test_hostile_frames_cost_no_more_than_the_largest_legal_frame`, best of 5),
+and the slowest single decode of each fuzz test must stay under it too, re-timed
+(best of 5) before failing so that a preempted process does not fail the run.
+What the yardstick costs in milliseconds is a benchmark: `python bench/bench_wire.py`.
 """
 
 from __future__ import annotations
@@ -51,10 +53,11 @@ _HEADER = struct.Struct("!4sBBHI")
 _TIMES: list[float] = []
 # The input of the slowest decode of the running test: (seconds, data, kwargs).
 _SLOWEST: list[tuple[float, Any, dict[str, Any]]] = []
-#: Single-shot budget per decode: the 5 ms target plus slack for a loaded 2-core box.
-SINGLE_SHOT_BUDGET_S = 0.020
-#: Intrinsic budget (best of several runs) for the heaviest inputs: "a few milliseconds".
-INTRINSIC_BUDGET_S = 0.010  # worst legal Open measured ~3.5 ms here; 2x margin for a slower CI core
+#: Hostile inputs may cost at most this many times the largest legal frame.
+HOSTILE_FACTOR = 2.0
+#: A single-shot decode over this many yardsticks is re-timed before judging.
+RETIME_FACTOR = 3.0
+_YARDSTICK: list[float] = []
 
 
 def _best_of(runs: int, data: Any, kwargs: dict[str, Any]) -> float:
@@ -67,8 +70,22 @@ def _best_of(runs: int, data: Any, kwargs: dict[str, Any]) -> float:
     return best
 
 
+def yardstick_s() -> float:
+    """Best-of-7 decode time of the largest legal frame, measured once per process."""
+    if not _YARDSTICK:
+        frame = encode_frame(s.worst_case_open())
+        gc.collect()
+        gc.disable()
+        try:
+            _YARDSTICK.append(_best_of(7, frame, {}))
+        finally:
+            gc.enable()
+    return _YARDSTICK[0]
+
+
 @pytest.fixture(autouse=True)
 def _timing() -> Iterator[None]:
+    ref = yardstick_s()
     _TIMES.clear()
     _SLOWEST.clear()
     gc.collect()
@@ -79,11 +96,15 @@ def _timing() -> Iterator[None]:
         gc.enable()
     if _TIMES:
         slowest, data, kwargs = _SLOWEST[0]
-        print(f"\n{len(_TIMES)} decodes, slowest {slowest * 1e3:.3f} ms")
-        if slowest >= SINGLE_SHOT_BUDGET_S:
+        print(
+            f"\n{len(_TIMES)} decodes, slowest {slowest / ref:.2f} yardsticks ({ref * 1e3:.2f} ms)"
+        )
+        if slowest >= RETIME_FACTOR * ref:
             # Preemption on a shared box or the decoder? Time that input again.
             again = _best_of(5, data, kwargs)
-            assert again < SINGLE_SHOT_BUDGET_S, f"a decode takes {again * 1e3:.1f} ms"
+            assert again < HOSTILE_FACTOR * ref, (
+                f"a decode takes {again / ref:.1f}x the largest legal frame"
+            )
 
 
 def _decode(data: Any, **kwargs: Any) -> Message | FrameError | DecodeError:
@@ -558,7 +579,8 @@ def _hostile_frames() -> dict[str, bytes]:
     return frames
 
 
-def test_hostile_frames_decode_fast() -> None:
+def test_hostile_frames_cost_no_more_than_the_largest_legal_frame() -> None:
+    ref = yardstick_s()
     worst: dict[str, float] = {}
     for name, frame in _hostile_frames().items():
         assert len(frame) <= MAX_FRAME_LEN, name
@@ -570,8 +592,14 @@ def test_hostile_frames_decode_fast() -> None:
             assert isinstance(result, (FrameError, DecodeError)), name
         worst[name] = min(runs)
     name, slowest = max(worst.items(), key=lambda kv: kv[1])
-    print(f"\nslowest hostile frame: {name} {slowest * 1e3:.2f} ms (best of 5)")
-    assert slowest < INTRINSIC_BUDGET_S, (name, slowest)
+    if slowest >= HOSTILE_FACTOR * ref:
+        # Judge again with both timings taken side by side, so that a slow
+        # spell of the machine is billed to both.
+        legal, hostile = encode_frame(s.worst_case_open()), _hostile_frames()[name]
+        pairs = [(_best_of(1, legal, {}), _best_of(1, hostile, {})) for _ in range(9)]
+        ref, slowest = min(p[0] for p in pairs), min(p[1] for p in pairs)
+    print(f"\nslowest hostile frame: {name}, {slowest / ref:.2f}x the largest legal frame")
+    assert slowest < HOSTILE_FACTOR * ref, (name, slowest, ref)
 
 
 # --- purity ------------------------------------------------------------------------
