@@ -17,7 +17,9 @@ baseline that needs no protocol, so the numbers mean something on any machine
    `BlockPool` hands blocks out FIFO and every lease is released before the
    next handoff, so `_PoolMirror` predicts them exactly.
 2. **paged**: raw NIXL with paged block descriptors (every other block, so no
-   two descriptors merge) at several block sizes vs the plain copy.
+   two descriptors merge) at several block sizes vs the plain copy; and the
+   same WRITEs posted from prepared descriptor lists (the default, indices into
+   lists NIXL prepared once) vs descriptors built per chunk (`initialize_xfer`).
 3. **control**: small-handoff latency p50/p99 vs one Ray actor round trip, and
    sustained handoffs/s with K concurrent clients vs Ray's pipelined
    single-actor call rate.
@@ -394,9 +396,16 @@ class _Bench:
         await ctx.raw_write.remote(0, blocks, blocks, a.chunk_mib * MiB)  # warm-up
         raw_s: list[float] = []
         copy_s: list[float] = []
+        built_s: list[float] = []
+        await ctx.raw_write.remote(0, blocks, blocks, a.chunk_mib * MiB, False)  # warm-up
         for rep in range(a.repeats):
-            for variant in _rotated(("raw", "copy"), rep):
-                if variant == "raw":
+            for variant in _rotated(("raw", "copy", "built"), rep):
+                if variant == "built":  # descriptors built per chunk, not prepared
+                    moved, seconds = await ctx.raw_write.remote(
+                        0, blocks, blocks, a.chunk_mib * MiB, False
+                    )
+                    built_s.append(seconds)
+                elif variant == "raw":
                     moved, seconds = await ctx.raw_write.remote(
                         0, blocks, blocks, a.chunk_mib * MiB
                     )
@@ -413,8 +422,13 @@ class _Bench:
             "descriptor_bytes": sorted(lengths),
             "bytes": nbytes,
             "raw": _summary(raw_s, nbytes),
+            "raw_built": _summary(built_s, nbytes),
             "copy": _summary(copy_s, nbytes),
         }
+        row["prepared_over_built_best"] = _ratio(min(built_s), min(raw_s))
+        row["prepared_over_built_median"] = _ratio(
+            statistics.median(built_s), statistics.median(raw_s)
+        )
         row["raw_over_copy_best"] = _ratio(min(copy_s), min(raw_s))
         row["raw_over_copy_median"] = _ratio(statistics.median(copy_s), statistics.median(raw_s))
         return row
@@ -859,15 +873,26 @@ def render(out: dict[str, Any]) -> str:
                 r["descriptors"],
                 ",".join(str(b) for b in r["descriptor_bytes"]),
                 f"{_fmt(r['raw'].get('best_gbps'))} ({_fmt(r['raw'].get('median_gbps'))})",
+                f"{_fmt(r['raw_built'].get('best_gbps'))} ({_fmt(r['raw_built'].get('median_gbps'))})",
                 f"{_fmt(r['copy'].get('best_gbps'))} ({_fmt(r['copy'].get('median_gbps'))})",
                 f"{_fmt(r['raw_over_copy_best'])} ({_fmt(r['raw_over_copy_median'])})",
+                f"{_fmt(r['prepared_over_built_best'])} ({_fmt(r['prepared_over_built_median'])})",
             ]
             for r in out["paged"]
         ]
         parts.append(
             _table(
                 "Paged descriptors: raw NIXL, every other block (GB/s)",
-                ["block KiB", "descriptors", "descriptor B", "raw NIXL", "copy", "raw/copy"],
+                [
+                    "block KiB",
+                    "descriptors",
+                    "descriptor B",
+                    "raw NIXL",
+                    "raw, built descs",
+                    "copy",
+                    "raw/copy",
+                    "prepared/built",
+                ],
                 rows,
             )
         )

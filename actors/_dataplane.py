@@ -24,6 +24,18 @@ A `Chunk` is one posted WRITE (a list of contiguous regions). The caller posts
 chunks one by one, so a cancel stops posting between chunks and only drains what
 is already posted (`Chunk.poll()` to DONE or ERR within the transfer timeout).
 
+Prepared descriptor lists. An edge moves the same byte pieces of every block
+(`edge_pieces`: the shard map's segments, cut to at most one chunk), so the
+descriptors of *every* block of both pools are known before any request: a
+`PreparedEdge` registers them once with NIXL (`prep_xfer_dlist`: the local list
+per edge, the remote list per edge and peer agent, i.e. per endpoint epoch), and
+a chunk is then two index arrays (`make_prepped_xfer`) instead of two freshly
+built descriptor lists. NIXL merges indices that are contiguous on both sides,
+so adjacent blocks still travel as one region. `plan_chunks` produces both
+forms of every chunk: the index arrays and the absolute regions (merged where
+contiguous), which the built path (`initialize_xfer`) posts when the peer's
+buffer geometry is not known yet; the bytes moved are identical.
+
 `FaultyTransport` wraps a real transport for tests: it can defer the real post
 of a chunk (so the real bytes land *later*, after a cancel), fail a chunk, or
 hold a chunk in PROC. The bytes always move through the real NIXL agent.
@@ -36,6 +48,7 @@ import enum
 import logging
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -51,7 +64,12 @@ __all__ = [
     "Chunk",
     "FaultPlan",
     "FaultyTransport",
-    "split_chunks",
+    "BufferGeometry",
+    "Piece",
+    "edge_pieces",
+    "ChunkPlan",
+    "plan_chunks",
+    "PreparedEdge",
 ]
 
 
@@ -68,6 +86,21 @@ class XferState(str, enum.Enum):
 
 #: One contiguous WRITE region: (source address, destination address, length).
 Region = tuple[int, int, int]
+
+
+class BufferGeometry(NamedTuple):
+    """Where a rank's block pool lives: what a peer needs to address any block."""
+
+    base: int
+    num_blocks: int
+    block_bytes: int
+    mem_kind: str  # "DRAM" or "VRAM"
+    device_id: int
+
+    def block_addr(self, block: int) -> int:
+        if not 0 <= block < self.num_blocks:
+            raise DataPlaneError(f"block {block} outside pool of {self.num_blocks}")
+        return self.base + block * self.block_bytes
 
 
 class KVBuffer:
@@ -97,27 +130,107 @@ class KVBuffer:
     def nbytes(self) -> int:
         return self.num_blocks * self.block_bytes
 
+    def geometry(self) -> BufferGeometry:
+        return BufferGeometry(
+            self.base, self.num_blocks, self.block_bytes, self.mem_kind, self.device_id
+        )
 
-def split_chunks(regions: Sequence[Region], chunk_bytes: int) -> list[list[Region]]:
-    """Split regions into chunks of about `chunk_bytes` each (regions are not cut
-    unless one alone is larger than a chunk). Every byte lands in exactly one chunk."""
+
+#: One piece of an edge's per-block transfer: (offset in the CTX block, offset in
+#: the GEN block, length). The same pieces are moved for every block pair.
+Piece = tuple[int, int, int]
+
+
+def edge_pieces(segments: Sequence[tuple[int, int, int]], max_piece: int) -> tuple[Piece, ...]:
+    """An edge's segments `(src_offset, dst_offset, length)` cut into pieces of at
+    most `max_piece` bytes (one chunk), in order. Every byte is in exactly one piece."""
+    if max_piece <= 0:
+        raise DataPlaneError(f"max_piece must be positive, got {max_piece}")
+    pieces: list[Piece] = []
+    for src, dst, length in segments:
+        if length <= 0:
+            raise DataPlaneError(f"empty segment {(src, dst, length)}")
+        for off in range(0, length, max_piece):
+            pieces.append((src + off, dst + off, min(max_piece, length - off)))
+    return tuple(pieces)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ChunkPlan:
+    """One chunk of one edge, in both forms NIXL can post."""
+
+    #: Absolute (src, dst, length) regions, merged where contiguous on both sides.
+    regions: tuple[Region, ...]
+    #: Indices into the edge's prepared local list (ctx block * pieces + piece).
+    local: np.ndarray
+    #: Indices into the edge's prepared remote list (gen block * pieces + piece).
+    remote: np.ndarray
+    nbytes: int
+
+
+def plan_chunks(
+    pieces: Sequence[Piece],
+    pairs: Sequence[tuple[int, int, int, int]],
+    chunk_bytes: int,
+) -> list[ChunkPlan]:
+    """Group an edge's pieces over `pairs` = [(ctx block, ctx block address, gen
+    block, gen block address)], in transfer order, into chunks of at most
+    `chunk_bytes` (pieces are never cut: `edge_pieces` already bounds them).
+    Every byte of every pair is in exactly one chunk."""
     if chunk_bytes <= 0:
         raise DataPlaneError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    chunks: list[list[Region]] = []
-    current: list[Region] = []
+    if any(n > chunk_bytes for _, _, n in pieces):
+        raise DataPlaneError(f"a piece is larger than the chunk size {chunk_bytes}")
+    per_block = len(pieces)
+    plans: list[ChunkPlan] = []
+    regions: list[Region] = []
+    local: list[int] = []
+    remote: list[int] = []
     size = 0
-    for src, dst, length in regions:
-        while length > 0:
-            take = min(length, chunk_bytes - size) if size else min(length, chunk_bytes)
-            current.append((src, dst, take))
-            size += take
-            src, dst, length = src + take, dst + take, length - take
-            if size >= chunk_bytes:
-                chunks.append(current)
-                current, size = [], 0
-    if current:
-        chunks.append(current)
-    return chunks
+
+    def close() -> None:
+        nonlocal regions, local, remote, size
+        plans.append(
+            ChunkPlan(
+                tuple(regions),
+                np.asarray(local, dtype=np.int32),
+                np.asarray(remote, dtype=np.int32),
+                size,
+            )
+        )
+        regions, local, remote, size = [], [], [], 0
+
+    for ctx_block, ctx_addr, gen_block, gen_addr in pairs:
+        for j, (src_off, dst_off, length) in enumerate(pieces):
+            if size and size + length > chunk_bytes:
+                close()
+            src, dst = ctx_addr + src_off, gen_addr + dst_off
+            if (
+                regions
+                and regions[-1][0] + regions[-1][2] == src
+                and regions[-1][1] + regions[-1][2] == dst
+            ):
+                p_src, p_dst, p_len = regions[-1]
+                regions[-1] = (p_src, p_dst, p_len + length)
+            else:
+                regions.append((src, dst, length))
+            local.append(ctx_block * per_block + j)
+            remote.append(gen_block * per_block + j)
+            size += length
+    if size:
+        close()
+    return plans
+
+
+class PreparedEdge:
+    """An edge's prepared NIXL descriptor lists toward one peer agent: every
+    piece of every block of our pool (local) and of the peer's pool (remote)."""
+
+    def __init__(self, peer: str, local: object, remote: object, pieces: int) -> None:
+        self.peer = peer
+        self.local = local
+        self.remote = remote
+        self.pieces = pieces
 
 
 class Chunk:
@@ -165,6 +278,9 @@ class NixlTransport:
         self.agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
         self.registration = self.agent.register_memory(buffer.tensor)
         self.peers: set[str] = set()
+        # Prepared descriptor lists: local per piece layout, remote per (peer, layout).
+        self._local_lists: dict[tuple[Piece, ...], object] = {}
+        self._prepared: dict[tuple[str, tuple[Piece, ...]], PreparedEdge] = {}
         self.leaked: list[object] = []  # handles whose release failed: kept, never retried blindly
         self.posted_chunks = 0
         self.posted_bytes = 0
@@ -182,10 +298,65 @@ class NixlTransport:
     def remove_peer(self, name: str) -> None:
         if name in self.peers:
             self.peers.discard(name)
+            for key in [k for k in self._prepared if k[0] == name]:
+                self._release_dlist(self._prepared.pop(key).remote)
             try:
                 self.agent.remove_remote_agent(name)
             except Exception as exc:  # a dead peer may already be gone
                 log.warning("remove_remote_agent(%s) failed: %s", name, exc)
+
+    # -- prepared descriptor lists ---------------------------------------------
+    def _piece_descs(
+        self, geometry: BufferGeometry, pieces: Sequence[Piece], side: int
+    ) -> np.ndarray:
+        # Row (block * len(pieces) + j) addresses piece j of `block`; `side` picks
+        # the piece's offset in the CTX (0) or GEN (1) block.
+        offsets = np.array([p[side] for p in pieces], dtype=np.uint64)
+        lengths = np.array([p[2] for p in pieces], dtype=np.uint64)
+        bases = geometry.base + np.arange(geometry.num_blocks, dtype=np.uint64) * np.uint64(
+            geometry.block_bytes
+        )
+        descs = np.empty((geometry.num_blocks * len(pieces), 3), dtype=np.uint64)
+        descs[:, 0] = (bases[:, None] + offsets[None, :]).reshape(-1)
+        descs[:, 1] = np.tile(lengths, geometry.num_blocks)
+        descs[:, 2] = geometry.device_id
+        return descs
+
+    def prepare(self, peer: str, pieces: tuple[Piece, ...], their: BufferGeometry) -> PreparedEdge:
+        """The prepared lists for `pieces` toward `peer` (built once, then cached)."""
+        found = self._prepared.get((peer, pieces))
+        if found is not None:
+            return found
+        if peer not in self.peers:
+            raise DataPlaneError(f"unknown peer agent {peer!r}")
+        if any(
+            src + n > self.buffer.block_bytes or dst + n > their.block_bytes
+            for src, dst, n in pieces
+        ):
+            raise DataPlaneError("a piece falls outside a block")
+        local = self._local_lists.get(pieces)
+        try:
+            if local is None:
+                ours = self._piece_descs(self.buffer.geometry(), pieces, 0)
+                local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", ours, self.buffer.mem_kind)
+                self._local_lists[pieces] = local
+            theirs = self._piece_descs(their, pieces, 1)
+            remote = self.agent.prep_xfer_dlist(peer, theirs, their.mem_kind)
+        except Exception as exc:
+            raise DataPlaneError(
+                f"NIXL could not prepare descriptor lists for {peer}: {exc}"
+            ) from exc
+        if local is None or remote is None:
+            raise DataPlaneError(f"NIXL rejected the prepared descriptor lists for {peer}")
+        prepared = PreparedEdge(peer, local, remote, len(pieces))
+        self._prepared[(peer, pieces)] = prepared
+        return prepared
+
+    def _release_dlist(self, handle: object) -> None:
+        try:
+            self.agent.release_dlist_handle(handle)
+        except Exception as exc:
+            log.warning("release_dlist_handle failed: %s", exc)
 
     # -- transfers ----------------------------------------------------------
     def _descs(self, regions: Sequence[Region], remote: bool) -> tuple[object, object]:
@@ -199,11 +370,31 @@ class NixlTransport:
             raise DataPlaneError(f"NIXL rejected the descriptors ({len(regions)} regions)")
         return local, far
 
-    def build(self, peer: str, regions: Sequence[Region], notif: bytes = b"") -> object:
-        if not regions:
-            raise DataPlaneError("a chunk needs at least one region")
+    def build(
+        self,
+        peer: str,
+        work: Sequence[Region] | ChunkPlan,
+        notif: bytes = b"",
+        prepared: PreparedEdge | None = None,
+    ) -> object:
+        """A WRITE handle for `work`: from the prepared lists by index when
+        `prepared` is given (and `work` is a plan), else from built descriptors."""
         if peer not in self.peers:
             raise DataPlaneError(f"unknown peer agent {peer!r}")
+        if isinstance(work, ChunkPlan) and prepared is not None:
+            if prepared.peer != peer or not len(work.local):
+                raise DataPlaneError(f"prepared lists for {prepared.peer!r} used toward {peer!r}")
+            try:
+                return self.agent.make_prepped_xfer(
+                    "WRITE", prepared.local, work.local, prepared.remote, work.remote, notif
+                )
+            except Exception as exc:
+                raise DataPlaneError(
+                    f"NIXL could not make the prepared WRITE to {peer}: {exc}"
+                ) from exc
+        regions = work.regions if isinstance(work, ChunkPlan) else work
+        if not regions:
+            raise DataPlaneError("a chunk needs at least one region")
         local, far = self._descs(regions, remote=True)
         try:
             return self.agent.initialize_xfer("WRITE", local, far, peer, notif)
@@ -220,10 +411,16 @@ class NixlTransport:
         self.posted_bytes += nbytes
         return Chunk(self, handle, nbytes, XferState(status))
 
-    def post(self, peer: str, regions: Sequence[Region], notif: bytes = b"") -> Chunk:
-        """Build and post one WRITE of `regions` to `peer`."""
-        nbytes = sum(n for _, _, n in regions)
-        return self.start(self.build(peer, regions, notif), nbytes, notif)
+    def post(
+        self,
+        peer: str,
+        work: Sequence[Region] | ChunkPlan,
+        notif: bytes = b"",
+        prepared: PreparedEdge | None = None,
+    ) -> Chunk:
+        """Build and post one WRITE of `work` (regions, or a chunk plan) to `peer`."""
+        nbytes = _nbytes(work)
+        return self.start(self.build(peer, work, notif, prepared), nbytes, notif)
 
     def check(self, chunk: Chunk) -> XferState:
         try:
@@ -250,6 +447,12 @@ class NixlTransport:
         return {str(k): list(v) for k, v in self.agent.get_new_notifs().items()}
 
     def close(self) -> None:
+        for prepared in self._prepared.values():
+            self._release_dlist(prepared.remote)
+        for local in self._local_lists.values():
+            self._release_dlist(local)
+        self._prepared.clear()
+        self._local_lists.clear()
         try:
             self.agent.deregister_memory(self.registration)
         except Exception as exc:
@@ -272,11 +475,22 @@ class FaultPlan:
     defer_s: float = 0.0
 
 
+def _nbytes(work: Sequence[Region] | ChunkPlan) -> int:
+    return work.nbytes if isinstance(work, ChunkPlan) else sum(n for _, _, n in work)
+
+
 class _DeferredHandle:
-    def __init__(self, peer: str, regions: Sequence[Region], notif: bytes) -> None:
+    def __init__(
+        self,
+        peer: str,
+        work: Sequence[Region] | ChunkPlan,
+        notif: bytes,
+        prepared: PreparedEdge | None,
+    ) -> None:
         self.peer = peer
-        self.regions = list(regions)
+        self.work = work if isinstance(work, ChunkPlan) else list(work)
         self.notif = notif
+        self.prepared = prepared
         self.polls = 0
         self.born = time.monotonic()
         self.real: Chunk | None = None
@@ -295,17 +509,23 @@ class FaultyTransport(NixlTransport):
         self.plan = plan or FaultPlan()
         self._count = 0
 
-    def post(self, peer: str, regions: Sequence[Region], notif: bytes = b"") -> Chunk:
-        nbytes = sum(n for _, _, n in regions)
+    def post(
+        self,
+        peer: str,
+        work: Sequence[Region] | ChunkPlan,
+        notif: bytes = b"",
+        prepared: PreparedEdge | None = None,
+    ) -> Chunk:
+        nbytes = _nbytes(work)
         if peer not in self.peers:
             raise DataPlaneError(f"unknown peer agent {peer!r}")
         self._count += 1
-        handle = _DeferredHandle(peer, regions, notif)
+        handle = _DeferredHandle(peer, work, notif, prepared)
         if self.plan.fail_every and self._count % self.plan.fail_every == 0:
             handle.failed = True
             return Chunk(self, handle, nbytes, XferState.ERR)
         if self.plan.defer_polls <= 0 and self.plan.defer_s <= 0 and not self.plan.hold:
-            handle.real = super().post(peer, regions, notif)
+            handle.real = super().post(peer, work, notif, prepared)
             return Chunk(self, handle, nbytes, handle.real.state)
         return Chunk(self, handle, nbytes, XferState.PROC)
 
@@ -320,7 +540,7 @@ class FaultyTransport(NixlTransport):
             too_soon = time.monotonic() - handle.born < self.plan.defer_s
             if self.plan.hold or handle.polls < self.plan.defer_polls or too_soon:
                 return XferState.PROC
-            handle.real = super().post(handle.peer, handle.regions, handle.notif)
+            handle.real = super().post(handle.peer, handle.work, handle.notif, handle.prepared)
         return handle.real.poll()
 
     def release(self, chunk: Chunk) -> bool:

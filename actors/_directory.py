@@ -17,13 +17,19 @@ import ray
 
 __all__ = ["Directory", "DirectoryCore"]
 
-Entry = tuple[Any, str, bytes]  # (Endpoint, agent name, agent metadata)
+Entry = tuple[Any, str, bytes, Any]  # (Endpoint, agent name, agent metadata, BufferGeometry)
 
 
 class DirectoryCore:
     def __init__(self) -> None:
         self._entries: dict[tuple[str, int], tuple[Entry, Any]] = {}
         self._changed = asyncio.Event()
+        self._lookup_delay_s = 0.0
+
+    async def set_lookup_delay(self, seconds: float) -> None:
+        """Fault injection (tests): every `lookup` answers `seconds` late, as a
+        loaded directory would. Registration and `all_of` are not delayed."""
+        self._lookup_delay_s = max(0.0, float(seconds))
 
     async def register(self, role: str, rank: int, entry: Entry, handle: Any) -> None:
         current = self._entries.get((role, rank))
@@ -33,6 +39,8 @@ class DirectoryCore:
         self._changed.set()
 
     async def lookup(self, role: str, rank: int) -> tuple[Entry, Any] | None:
+        if self._lookup_delay_s:
+            await asyncio.sleep(self._lookup_delay_s)
         return self._entries.get((role, rank))
 
     async def all_of(self, role: str) -> list[tuple[Entry, Any]]:

@@ -76,9 +76,17 @@ class _RankFactory:
     def __init__(self, configs: list[RankConfig], resources: list[dict[str, Any]]) -> None:
         self.configs = configs
         self.resources = resources
+        self._made: set[int] = set()  # ranks this factory (the coordinator's copy) created
 
     def __call__(self, rank: int, epoch: int) -> Any:
-        return RankActor.options(**self.resources[rank]).remote(self.configs[rank], epoch)
+        handle = RankActor.options(**self.resources[rank]).remote(self.configs[rank], epoch)
+        if rank in self._made:
+            # A restart: learn the peers' agents and buffers now (calls from one
+            # caller run in order: after __init__ registered it), not on the
+            # first OPEN. Fire-and-forget; a lookup on first use still covers it.
+            handle.connect.remote()
+        self._made.add(rank)
+        return handle
 
 
 class Deployment:
@@ -120,6 +128,7 @@ class Deployment:
         start_timeout_s: float = 60.0,
         fault_plan: FaultPlan | None = None,
         synthetic: bool = True,
+        prepared_descriptors: bool = True,
         ctx_overrides: dict[str, Any] | None = None,
         gen_overrides: dict[str, Any] | None = None,
         name: str | None = None,
@@ -155,6 +164,7 @@ class Deployment:
                     fault_plan=fault_plan if spec.role is Role.CTX else None,
                     conservative=not self.qualified,
                     synthetic=synthetic,
+                    prepared_descriptors=prepared_descriptors,
                 )
                 for r in range(spec.tp)
             ]

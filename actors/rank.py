@@ -43,17 +43,23 @@ import time
 from typing import Any
 
 import msgspec
+import numpy as np
 import ray
 import torch
 
 from kvhandoff.actors._dataplane import (
+    BufferGeometry,
     Chunk,
+    ChunkPlan,
+    DataPlaneError,
     FaultPlan,
     FaultyTransport,
     KVBuffer,
     NixlTransport,
+    Piece,
     XferState,
-    split_chunks,
+    edge_pieces,
+    plan_chunks,
 )
 from kvhandoff.actors._member import RoundMember, RoundParticipant, VoteNews
 from kvhandoff.actors._pattern import POISON, expected_blocks, request_seed
@@ -135,6 +141,9 @@ class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: Synthetic prefill and byte verification (S2). Benchmarks of the protocol
     #: and data plane turn it off so they time the handoff, not the pattern.
     synthetic: bool = True
+    #: CTX: post chunks from prepared NIXL descriptor lists (built once per edge
+    #: and peer epoch) rather than descriptors built per chunk. Same bytes.
+    prepared_descriptors: bool = True
 
 
 def agent_name(deployment: str, ns: RankNamespace, epoch: int) -> str:
@@ -176,8 +185,12 @@ class RankCore(RoundParticipant):
         # Peers: endpoint epoch -> actor handle, filled from the directory.
         self._peer_handles: dict[tuple[str, int], tuple[Endpoint, Any]] = {}
         self._coordinator: Any = None
-        # CTX data plane state.
-        self._chunks: dict[ContextTicket, list[list[tuple[int, int, int]]]] = {}
+        # CTX data plane state: per edge ticket, its chunk plans and, when the
+        # OPEN's blocks were checked against the GEN's registered buffer, that
+        # buffer's geometry (which the prepared lists are built from).
+        self._chunks: dict[ContextTicket, tuple[list[ChunkPlan], BufferGeometry | None]] = {}
+        self._geometry: dict[str, BufferGeometry] = {}  # peer agent name -> its buffer
+        self._pieces: dict[tuple[int, int], tuple[Piece, ...]] = {}
         self._in_flight: dict[tuple[ContextTicket, int], Chunk] = {}
         self._peer_agent: dict[ContextTicket, str] = {}
         self._prepared_reported: set[ParentKey] = set()
@@ -204,7 +217,7 @@ class RankCore(RoundParticipant):
         return ray.get_actor(f"{self.config.deployment}.directory")
 
     def _register(self) -> None:
-        entry = (self.our, self.transport.name, self.transport.metadata())
+        entry = (self.our, self.transport.name, self.transport.metadata(), self.buffer.geometry())
         handle = ray.get_runtime_context().current_actor
         # Fire-and-forget: the directory only stores it; lookups wait for it.
         self._own(self._directory().register.remote(self.role.value, self.config.rank, entry, handle))
@@ -217,10 +230,11 @@ class RankCore(RoundParticipant):
         found = await self._directory().lookup.remote(key[0], key[1])
         if found is None:
             raise UnknownSessionError(f"no rank actor registered for {their}")
-        (endpoint, name, metadata), handle = found
+        (endpoint, name, metadata, geometry), handle = found
         self._peer_handles[key] = (endpoint, handle)
         if self.role is Role.CTX and name not in self.transport.peers:
             self.transport.add_peer(metadata)
+            self._geometry[name] = geometry
         if endpoint != their:
             return None  # the peer restarted: the message is stale
         return handle
@@ -230,10 +244,11 @@ class RankCore(RoundParticipant):
         peer_role = Role.GEN if self.role is Role.CTX else Role.CTX
         peers = await self._directory().all_of.remote(peer_role.value)
         endpoints = []
-        for (endpoint, name, metadata), handle in peers:
+        for (endpoint, name, metadata, geometry), handle in peers:
             self._peer_handles[(peer_role.value, endpoint.ns.rank)] = (endpoint, handle)
             if self.role is Role.CTX and name not in self.transport.peers:
                 self.transport.add_peer(metadata)
+                self._geometry[name] = geometry
             endpoints.append(endpoint)
         return endpoints
 
@@ -321,9 +336,9 @@ class RankCore(RoundParticipant):
             if isinstance(message, Cancel) and self._defer_cancel(message.ticket.parent):
                 return True
             if isinstance(message, Open) and isinstance(self.side, CtxRank):
-                chunks = self._plan_chunks(message)
+                chunks, geometry = self._plan_chunks(message)
                 actions = self.side.receive_open(message, now, num_chunks=len(chunks))
-                self._chunks[message.ticket] = chunks
+                self._chunks[message.ticket] = (chunks, geometry)
                 self._peer_agent[message.ticket] = message.buffer.agent_name
             else:
                 actions = self.side.receive(message, now)  # type: ignore[arg-type]
@@ -336,17 +351,38 @@ class RankCore(RoundParticipant):
             return False
         self._perform(actions)
         if isinstance(message, Open):
-            self._check_prepared(message.ticket.parent)
+            # "Prepared" means able to post: an OPEN from an agent we do not know
+            # yet (the GEN, or we, restarted) is voted prepared only once the
+            # directory gave us that agent. Voting first let a fast decide round
+            # post to an unknown agent: the chunk failed and the request was
+            # cancelled. The session itself was installed above, before any
+            # await, so frames that follow (CANCEL) still find it.
             if message.buffer.agent_name not in self.transport.peers:
-                await self._peer(message.ticket.gen)
+                with contextlib.suppress(ProtocolError):  # unresolvable: the post fails, typed
+                    await self._peer(message.ticket.gen)
+            self._check_prepared(message.ticket.parent)
         return True
 
-    def _plan_chunks(self, message: Open) -> list[list[tuple[int, int, int]]]:
-        """The WRITE regions of one edge, in chunks (validated before anything is recorded)."""
+    def _edge_pieces(self, edge: tuple[int, int]) -> tuple[Piece, ...]:
+        pieces = self._pieces.get(edge)
+        if pieces is None:
+            segments = [(g.src_offset, g.dst_offset, g.length) for g in self.shards.segments(edge)]
+            pieces = self._pieces[edge] = edge_pieces(segments, self.config.chunk_bytes)
+        return pieces
+
+    def _plan_chunks(self, message: Open) -> tuple[list[ChunkPlan], BufferGeometry | None]:
+        """The WRITE chunks of one edge (validated before anything is recorded).
+
+        When the GEN agent's registered buffer is known (it is from `connect`
+        on, and for a restarted GEN after its first OPEN), every block
+        descriptor must name a block of that buffer at its exact address: an
+        OPEN that points anywhere else is refused before any DMA. The geometry
+        returned is then the one the prepared lists may be built from."""
         ticket = message.ticket
         edge = ticket.edge
+        empty = ChunkPlan((), np.zeros(0, np.int32), np.zeros(0, np.int32), 0)
         if not self.shards.has_edge(edge) or ticket.ctx != self.our:
-            return [[]]  # the protocol rejects it with a precise error
+            return [empty], None  # the protocol rejects it with a precise error
         lease = self.pool.lease_of(ticket.parent)
         blocks = message.buffer.blocks
         if len(blocks) != len(lease):
@@ -354,9 +390,23 @@ class RankCore(RoundParticipant):
         gen_bytes = self.shards.gen_block_bytes
         if any(b.length != gen_bytes for b in blocks):
             raise LeaseError(f"OPEN block length is not the GEN block size {gen_bytes}")
-        pairs = [(self.buffer.block_addr(ref.block), b.addr) for ref, b in zip(lease, blocks)]
-        regions = self.shards.descriptor_regions(edge, pairs)
-        return split_chunks(regions, self.config.chunk_bytes)
+        geometry = self._geometry.get(message.buffer.agent_name)
+        if geometry is not None:
+            for b in blocks:
+                if not (
+                    b.block < geometry.num_blocks
+                    and geometry.block_bytes == gen_bytes
+                    and b.addr == geometry.base + b.block * geometry.block_bytes
+                ):
+                    raise LeaseError(
+                        f"OPEN block {b.block} at {b.addr:#x} is not a block of "
+                        f"{message.buffer.agent_name}'s registered buffer"
+                    )
+        pairs = [
+            (ref.block, self.buffer.block_addr(ref.block), b.block, b.addr)
+            for ref, b in zip(lease, blocks)
+        ]
+        return plan_chunks(self._edge_pieces(edge), pairs, self.config.chunk_bytes), geometry
 
     def _check_prepared(self, parent: ParentKey) -> None:
         if parent in self._prepared_reported or not isinstance(self.side, CtxRank):
@@ -577,14 +627,30 @@ class RankCore(RoundParticipant):
 
     # -- the data plane (CTX) ----------------------------------------------------------------
 
+    def _prepared_lists(self, peer: str, edge: tuple[int, int], geometry: BufferGeometry | None) -> Any:
+        """The prepared descriptor lists toward `peer` for `edge`, or None for the
+        built path (turned off, or the OPEN was not checked against a known buffer)."""
+        if not self.config.prepared_descriptors or geometry is None:
+            return None
+        try:
+            return self.transport.prepare(peer, self._edge_pieces(edge), geometry)
+        except DataPlaneError as exc:
+            # Same bytes either way: fall back to descriptors built per chunk.
+            self.counters["prepare_failed"] += 1
+            log.warning("rank %s: %s; posting built descriptors", self.ns, exc)
+            return None
+
     def _post(self, ticket: ContextTicket, index: int, now: float) -> None:
-        regions = self._chunks[ticket][index]
+        plans, geometry = self._chunks[ticket]
         if ticket.parent not in self._xfer:
             self._xfer[ticket.parent] = [time.perf_counter(), 0.0, 0]  # before the post
             while len(self._xfer) > _OUTCOME_MEMORY:
                 self._xfer.popitem(last=False)
+        peer = self._peer_agent[ticket]
         try:
-            chunk = self.transport.post(self._peer_agent[ticket], regions)
+            prepared = self._prepared_lists(peer, ticket.edge, geometry)
+            self.counters["posts_prepared" if prepared is not None else "posts_built"] += 1
+            chunk = self.transport.post(peer, plans[index], prepared=prepared)
         except Exception as exc:  # nothing was posted: the chunk failed before DMA
             log.warning("rank %s: post failed: %r", self.ns, exc)
             assert isinstance(self.side, CtxRank)
@@ -710,27 +776,45 @@ class RankCore(RoundParticipant):
 
     # -- benchmark baselines (same agent, same buffers, same descriptors) -----------------
 
-    async def raw_write(self, gen_rank: int, blocks: list[int], gen_blocks: list[int], chunk_bytes: int | None = None) -> tuple[int, float]:
+    async def raw_write(
+        self,
+        gen_rank: int,
+        blocks: list[int],
+        gen_blocks: list[int],
+        chunk_bytes: int | None = None,
+        prepared: bool | None = None,
+    ) -> tuple[int, float]:
         """CTX: a raw NIXL WRITE of our `blocks` into GEN rank `gen_rank`'s
         `gen_blocks`, with exactly the regions a handoff would use, no protocol.
         Returns (bytes, seconds from first post to last DONE)."""
         assert self.role is Role.CTX
         entry = await self._directory().lookup.remote(Role.GEN.value, gen_rank)
-        (endpoint, name, metadata), _ = entry
+        (endpoint, name, metadata, geometry), _ = entry
         if name not in self.transport.peers:
             self.transport.add_peer(metadata)
-        gen_base = await _gen_base(entry[1])
-        gen_bytes = self.shards.gen_block_bytes
-        pairs = [(self.buffer.block_addr(b), gen_base + g * gen_bytes) for b, g in zip(blocks, gen_blocks)]
-        regions = self.shards.descriptor_regions((self.config.rank, gen_rank), pairs)
-        chunks = split_chunks(regions, chunk_bytes or self.config.chunk_bytes)
+            self._geometry[name] = geometry
+        edge = (self.config.rank, gen_rank)
+        pairs = [
+            (b, self.buffer.block_addr(b), g, geometry.block_addr(g))
+            for b, g in zip(blocks, gen_blocks)
+        ]
+        if chunk_bytes is None or chunk_bytes == self.config.chunk_bytes:
+            pieces = self._edge_pieces(edge)
+            chunk_bytes = self.config.chunk_bytes
+        else:
+            segments = [(g.src_offset, g.dst_offset, g.length) for g in self.shards.segments(edge)]
+            pieces = edge_pieces(segments, chunk_bytes)
+        chunks = plan_chunks(pieces, pairs, chunk_bytes)
+        use_prepared = self.config.prepared_descriptors if prepared is None else prepared
+        lists = self.transport.prepare(name, pieces, geometry) if use_prepared else None
         window = 4  # the protocol's default chunk window
         start = time.perf_counter()
         posted: list[Chunk] = []
         pending = list(chunks)
         while pending or posted:
             while pending and len(posted) < window:
-                posted.append(NixlTransport.post(self.transport, name, pending.pop(0)))
+                work = pending.pop(0)
+                posted.append(NixlTransport.post(self.transport, name, work, prepared=lists))
             for chunk in list(posted):
                 if chunk.poll() in (XferState.DONE, XferState.ERR):
                     if chunk.state is XferState.ERR:
@@ -740,7 +824,7 @@ class RankCore(RoundParticipant):
             if posted:
                 await asyncio.sleep(0)
         seconds = time.perf_counter() - start
-        return sum(n for _, _, n in regions), seconds
+        return sum(c.nbytes for c in chunks), seconds
 
     async def transfer_timings(self) -> list[tuple[str, float, int]]:
         """CTX: (request id, seconds from first post to last DONE, bytes) of recent parents."""
@@ -789,6 +873,3 @@ def _loop_running() -> bool:
 
 RankActor = ray.remote(num_cpus=0)(RankCore)
 
-
-async def _gen_base(handle: Any) -> int:
-    return int(await handle.buffer_base.remote())

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import ray
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvhandoff.actors._dataplane import (
+    BufferGeometry,
     DataPlaneError,
     FaultPlan,
     FaultyTransport,
     KVBuffer,
     NixlTransport,
     XferState,
-    split_chunks,
+    edge_pieces,
+    plan_chunks,
 )
 
 pytestmark = pytest.mark.ray
@@ -38,6 +44,42 @@ class Side:
     def base(self) -> int:
         return self.buffer.base
 
+    def geometry(self) -> BufferGeometry:
+        return self.buffer.geometry()
+
+    def fill_random(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.buffer.tensor.copy_(
+            torch.randint(0, 256, (BLOCKS * BLOCK,), generator=g, dtype=torch.uint8)
+        )
+
+    def contents(self) -> bytes:
+        return self.buffer.tensor.numpy().tobytes()
+
+    def post_plan(
+        self,
+        peer: str,
+        pairs: list[tuple[int, int]],
+        pieces: tuple,
+        chunk_bytes: int,
+        their: BufferGeometry,
+        prepared: bool,
+    ) -> tuple[int, bool]:
+        ours = self.buffer.geometry()
+        full = [(c, ours.block_addr(c), g, their.block_addr(g)) for c, g in pairs]
+        lists = self.transport.prepare(peer, pieces, their) if prepared else None
+        for plan in plan_chunks(pieces, full, chunk_bytes):
+            self.chunks.append(self.transport.post(peer, plan, prepared=lists))
+        again = self.transport.prepare(peer, pieces, their) if prepared else None
+        return len(self.chunks), lists is not None and lists is again
+
+    def try_prepare(self, peer: str, pieces: tuple, their: BufferGeometry) -> str:
+        try:
+            self.transport.prepare(peer, pieces, their)
+        except DataPlaneError as exc:
+            return f"DataPlaneError: {exc}"
+        return "prepared"
+
     def fill(self, value: int) -> None:
         self.buffer.tensor.fill_(value)
 
@@ -51,9 +93,10 @@ class Side:
         self.transport.plan = FaultPlan(**kw)
 
     def post(self, peer: str, blocks: list[int], remote_base: int, chunk_bytes: int) -> int:
-        regions = [(self.buffer.block_addr(b), remote_base + b * BLOCK, BLOCK) for b in blocks]
-        for chunk in split_chunks(regions, chunk_bytes):
-            self.chunks.append(self.transport.post(peer, chunk))
+        pairs = [(b, self.buffer.block_addr(b), b, remote_base + b * BLOCK) for b in blocks]
+        pieces = edge_pieces([(0, 0, BLOCK)], chunk_bytes)
+        for plan in plan_chunks(pieces, pairs, chunk_bytes):
+            self.chunks.append(self.transport.post(peer, plan))  # the built path
         return len(self.chunks)
 
     def poll_all(self, max_polls: int = 100000) -> list[str]:
@@ -88,19 +131,66 @@ def pair(ray_cluster):
         ray.kill(h)
 
 
-def test_split_chunks_covers_every_byte_once() -> None:
-    regions = [(0, 1000, 100), (100, 1100, 250), (1000, 5000, 7)]
-    chunks = split_chunks(regions, 64)
-    flat = [r for c in chunks for r in c]
-    assert sum(n for _, _, n in flat) == 357
-    assert all(sum(n for _, _, n in c) <= 64 for c in chunks)
-    covered = sorted((s, s + n) for s, _, n in flat)
-    assert all(a[1] <= b[0] for a, b in zip(covered, covered[1:]))
-    for s, d, _ in flat:  # src/dst offsets stay paired
-        base = next(r for r in regions if r[0] <= s < r[0] + r[2])
-        assert d - s == base[1] - base[0]
+@given(
+    st.lists(st.integers(1, 50), min_size=1, max_size=4),
+    st.integers(1, 40),
+    st.lists(st.tuples(st.integers(0, 7), st.integers(0, 7)), min_size=1, max_size=6),
+    st.integers(1, 120),
+)
+def test_plans_cover_every_byte_once_in_both_forms(lengths, max_piece, pairs, chunk_bytes) -> None:
+    # Segments of a 200-byte CTX block land swapped around in a 300-byte GEN block.
+    segments, src, dst = [], 0, 300
+    for n in lengths:
+        dst -= n
+        segments.append((src, dst, n))
+        src += n
+    pieces = edge_pieces(segments, min(max_piece, chunk_bytes))
+    assert all(0 < n <= min(max_piece, chunk_bytes) for _, _, n in pieces)
+    assert sum(n for _, _, n in pieces) == sum(lengths)
+    ours = BufferGeometry(base=1 << 20, num_blocks=8, block_bytes=200, mem_kind="DRAM", device_id=0)
+    theirs = BufferGeometry(
+        base=9 << 20, num_blocks=8, block_bytes=300, mem_kind="DRAM", device_id=0
+    )
+    full = [(c, ours.block_addr(c), g, theirs.block_addr(g)) for c, g in pairs]
+    plans = plan_chunks(pieces, full, chunk_bytes)
+    assert all(0 < p.nbytes <= chunk_bytes for p in plans)
+    # The byte mapping the edge must perform: every (src byte -> dst byte) once.
+    want = sorted(
+        (ours.block_addr(c) + s0 + k, theirs.block_addr(g) + d0 + k)
+        for c, g in pairs
+        for s0, d0, n in segments
+        for k in range(n)
+    )
+    by_regions = sorted(
+        (s0 + k, d0 + k) for p in plans for s0, d0, n in p.regions for k in range(n)
+    )
+    assert by_regions == want
+    # The index form names the same bytes through the prepared lists' row layout.
+    per = len(pieces)
+    by_index = []
+    for p in plans:
+        assert len(p.local) == len(p.remote) and p.local.dtype == np.int32
+        for i, j in zip(p.local.tolist(), p.remote.tolist()):
+            s0, _, n = pieces[i % per]
+            _, d0, m = pieces[j % per]
+            assert i % per == j % per and n == m
+            base_s, base_d = ours.block_addr(i // per) + s0, theirs.block_addr(j // per) + d0
+            by_index += [(base_s + k, base_d + k) for k in range(n)]
+    assert sorted(by_index) == want
     with pytest.raises(DataPlaneError):
-        split_chunks(regions, 0)
+        plan_chunks(pieces, full, 0)
+    with pytest.raises(DataPlaneError):
+        edge_pieces(segments, 0)
+
+
+def test_adjacent_blocks_merge_into_one_region() -> None:
+    ours = BufferGeometry(0x1000, 8, 64, "DRAM", 0)
+    theirs = BufferGeometry(0x9000, 8, 64, "DRAM", 0)
+    pieces = edge_pieces([(0, 0, 64)], 1024)
+    full = [(b, ours.block_addr(b), b + 1, theirs.block_addr(b + 1)) for b in (2, 3, 4)]
+    (plan,) = plan_chunks(pieces, full, 1024)
+    assert plan.regions == ((0x1000 + 128, 0x9000 + 192, 192),)
+    assert plan.local.tolist() == [2, 3, 4] and plan.remote.tolist() == [3, 4, 5]
 
 
 def test_chunked_write_moves_real_bytes(pair) -> None:
@@ -119,6 +209,41 @@ def test_bad_descriptors_are_typed_errors(pair) -> None:
     a, _ = pair
     assert ray.get(a.bad_post.remote("dp-b")).startswith("DataPlaneError")
     assert ray.get(a.bad_post.remote("nobody")).startswith("DataPlaneError")
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "built"])
+def test_prepared_and_built_paths_move_exactly_the_mapped_bytes(pair, prepared) -> None:
+    a, b = pair
+    ray.get([a.fill_random.remote(11), b.fill.remote(0)])
+    # Two pieces per block, landing swapped (a heterogeneous-TP-like shard), and
+    # block pairs both adjacent (merge) and scattered.
+    half = BLOCK // 2
+    pieces = edge_pieces([(0, half, half), (half, 0, half)], 24 << 10)
+    pairs = [(1, 4), (2, 5), (3, 6), (9, 0), (30, 17)]
+    n, cached = ray.get(
+        a.post_plan.remote("dp-b", pairs, pieces, 100 << 10, ray.get(b.geometry.remote()), prepared)
+    )
+    assert n >= 3 and cached is prepared  # the prepared lists are built once, then reused
+    assert set(ray.get(a.poll_all.remote())) == {"DONE"}
+    assert all(ray.get(a.release_all.remote()))
+    src = np.frombuffer(ray.get(a.contents.remote()), dtype=np.uint8).reshape(BLOCKS, BLOCK)
+    dst = np.frombuffer(ray.get(b.contents.remote()), dtype=np.uint8).reshape(BLOCKS, BLOCK)
+    want = np.zeros_like(dst)
+    for c, g in pairs:
+        want[g, half:] = src[c, :half]
+        want[g, :half] = src[c, half:]
+    assert np.array_equal(dst, want)  # every mapped byte, and not one byte more
+
+
+def test_prepare_refuses_bad_geometry_and_unknown_peers(pair) -> None:
+    a, b = pair
+    theirs = ray.get(b.geometry.remote())
+    pieces = edge_pieces([(0, 0, BLOCK)], BLOCK)
+    assert ray.get(a.try_prepare.remote("nobody", pieces, theirs)).startswith("DataPlaneError")
+    outside = edge_pieces([(0, BLOCK // 2, BLOCK)], BLOCK)  # runs past the GEN block
+    assert ray.get(a.try_prepare.remote("dp-b", outside, theirs)).startswith("DataPlaneError")
+    unregistered = theirs._replace(base=theirs.base + (1 << 30))  # memory dp-b never registered
+    assert ray.get(a.try_prepare.remote("dp-b", pieces, unregistered)).startswith("DataPlaneError")
 
 
 def test_in_flight_chunk_is_never_released_and_bytes_land_late(ray_cluster) -> None:

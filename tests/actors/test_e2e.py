@@ -16,9 +16,19 @@ import pytest
 
 from kvhandoff.actors._dataplane import FaultPlan
 from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment
+from kvhandoff.protocol import (
+    BlockDescriptor,
+    BufferInfo,
+    CancelReason,
+    ContextTicket,
+    Endpoint,
+    MemoryKind,
+    Open,
+    Role,
+    encode_frame,
+)
 from kvhandoff.protocol import Cancel as CancelMsg
-from kvhandoff.protocol import CancelReason, ContextTicket, Endpoint, Role, encode_frame
-from kvhandoff.topology import block_bytes
+from kvhandoff.topology import block_bytes, topology_digest
 
 pytestmark = pytest.mark.ray
 
@@ -96,6 +106,36 @@ def test_happy_path_moves_and_verifies_every_byte(deployment: Deployment) -> Non
     for s in stats["ranks"]:
         assert s["counters"].get("released", 0) >= 1
         assert s["counters"].get("cleanup_skipped", 0) == 0  # no double release attempted
+        if s["role"] == "ctx":  # every chunk went out through the prepared lists
+            assert s["counters"].get("posts_prepared", 0) >= 1, s["counters"]
+            assert s["counters"].get("posts_built", 0) == 0, s["counters"]
+            assert s["counters"].get("prepare_failed", 0) == 0, s["counters"]
+
+
+def test_built_descriptor_path_moves_the_same_bytes(ray_cluster) -> None:
+    """With prepared lists off, every chunk is built per post (initialize_xfer)
+    from the same plan: the GEN still verifies every byte."""
+
+    async def scenario():
+        dep = await Deployment.launch(
+            ctx_tp=2, gen_tp=1, pool_blocks=POOL, chunk_bytes=64 << 10,
+            prepared_descriptors=False, round_timeout_s=ROUND_TIMEOUT,
+        )
+        try:
+            results = [await dep.handoff(f"built-{i}", TOKENS + 31 * i, timeout=TIMEOUT) for i in range(3)]
+            return results, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    results, stats = run(scenario())
+    for i, r in enumerate(results):
+        assert r.outcome == "completed", r
+        assert r.bytes_verified == gen_bytes(TOKENS + 31 * i, 1)
+    assert_clean(stats)
+    for s in stats["ranks"]:
+        if s["role"] == "ctx":
+            assert s["counters"].get("posts_built", 0) >= 3, s["counters"]
+            assert s["counters"].get("posts_prepared", 0) == 0, s["counters"]
 
 
 def test_concurrent_handoffs_never_mix_bytes(deployment: Deployment) -> None:
@@ -245,6 +285,60 @@ def test_stale_and_garbage_frames_change_nothing(deployment: Deployment) -> None
     assert strip(before) == strip(after)
 
 
+@pytest.mark.parametrize(
+    "where", ["misaligned", "past the pool", "another agent's block size"]
+)
+def test_open_pointing_outside_the_gen_buffer_is_refused(deployment: Deployment, where: str) -> None:
+    """A CTX rank checks every block descriptor of an OPEN against the GEN
+    rank's registered buffer (its geometry from the directory) and refuses one
+    that points anywhere else, before any session state or DMA: the WRITE can
+    only ever land on a whole block the GEN actually leased out."""
+    dep = deployment
+
+    async def scenario():
+        ctx = (await dep.ranks(Role.CTX))[0]
+        (gen_ep, gen_agent, _, geometry), _ = (await dep._directory.all_of.remote(Role.GEN.value))[0]
+        ctx_ep = (await dep.ctx_endpoints())[0]
+        dep._new_attempt("evil")
+        parent = dep.parent("evil")
+        assert await dep.coordinator(Role.CTX).admit.remote(parent, TOKENS)
+        before = await dep.stats()
+        n = math.ceil(TOKENS / DEFAULT_LAYOUT.tokens_per_block)
+        size = block_bytes(DEFAULT_LAYOUT, dep.gen_spec.tp)
+        blocks = list(range(n))
+        if where == "past the pool":
+            blocks[-1] = geometry.num_blocks
+        addrs = [geometry.base + b * size for b in blocks]
+        if where == "misaligned":
+            addrs[2] += 64
+        length = size if where != "another agent's block size" else size // 2
+        open_msg = Open(
+            ticket=ContextTicket(
+                request_id=parent.request_id, ctx_attempt=parent.ctx_attempt,
+                gen_attempt=parent.gen_attempt, ctx=ctx_ep, gen=gen_ep,
+                ctx_digest=topology_digest(dep.ctx_spec), gen_digest=topology_digest(dep.gen_spec),
+            ),
+            buffer=BufferInfo(
+                agent_name=gen_agent, endpoint_epoch=gen_ep.epoch, memory=MemoryKind.DRAM, device=0,
+                blocks=[BlockDescriptor(block=b, generation=0, addr=a, length=length) for b, a in zip(blocks, addrs)],
+            ),
+            num_tokens=TOKENS,
+        )
+        accepted = await ctx.receive_frame.remote(encode_frame(open_msg))
+        after = await dep.stats()
+        await dep.cancel("evil")
+        return accepted, before, after, await settled_stats(dep)
+
+    accepted, before, after, settled = run(scenario())
+    assert accepted is False
+    ctx0 = lambda st: next(s for s in st["ranks"] if s["role"] == "ctx" and s["rank"] == 0)  # noqa: E731
+    assert ctx0(after)["counters"].get("refused_LeaseError", 0) == ctx0(before)["counters"].get("refused_LeaseError", 0) + 1
+    assert ctx0(after)["posted_chunks"] == ctx0(before)["posted_chunks"]  # no DMA
+    keep = ("free", "leased", "quarantined", "parents")
+    assert [{k: s[k] for k in keep} for s in after["ranks"]] == [{k: s[k] for k in keep} for s in before["ranks"]]
+    assert_clean(settled)
+
+
 def test_rank_killed_mid_handoff_restarts_with_new_epoch(ray_cluster) -> None:
     """A CTX rank dies with DMA in flight. The CTX coordinator's watchdog fires,
     fails the in-flight parent, restarts the rank with a new endpoint epoch (a new
@@ -302,6 +396,51 @@ def test_rank_killed_mid_handoff_restarts_with_new_epoch(ray_cluster) -> None:
     gen = next(s for s in stats["ranks"] if s["role"] == "gen")
     assert gen["quarantined"] == math.ceil(TOKENS / DEFAULT_LAYOUT.tokens_per_block)  # unprovable: kept
     assert_clean(stats, quarantined_ok=True)
+
+
+def test_gen_rank_restart_then_handoffs_resume_through_the_new_agent(ray_cluster) -> None:
+    """A GEN rank dies between requests. The next admission round finds it gone,
+    the GEN coordinator restarts it with a new endpoint epoch (a new NIXL agent
+    and buffer), and handoffs resume: the CTX ranks learn the new agent from the
+    directory on its first OPEN. Regression: with a slow directory, a CTX rank
+    used to vote the OPEN prepared before it knew the agent; the decide round
+    then posted to an unknown agent and the request was cancelled. "Prepared"
+    now waits for the agent, so a 0.3 s lookup only delays the handoff."""
+    import ray
+
+    async def scenario():
+        dep = await Deployment.launch(
+            ctx_tp=2, gen_tp=1, pool_blocks=POOL, chunk_bytes=64 << 10,
+            transfer_timeout_s=5.0, round_timeout_s=2.0,
+        )
+        try:
+            first = await dep.handoff("before-gen-restart", TOKENS, timeout=TIMEOUT)
+            old = (await dep.coordinator(Role.GEN).epochs.remote())[0]
+            ray.kill((await dep.ranks(Role.GEN))[0])
+            await dep._directory.set_lookup_delay.remote(0.3)
+            deadline = time.monotonic() + 3 * TIMEOUT
+            outcomes = []
+            while time.monotonic() < deadline:
+                result = await dep.handoff("after-gen-restart", TOKENS, timeout=TIMEOUT)
+                outcomes.append(result.outcome)
+                if result.outcome not in ("rejected", "failed"):
+                    break
+                await asyncio.sleep(0.2)
+            new = (await dep.coordinator(Role.GEN).epochs.remote())[0]
+            await dep._directory.set_lookup_delay.remote(0.0)
+            return first, result, outcomes, old, new, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    first, fresh, outcomes, old, new, stats = run(scenario())
+    assert first.outcome == "completed", first
+    assert new > old  # the GEN rank came back as a new incarnation
+    # Until the restart, admissions are refused or fail; the first one that gets
+    # through completes (never "cancelled": nothing cancelled it).
+    assert set(outcomes[:-1]) <= {"rejected", "failed"}, outcomes
+    assert fresh.outcome == "completed", (fresh, outcomes)
+    assert fresh.bytes_verified == gen_bytes(TOKENS, 1)
+    assert_clean(stats)
 
 
 def test_unqualified_topology_cancel_waits_for_the_transfer(ray_cluster) -> None:
