@@ -23,8 +23,10 @@ or raises): the round ends with a `RoundTimedOut` whose decision the
 surviving ranks apply (nothing admitted, every in-flight parent failed, so
 their leases become UNKNOWN → quarantine, decided by their session logic);
 admission stops (``admit`` raises `AdmissionStopped`); the rank actor is
-killed (``ray.kill``) and recreated by ``rank_factory`` with a NEW endpoint
-epoch, joins at the leader's next round, and admission resumes. After
+killed (``ray.kill``), the factory is told its epoch is retired (optional
+``rank_factory.retired(rank, epoch)``: the deployment forwards it to the peer
+instance's ranks), the rank is recreated by ``rank_factory`` with a NEW
+endpoint epoch, joins at the leader's next round, and admission resumes. After
 ``max_restarts`` restarts, the topology is FAILED and every call raises
 `TopologyFailed`.
 
@@ -556,6 +558,14 @@ class CoordinatorCore:
         self._failure_reason = reason
         self._fail_admits(AdmissionStopped(self.topology, reason))
         for rank in ranks:
+            # The old incarnation is killed below and its epoch is dead from
+            # now on: tell whoever holds sessions with it (the factory knows
+            # how, e.g. through the deployment's directory), so that they end
+            # those sessions now, not at their transfer timeout.
+            retired = getattr(self._rank_factory, "retired", None)
+            if retired is not None:
+                with contextlib.suppress(Exception):
+                    retired(rank, self._epochs[rank])
             while True:
                 if self._rank_factory is None:
                     self._enter_failed(f"{reason}; no rank_factory to restart rank {rank}")

@@ -3,9 +3,13 @@
 One named actor per deployment (`<deployment>.directory`). A rank actor
 registers its current endpoint (with its endpoint epoch), NIXL agent name and
 metadata, and its handle when it starts; a restarted rank registers again with
-a new epoch and replaces the old entry. Peers resolve an `Endpoint` through it
-and compare epochs: a message for an older incarnation is stale, never merely
-late (DESIGN.md "Identity"). The directory decides nothing else.
+a new epoch and replaces the old entry. The directory tells every rank of the
+other role (`peer_restarted`) as soon as an incarnation is known dead: when its
+coordinator retires it (`retire`, before the replacement starts), and again
+when the replacement registers; sessions with the dead incarnation end then,
+instead of at their transfer timeout. Peers resolve an `Endpoint`
+through it and compare epochs: a message for an older incarnation is stale,
+never merely late (DESIGN.md "Identity"). The directory decides nothing else.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import asyncio
 from typing import Any
 
 import ray
+
+from kvhandoff.protocol import Endpoint
 
 __all__ = ["Directory", "DirectoryCore"]
 
@@ -37,6 +43,31 @@ class DirectoryCore:
             return  # an older incarnation registering late never replaces a newer one
         self._entries[(role, rank)] = (entry, handle)
         self._changed.set()
+        if current is not None and current[0][0].epoch < entry[0].epoch:
+            # A restart: every rank of the other role learns now that the old
+            # incarnation is gone (its sessions can never finish), rather than
+            # through a transfer timeout. Fire-and-forget: a rank that misses
+            # it still has that timeout.
+            self._tell_peers(role, entry[0])
+
+    async def retire(self, role: str, rank: int, epoch: int) -> int:
+        """Incarnation `epoch` of (`role`, `rank`) is dead (its coordinator killed
+        it): tell every rank of the other role now, before the replacement has
+        even started. Returns how many ranks were told."""
+        found = self._entries.get((role, rank))
+        if found is None or found[0][0].epoch > epoch:
+            return 0  # unknown, or already replaced (the replacement's register told them)
+        return self._tell_peers(role, Endpoint(ns=found[0][0].ns, epoch=epoch + 1))
+
+    def _tell_peers(self, role: str, newer: Endpoint) -> int:
+        # `newer` stands for "an incarnation newer than any you have sessions
+        # with"; ranks end their sessions with every older epoch.
+        told = 0
+        for (other, _), (_, peer) in self._entries.items():
+            if other != role:
+                peer.peer_restarted.remote(newer)
+                told += 1
+        return told
 
     async def lookup(self, role: str, rank: int) -> tuple[Entry, Any] | None:
         if self._lookup_delay_s:

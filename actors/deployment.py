@@ -88,6 +88,13 @@ class _RankFactory:
         self._made.add(rank)
         return handle
 
+    def retired(self, rank: int, epoch: int) -> None:
+        """The coordinator killed `rank`'s incarnation `epoch`: have the directory
+        tell the peer instance's ranks now (fire-and-forget)."""
+        config = self.configs[rank]
+        directory = ray.get_actor(f"{config.deployment}.directory")
+        directory.retire.remote(config.spec.role.value, rank, epoch)
+
 
 class Deployment:
     """A CTX instance and a GEN instance with their coordinators (async API)."""

@@ -252,6 +252,28 @@ class RankCore(RoundParticipant):
             endpoints.append(endpoint)
         return endpoints
 
+    async def peer_restarted(self, their: Endpoint) -> int:
+        """The directory saw a peer rank come back as `their` (a newer epoch):
+        our sessions with its older incarnations can never finish. The protocol
+        decides what that means (edges with unproven DMA become UNKNOWN and
+        their blocks quarantined; the rest are cancelled); returns the number
+        of actions it produced. A notice that is not about a peer rank of ours,
+        or about an epoch we already know, changes nothing."""
+        peer_role = Role.GEN if self.role is Role.CTX else Role.CTX
+        peer_instance = self.config.peer_spec.instance_id
+        if their.ns.role is not peer_role or their.ns.instance_id != peer_instance:
+            self.counters["refused_peer_restarted"] += 1
+            return 0
+        key = (their.ns.role.value, their.ns.rank)
+        cached = self._peer_handles.get(key)
+        if cached is not None and cached[0].epoch < their.epoch:
+            del self._peer_handles[key]  # the next send resolves the new incarnation
+        actions = self.side.peer_restarted(their, time.monotonic())
+        self.counters["peer_restarts_seen"] += 1
+        self._perform(actions)
+        self._ensure_polling()
+        return len(actions)
+
     def _nudge(self) -> None:
         """Tell our coordinator we have news (fire-and-forget: ranks never await rounds)."""
         if self._coordinator is None:
