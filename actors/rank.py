@@ -190,7 +190,7 @@ class RankCore(RoundParticipant):
         # buffer's geometry (which the prepared lists are built from).
         self._chunks: dict[ContextTicket, tuple[list[ChunkPlan], BufferGeometry | None]] = {}
         self._geometry: dict[str, BufferGeometry] = {}  # peer agent name -> its buffer
-        self._pieces: dict[tuple[int, int], tuple[Piece, ...]] = {}
+        self._pieces: dict[tuple[tuple[int, int], int], tuple[Piece, ...]] = {}
         self._in_flight: dict[tuple[ContextTicket, int], Chunk] = {}
         self._peer_agent: dict[ContextTicket, str] = {}
         self._prepared_reported: set[ParentKey] = set()
@@ -385,11 +385,14 @@ class RankCore(RoundParticipant):
             self._check_prepared(message.ticket.parent)
         return True
 
-    def _edge_pieces(self, edge: tuple[int, int]) -> tuple[Piece, ...]:
-        pieces = self._pieces.get(edge)
+    def _edge_pieces(self, edge: tuple[int, int], chunk_bytes: int | None = None) -> tuple[Piece, ...]:
+        """`edge`'s per-block pieces, at most one chunk each (cached for our chunk size)."""
+        size = chunk_bytes or self.config.chunk_bytes
+        key = (edge, size)
+        pieces = self._pieces.get(key)
         if pieces is None:
             segments = [(g.src_offset, g.dst_offset, g.length) for g in self.shards.segments(edge)]
-            pieces = self._pieces[edge] = edge_pieces(segments, self.config.chunk_bytes)
+            pieces = self._pieces[key] = edge_pieces(segments, size)
         return pieces
 
     def _plan_chunks(self, message: Open) -> tuple[list[ChunkPlan], BufferGeometry | None]:
@@ -820,12 +823,8 @@ class RankCore(RoundParticipant):
             (b, self.buffer.block_addr(b), g, geometry.block_addr(g))
             for b, g in zip(blocks, gen_blocks)
         ]
-        if chunk_bytes is None or chunk_bytes == self.config.chunk_bytes:
-            pieces = self._edge_pieces(edge)
-            chunk_bytes = self.config.chunk_bytes
-        else:
-            segments = [(g.src_offset, g.dst_offset, g.length) for g in self.shards.segments(edge)]
-            pieces = edge_pieces(segments, chunk_bytes)
+        chunk_bytes = chunk_bytes or self.config.chunk_bytes
+        pieces = self._edge_pieces(edge, chunk_bytes)
         chunks = plan_chunks(pieces, pairs, chunk_bytes)
         use_prepared = self.config.prepared_descriptors if prepared is None else prepared
         lists = self.transport.prepare(name, pieces, geometry) if use_prepared else None
