@@ -97,6 +97,7 @@ from kvhandoff.protocol import (
     RoundDecision,
     RoundProposal,
     SendMessage,
+    StaleError,
     StopPosting,
     UnknownSessionError,
     decode_frame,
@@ -380,8 +381,11 @@ class RankCore(RoundParticipant):
             # cancelled. The session itself was installed above, before any
             # await, so frames that follow (CANCEL) still find it.
             if message.buffer.agent_name not in self.transport.peers:
-                with contextlib.suppress(ProtocolError):  # unresolvable: the post fails, typed
+                try:
                     await self._peer(message.ticket.gen)
+                except Exception as exc:  # unresolvable now: the post fails, typed, and ends it
+                    self.counters["peer_lookup_failed"] += 1
+                    log.warning("rank %s: cannot resolve %s: %r", self.ns, message.ticket.gen, exc)
             self._check_prepared(message.ticket.parent)
         return True
 
@@ -415,6 +419,11 @@ class RankCore(RoundParticipant):
         gen_bytes = self.shards.gen_block_bytes
         if any(b.length != gen_bytes for b in blocks):
             raise LeaseError(f"OPEN block length is not the GEN block size {gen_bytes}")
+        # The WRITE goes to the agent the OPEN names: it must be the sender's own
+        # (one agent per GEN endpoint epoch), never another rank's buffer.
+        own_agent = agent_name(self.config.deployment, ticket.gen.ns, ticket.gen.epoch)
+        if message.buffer.agent_name != own_agent:
+            raise StaleError("gen agent in buffer info", message.buffer.agent_name, own_agent)
         geometry = self._geometry.get(message.buffer.agent_name)
         if geometry is not None:
             for b in blocks:

@@ -287,7 +287,7 @@ def test_stale_and_garbage_frames_change_nothing(deployment: Deployment) -> None
 
 
 @pytest.mark.parametrize(
-    "where", ["misaligned", "past the pool", "another agent's block size"]
+    "where", ["misaligned", "past the pool", "another agent's block size", "another agent"]
 )
 def test_open_pointing_outside_the_gen_buffer_is_refused(deployment: Deployment, where: str) -> None:
     """A CTX rank checks every block descriptor of an OPEN against the GEN
@@ -320,7 +320,8 @@ def test_open_pointing_outside_the_gen_buffer_is_refused(deployment: Deployment,
                 ctx_digest=topology_digest(dep.ctx_spec), gen_digest=topology_digest(dep.gen_spec),
             ),
             buffer=BufferInfo(
-                agent_name=gen_agent, endpoint_epoch=gen_ep.epoch, memory=MemoryKind.DRAM, device=0,
+                agent_name=gen_agent if where != "another agent" else gen_agent + "x",
+                endpoint_epoch=gen_ep.epoch, memory=MemoryKind.DRAM, device=0,
                 blocks=[BlockDescriptor(block=b, generation=0, addr=a, length=length) for b, a in zip(blocks, addrs)],
             ),
             num_tokens=TOKENS,
@@ -333,7 +334,8 @@ def test_open_pointing_outside_the_gen_buffer_is_refused(deployment: Deployment,
     accepted, before, after, settled = run(scenario())
     assert accepted is False
     ctx0 = lambda st: next(s for s in st["ranks"] if s["role"] == "ctx" and s["rank"] == 0)  # noqa: E731
-    assert ctx0(after)["counters"].get("refused_LeaseError", 0) == ctx0(before)["counters"].get("refused_LeaseError", 0) + 1
+    error = "refused_StaleError" if where == "another agent" else "refused_LeaseError"
+    assert ctx0(after)["counters"].get(error, 0) == ctx0(before)["counters"].get(error, 0) + 1
     assert ctx0(after)["posted_chunks"] == ctx0(before)["posted_chunks"]  # no DMA
     keep = ("free", "leased", "quarantined", "parents")
     assert [{k: s[k] for k in keep} for s in after["ranks"]] == [{k: s[k] for k in keep} for s in before["ranks"]]
