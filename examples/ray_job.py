@@ -4,10 +4,16 @@ Run it directly (starts a local Ray cluster):
 
     python examples/ray_job.py
 
-or submit it to a running cluster (Ray sets RAY_ADDRESS for the job):
+or run it as a driver of a running cluster, which is what a submitted job is
+(checked on a single-node cluster: `ray start` there enables Ray's token
+authentication, whose token `RAY_AUTH_MODE=token` picks up from ~/.ray):
 
-    ray start --head --num-cpus=2 --include-dashboard=true
-    ray job submit --working-dir . -- python examples/ray_job.py
+    ray start --head --num-cpus=2 --include-dashboard=false --port=6391
+    RAY_AUTH_MODE=token RAY_ADDRESS=127.0.0.1:6391 python examples/ray_job.py
+
+`ray job submit --working-dir . -- python examples/ray_job.py` does the same
+through the dashboard's job server (it needs `pip install 'ray[default]'`,
+which this project does not install).
 
 It launches a CTX instance (tp=2) and a GEN instance (tp=1) on host memory,
 hands off a few requests, cancels two of them (one at an exact phase when
