@@ -11,12 +11,19 @@ WRITE chunk, poison released GEN blocks, feed intents to the next round.
 
 It holds:
 - a `KVBuffer` (one registered region: the rank's block pool memory) and a
-  `NixlTransport` whose agent name is unique per endpoint epoch;
+  `NixlTransport` whose agent name is unique per endpoint epoch; its buffer
+  geometry goes into the directory, so that a CTX rank can check every OPEN
+  (its agent is the sender's own, each block descriptor is a whole block of
+  that agent's registered buffer) and post its chunks by index from NIXL
+  descriptor lists prepared once per edge and peer epoch;
 - a `RoundMember` through which its coordinator runs the agreement rounds
   (`round_identity/join/vote/apply` are exposed as actor methods);
 - a poll task (owned, cancelled on shutdown) that polls posted chunks to DONE
   or ERR and ticks `expire(now)`; it only reports results to the protocol
-  object and records intents, never frees memory on its own.
+  object and records intents, never frees memory on its own;
+- `peer_restarted`, called by the directory when a peer incarnation is known
+  dead: the protocol ends the sessions with it (unproven DMA → UNKNOWN →
+  quarantine) instead of waiting for their transfer timeout.
 
 Lock and await ordering: the actor runs on one event loop; every handler
 mutates protocol state only between awaits (see actors/_member.py and
