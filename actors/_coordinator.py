@@ -23,12 +23,18 @@ or raises): the round ends with a `RoundTimedOut` whose decision the
 surviving ranks apply (nothing admitted, every in-flight parent failed, so
 their leases become UNKNOWN → quarantine, decided by their session logic);
 admission stops (``admit`` raises `AdmissionStopped`); the rank actor is
-killed (``ray.kill``), the factory is told its epoch is retired (optional
+killed (``ray.kill``), then the factory is told its epoch is retired (optional
 ``rank_factory.retired(rank, epoch)``: the deployment forwards it to the peer
 instance's ranks), the rank is recreated by ``rank_factory`` with a NEW
 endpoint epoch, joins at the leader's next round, and admission resumes. After
 ``max_restarts`` restarts, the topology is FAILED and every call raises
 `TopologyFailed`.
+
+Planned restarts (``request_restart``): a rank whose quarantine passed its
+limit and that holds nothing else asks to be replaced; the same restart runs
+(admission stopped meanwhile), outside the failure budget. The new incarnation
+has a fresh pool; the directory confirms the old one dead before its peers
+reclaim what it left quarantined on their side.
 
 Concurrency inside this actor: one asyncio lock (``_round_lock``) serializes
 rounds and the fail policy; client calls never take it (they only queue work
@@ -197,6 +203,8 @@ class CoordinatorCore:
         self._rounds = 0
         self._rounds_timed_out = 0
         self._restarts = 0
+        self._reclaim_restarts = 0
+        self._reclaimed_by_restart = 0
         self._counts: collections.Counter[str] = collections.Counter()
         self._rejected_votes: collections.Counter[str] = collections.Counter()
         self._round_seconds: collections.deque[float] = collections.deque(maxlen=1024)
@@ -367,6 +375,8 @@ class CoordinatorCore:
             "rounds_timed_out": self._rounds_timed_out,
             "restarts": self._restarts,
             "max_restarts": self._max_restarts,
+            "reclaim_restarts": self._reclaim_restarts,
+            "blocks_reclaimed_by_restart": self._reclaimed_by_restart,
             "epochs": list(self._epochs),
             "in_flight": len(self._leader.in_flight) if self._leader else 0,
             "pending_admits": len(self._pending_admits),
@@ -552,50 +562,88 @@ class CoordinatorCore:
     async def _fail_policy(self, ranks: Sequence[int], reason: str) -> None:
         """Stop admission, restart ``ranks`` with new epochs, resume admission;
         enter FAILED when the restart budget runs out."""
-        leader = self._leader
-        assert leader is not None
         self.state = TopologyState.RECOVERING
         self._failure_reason = reason
         self._fail_admits(AdmissionStopped(self.topology, reason))
         for rank in ranks:
-            # The old incarnation is killed below and its epoch is dead from
-            # now on: tell whoever holds sessions with it (the factory knows
-            # how, e.g. through the deployment's directory), so that they end
-            # those sessions now, not at their transfer timeout.
-            retired = getattr(self._rank_factory, "retired", None)
-            if retired is not None:
-                with contextlib.suppress(Exception):
-                    retired(rank, self._epochs[rank])
-            while True:
-                if self._rank_factory is None:
-                    self._enter_failed(f"{reason}; no rank_factory to restart rank {rank}")
-                    raise TopologyFailed(self.topology, self._failure_reason)
-                if self._restarts >= self._max_restarts:
-                    self._enter_failed(f"{reason}; restart budget ({self._max_restarts}) exhausted")
-                    raise TopologyFailed(self.topology, self._failure_reason)
-                self._restarts += 1
-                # Kill the old incarnation first: it must never act again,
-                # even if it was only slow (its epoch is dead from here on).
-                _kill(self._handles[rank])
-                epoch = self._take_epoch()
-                try:
-                    handle = self._rank_factory(rank, epoch)
-                    async with asyncio.timeout(self._restart_timeout):
-                        identity = await handle.round_identity.remote()
-                        if tuple(identity) != (rank, epoch):
-                            raise RoundError(
-                                f"restarted rank reports {identity}, want {(rank, epoch)}"
-                            )
-                        await handle.round_join.remote(leader.next_round, epoch)
-                except Exception as exc:
-                    self._rank_errors.append(f"restart rank {rank} epoch {epoch}: {exc!r}"[:500])
-                    continue
-                leader.set_epoch(rank, epoch)
-                self._epochs[rank] = epoch
-                self._handles[rank] = handle
-                break
+            await self._restart_rank(rank, reason, budgeted=True)
         self.state = TopologyState.RUNNING
         self._failure_reason = ""
+
+    async def _restart_rank(self, rank: int, reason: str, *, budgeted: bool) -> None:
+        """Kill ``rank``'s incarnation, tell the factory it is retired, and start
+        a new incarnation (new epoch) that joins at the leader's next round.
+        ``budgeted`` restarts (failures) count against ``max_restarts``."""
+        leader = self._leader
+        assert leader is not None
+        # Kill the old incarnation first: it must never act again, even if it
+        # was only slow (its epoch is dead from here on). Then tell whoever
+        # holds sessions with it (the factory knows how, e.g. through the
+        # deployment's directory, which confirms the death before it tells the
+        # peers that the incarnation is dead: their proof for reclaiming).
+        _kill(self._handles[rank])
+        retired = getattr(self._rank_factory, "retired", None)
+        if retired is not None:
+            with contextlib.suppress(Exception):
+                retired(rank, self._epochs[rank])
+        while True:
+            if self._rank_factory is None:
+                self._enter_failed(f"{reason}; no rank_factory to restart rank {rank}")
+                raise TopologyFailed(self.topology, self._failure_reason)
+            if budgeted and self._restarts >= self._max_restarts:
+                self._enter_failed(f"{reason}; restart budget ({self._max_restarts}) exhausted")
+                raise TopologyFailed(self.topology, self._failure_reason)
+            if budgeted:
+                self._restarts += 1
+            epoch = self._take_epoch()
+            handle = None
+            try:
+                handle = self._rank_factory(rank, epoch)
+                async with asyncio.timeout(self._restart_timeout):
+                    identity = await handle.round_identity.remote()
+                    if tuple(identity) != (rank, epoch):
+                        raise RoundError(
+                            f"restarted rank reports {identity}, want {(rank, epoch)}"
+                        )
+                    await handle.round_join.remote(leader.next_round, epoch)
+            except Exception as exc:
+                self._rank_errors.append(f"restart rank {rank} epoch {epoch}: {exc!r}"[:500])
+                if handle is not None:
+                    _kill(handle)
+                continue
+            leader.set_epoch(rank, epoch)
+            self._epochs[rank] = epoch
+            self._handles[rank] = handle
+            return
+
+    async def request_restart(self, rank: int, epoch: int, quarantined: int = 0) -> bool:
+        """A rank past its quarantine limit, holding nothing else, asks to be
+        restarted: a new incarnation has a fresh, fully free pool (docs/design.md
+        "Quarantine and reclaim"). Admission stops while it restarts; every
+        parent still in flight is failed in the next round (the new incarnation
+        holds none of them). Not counted against ``max_restarts`` (a failure
+        budget): each one needs the quarantine limit crossed again. Returns
+        False for a stale request (an older epoch, or not running)."""
+        await self._ensure_started()
+        if not 0 <= rank < self._tp:
+            raise RoundError(f"restart request from unknown rank {rank}")
+        async with self._round_lock:
+            if epoch != self._epochs[rank] or self.state is not TopologyState.RUNNING:
+                return False
+            leader = self._leader
+            assert leader is not None
+            reason = f"rank {rank} asked for a restart: {quarantined} blocks quarantined"
+            self.state = TopologyState.RECOVERING
+            self._failure_reason = reason
+            self._fail_admits(AdmissionStopped(self.topology, reason))
+            self._pending_failures |= leader.in_flight
+            self._reclaim_restarts += 1
+            self._reclaimed_by_restart += quarantined
+            await self._restart_rank(rank, reason, budgeted=False)
+            self.state = TopologyState.RUNNING
+            self._failure_reason = ""
+        self._wakeup.set()
+        return True
 
     def _enter_failed(self, reason: str) -> None:
         self.state = TopologyState.FAILED

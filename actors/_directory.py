@@ -7,7 +7,11 @@ a new epoch and replaces the old entry. The directory tells every rank of the
 other role (`peer_restarted`) as soon as an incarnation is known dead: when its
 coordinator retires it (`retire`, before the replacement starts), and again
 when the replacement registers; sessions with the dead incarnation end then,
-instead of at their transfer timeout. Peers resolve an `Endpoint`
+instead of at their transfer timeout. Once the retired incarnation is
+confirmed dead (`retire` waits for it: Ray reports the actor dead and, when it
+ran on this node, its process is gone), the peers hear `peer_dead`: the proof
+that lets a GEN rank reclaim blocks that the dead writer left quarantined
+(docs/design.md "Quarantine and reclaim"). Peers resolve an `Endpoint`
 through it and compare epochs: a message for an older incarnation is stale,
 never merely late (DESIGN.md "Identity"). The directory decides nothing else.
 """
@@ -15,9 +19,12 @@ never merely late (DESIGN.md "Identity"). The directory decides nothing else.
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError
 
 from kvhandoff.protocol import Endpoint
 
@@ -29,6 +36,10 @@ Entry = tuple[Any, str, bytes, Any]  # (Endpoint, agent name, agent metadata, Bu
 class DirectoryCore:
     def __init__(self) -> None:
         self._entries: dict[tuple[str, int], tuple[Entry, Any]] = {}
+        # (role, rank, epoch) -> (node id, pid) of that incarnation's process.
+        self._where: dict[tuple[str, int, int], tuple[str, int]] = {}
+        self._node = ray.get_runtime_context().get_node_id()
+        self.deaths_confirmed = 0
         self._changed = asyncio.Event()
         self._lookup_delay_s = 0.0
 
@@ -37,7 +48,11 @@ class DirectoryCore:
         loaded directory would. Registration and `all_of` are not delayed."""
         self._lookup_delay_s = max(0.0, float(seconds))
 
-    async def register(self, role: str, rank: int, entry: Entry, handle: Any) -> None:
+    async def register(
+        self, role: str, rank: int, entry: Entry, handle: Any, where: tuple[str, int] | None = None
+    ) -> None:
+        if where is not None:
+            self._where[(role, rank, entry[0].epoch)] = where
         current = self._entries.get((role, rank))
         if current is not None and current[0][0].epoch > entry[0].epoch:
             return  # an older incarnation registering late never replaces a newer one
@@ -50,14 +65,57 @@ class DirectoryCore:
             # it still has that timeout.
             self._tell_peers(role, entry[0])
 
-    async def retire(self, role: str, rank: int, epoch: int) -> int:
-        """Incarnation `epoch` of (`role`, `rank`) is dead (its coordinator killed
-        it): tell every rank of the other role now, before the replacement has
-        even started. Returns how many ranks were told."""
+    async def retire(self, role: str, rank: int, epoch: int, confirm_timeout_s: float = 120.0) -> int:
+        """Incarnation `epoch` of (`role`, `rank`) was killed by its coordinator:
+        tell every rank of the other role now (`peer_restarted`: its sessions can
+        never finish), then, once the death is confirmed, `peer_dead`. Returns
+        how many ranks heard `peer_dead` (0 if unconfirmed within the bound)."""
         found = self._entries.get((role, rank))
-        if found is None or found[0][0].epoch > epoch:
-            return 0  # unknown, or already replaced (the replacement's register told them)
-        return self._tell_peers(role, Endpoint(ns=found[0][0].ns, epoch=epoch + 1))
+        if found is None:
+            return 0
+        ns = found[0][0].ns
+        if found[0][0].epoch <= epoch:  # not replaced yet: the replacement's register tells too
+            self._tell_peers(role, Endpoint(ns=ns, epoch=epoch + 1))
+        handle = found[1] if found[0][0].epoch == epoch else None  # None: already replaced
+        if not await self._confirm_dead(role, rank, epoch, handle, confirm_timeout_s):
+            return 0
+        self.deaths_confirmed += 1
+        dead = Endpoint(ns=ns, epoch=epoch)
+        told = 0
+        for (other, _), (_, peer) in self._entries.items():
+            if other != role:
+                peer.peer_dead.remote(dead)
+                told += 1
+        return told
+
+    async def _confirm_dead(self, role: str, rank: int, epoch: int, handle: Any, bound: float) -> bool:
+        """Wait until incarnation `epoch` is gone: Ray answers a call to it with
+        ActorDiedError (the GCS marked it dead after ray.kill), and, when its
+        process ran on this node, that process no longer exists (the DEAD mark
+        can precede the exit by a moment). Waits on those conditions, bounded."""
+        deadline = time.monotonic() + bound
+        if handle is not None:
+            while True:
+                try:
+                    await asyncio.wait_for(handle.round_identity.remote(), max(0.01, deadline - time.monotonic()))
+                except ActorDiedError:
+                    break
+                except Exception:  # unavailable / slow: not proof either way
+                    pass
+                if time.monotonic() >= deadline:
+                    return False
+                await asyncio.sleep(0.05)
+        where = self._where.pop((role, rank, epoch), None)
+        if where is None:
+            return handle is not None
+        node, pid = where
+        if node != self._node:
+            return handle is not None  # another node: Ray's DEAD mark is the proof we have
+        while _pid_alive(pid):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
 
     def _tell_peers(self, role: str, newer: Endpoint) -> int:
         # `newer` stands for "an incarnation newer than any you have sessions
@@ -97,6 +155,21 @@ class DirectoryCore:
             await asyncio.wait_for(poll(), timeout)
         except TimeoutError:
             return False
+        return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped) runs nothing: count it as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
         return True
 
 

@@ -44,7 +44,7 @@ from kvhandoff.actors._dataplane import FaultPlan
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors.rank import RankActor, RankConfig
 from kvhandoff.protocol import Endpoint, MemoryKind, ParentKey, Role
-from kvhandoff.topology import KVLayout, TopologySpec, qualify_pair
+from kvhandoff.topology import KVLayout, TopologySpec, qualify_pair, topology_digest
 
 __all__ = ["Deployment", "SyncDeployment", "HandoffResult", "DEFAULT_LAYOUT", "CANCEL_PHASES"]
 
@@ -185,6 +185,7 @@ class Deployment:
                 round_timeout=round_timeout_s,
                 max_restarts=max_restarts,
                 restart_timeout=start_timeout_s,
+                topology_digest=topology_digest(spec),
             )
         epochs = await asyncio.gather(*(c.epochs.remote() for c in self._coords.values()))
         expected = {role.value: e for role, e in zip(self._coords, epochs)}

@@ -46,6 +46,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -71,12 +72,12 @@ from kvhandoff.actors._dataplane import (
 from kvhandoff.actors._member import RoundMember, RoundParticipant, VoteNews
 from kvhandoff.actors._pattern import POISON, expected_blocks, request_seed
 from kvhandoff.protocol import (
+    DEFAULT_TRANSFER_TIMEOUT,
     Action,
     AdmissionStop,
     BlockDescriptor,
     BlockPool,
     BufferInfo,
-    Cancel,
     CancelIntent,
     CancelReason,
     CleanupSkipped,
@@ -152,6 +153,13 @@ class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: CTX: post chunks from prepared NIXL descriptor lists (built once per edge
     #: and peer epoch) rather than descriptors built per chunk. Same bytes.
     prepared_descriptors: bool = True
+    #: GEN: seconds decode-ready KV stays leased for its consumer (free()); past
+    #: it the rank returns it (every edge COMPLETED: no writer is left).
+    consume_timeout_s: float = 30.0
+    #: Share of the pool quarantined at which this rank stops admitting and,
+    #: once it holds nothing else, asks its coordinator for a restart (a new
+    #: incarnation with a fresh, fully free pool). See docs/design.md.
+    quarantine_limit: float = 0.5
 
 
 def agent_name(deployment: str, ns: RankNamespace, epoch: int) -> str:
@@ -183,13 +191,22 @@ class RankCore(RoundParticipant):
             self.transport: NixlTransport = FaultyTransport(name, self.buffer, config.fault_plan)
         else:
             self.transport = NixlTransport(name, self.buffer)
-        timeout = spec.transfer_timeout_s
+        # A topology without a transfer timeout (0) is unqualified and runs the
+        # conservative path, but L1 still needs a bound: the protocol default.
+        timeout = spec.transfer_timeout_s if spec.transfer_timeout_s > 0 else DEFAULT_TRANSFER_TIMEOUT
         self.side: CtxRank | GenRank
         if self.role is Role.CTX:
-            self.side = CtxRank(self.our, self.digest, self.pool, transfer_timeout=timeout)
+            self.side = CtxRank(
+                self.our, self.digest, self.pool, transfer_timeout=timeout, conservative=config.conservative
+            )
         else:
-            self.side = GenRank(self.our, self.digest, self.pool, transfer_timeout=timeout)
-        self.member = RoundMember(config.rank, epoch, self._vote, self._apply, topology_digest=None)
+            self.side = GenRank(
+                self.our, self.digest, self.pool, transfer_timeout=timeout, consume_timeout=config.consume_timeout_s
+            )
+        # Rounds carry the instance's topology digest: a proposal or decision
+        # of another topology is refused by the follower (S3).
+        self.member = RoundMember(config.rank, epoch, self._vote, self._apply, topology_digest=self.digest)
+        self._restart_requested = False
         # Peers: endpoint epoch -> actor handle, filled from the directory.
         self._peer_handles: dict[tuple[str, int], tuple[Endpoint, Any]] = {}
         self._coordinator: Any = None
@@ -207,7 +224,6 @@ class RankCore(RoundParticipant):
         self._held: dict[tuple[str, int], list[tuple[Endpoint, bytes]]] = {}
         # CTX data phase per parent: [first post, last DONE, bytes] (perf_counter), bounded.
         self._xfer: collections.OrderedDict[ParentKey, list[float]] = collections.OrderedDict()
-        self._deferred: set[ParentKey] = set()  # conservative path: cancels waiting for DMA
         self._tokens: dict[ParentKey, int] = {}
         # Outcomes and waiters (for the client API).
         self._outcome: collections.OrderedDict[ParentKey, str] = collections.OrderedDict()
@@ -226,9 +242,14 @@ class RankCore(RoundParticipant):
 
     def _register(self) -> None:
         entry = (self.our, self.transport.name, self.transport.metadata(), self.buffer.geometry())
-        handle = ray.get_runtime_context().current_actor
+        context = ray.get_runtime_context()
+        where = (context.get_node_id(), os.getpid())  # to confirm this process's death later
         # Fire-and-forget: the directory only stores it; lookups wait for it.
-        self._own(self._directory().register.remote(self.role.value, self.config.rank, entry, handle))
+        self._own(
+            self._directory().register.remote(
+                self.role.value, self.config.rank, entry, context.current_actor, where
+            )
+        )
 
     async def _peer(self, their: Endpoint) -> Any:
         key = (their.ns.role.value, their.ns.rank)
@@ -282,15 +303,35 @@ class RankCore(RoundParticipant):
         self._ensure_polling()
         return len(actions)
 
-    def _nudge(self) -> None:
-        """Tell our coordinator we have news (fire-and-forget: ranks never await rounds)."""
+    def _find_coordinator(self) -> bool:
         if self._coordinator is None:
             name = f"{self.config.deployment}.coord.{self.role.value}"
             try:
                 self._coordinator = ray.get_actor(name)
             except ValueError:  # not up yet: the next round carries the news anyway
-                return
-        self._own(self._coordinator.nudge.remote(self.config.rank, self.our.epoch))
+                return False
+        return True
+
+    async def peer_dead(self, dead: Endpoint) -> int:
+        """The directory reports peer incarnation `dead` confirmed dead (its
+        coordinator killed it and Ray reported the actor gone). On GEN that is
+        the proof that nothing it posted can still land: its edges, UNKNOWN ones
+        included, are quiescent, and quarantined requests that waited only on
+        it are reclaimed. Refused like `peer_restarted` when not about a peer."""
+        peer_role = Role.GEN if self.role is Role.CTX else Role.CTX
+        if dead.ns.role is not peer_role or dead.ns.instance_id != self.config.peer_spec.instance_id:
+            self.counters["refused_peer_dead"] += 1
+            return 0
+        actions = self.side.peer_dead(dead, time.monotonic())
+        self.counters["peer_deaths_seen"] += 1
+        self._perform(actions)
+        self._ensure_polling()
+        return len(actions)
+
+    def _nudge(self) -> None:
+        """Tell our coordinator we have news (fire-and-forget: ranks never await rounds)."""
+        if self._find_coordinator():
+            self._own(self._coordinator.nudge.remote(self.config.rank, self.our.epoch))
 
     def _own(self, awaitable: Any) -> None:
         """Keep a reference to a fire-and-forget call; log if it fails."""
@@ -311,31 +352,47 @@ class RankCore(RoundParticipant):
 
     def _vote(self, proposal: RoundProposal) -> VoteNews:
         now = time.monotonic()
+        deadline = now + self.config.lease_timeout_s
         ok = []
+        stopped = self.admission_stopped()
         for request in proposal.admissions:
-            n = blocks_for_tokens(self.config.layout, request.num_tokens)
+            if stopped:
+                self.counters["admit_refused_stopped"] += 1
+                continue
             try:
+                n = blocks_for_tokens(self.config.layout, request.num_tokens)
                 if isinstance(self.side, CtxRank):
-                    self.side.admit(
-                        request.parent, n, now=now, lease_deadline=now + self.config.lease_timeout_s
-                    )
+                    self.side.admit(request.parent, n, now=now, lease_deadline=deadline)
                 else:
-                    self.side.admit(request.parent, n, now=now)
+                    self.side.admit(request.parent, n, now=now, deadline=deadline)
             except PoolError:
                 self.counters["admit_refused"] += 1
+                continue
+            except Exception as exc:
+                # Whatever one admission carries (a size no layout accepts, ...),
+                # it refuses that admission only; it never breaks the rank.
+                self.counters[f"admit_refused_{type(exc).__name__}"] += 1
+                log.warning("rank %s: admission of %s refused: %r", self.ns, request.parent, exc)
                 continue
             self._tokens[request.parent] = request.num_tokens
             ok.append(request.parent)
         return VoteNews(admit_ok=tuple(ok))
 
+    def admission_stopped(self) -> bool:
+        """Quarantine has passed `quarantine_limit` of the pool: this rank admits
+        nothing more until a restart gives it a fresh pool (bounded: it asks for
+        the restart as soon as it holds no live request)."""
+        return self.pool.counts().quarantined >= self.config.quarantine_limit * self.config.pool_blocks
+
     def _apply(self, decision: RoundDecision) -> None:
         now = time.monotonic()
         parents = self.side.parents()
         for parent in decision.rejected:
-            # Leased tentatively in our vote: nothing was exposed, give it back.
-            if parents.get(parent) is ParentState.ADMITTED:
-                self._perform(self.side.release_not_started(parent))
-                self._finish(parent, "rejected")
+            # Leased tentatively in our vote, not admitted (another rank refused,
+            # or the round timed out): nothing was exposed, give it back.
+            if parent in parents:
+                self._outcome[parent] = "rejected"
+                self._perform(self.side.withdraw(parent))
         for parent in decision.admitted:
             if parent in parents and isinstance(self.side, CtxRank):
                 if self.config.synthetic:
@@ -345,15 +402,16 @@ class RankCore(RoundParticipant):
             if isinstance(self.side, CtxRank) and parent in parents:
                 self._perform(self.side.decided(parent, now))
         for parent in decision.cancelled:
-            if parent in parents and not self._defer_cancel(parent):
+            if parent in parents:
                 self._perform(self.side.cancel(parent, CancelReason.CLIENT, now, from_round=True))
         for parent in decision.failed:
             if parent in parents:
                 self._perform(self.side.cancel(parent, CancelReason.FAILURE, now, from_round=True))
         for parent in decision.completed:
             if parent in parents:
-                self._perform(self.side.completed(parent))
+                self._perform(self.side.completed(parent, now))
         self._wake.set()
+        self._maybe_request_restart()
 
     # -- the control plane ------------------------------------------------------------
 
@@ -363,8 +421,6 @@ class RankCore(RoundParticipant):
         message = None
         try:
             message = decode_frame(frame)
-            if isinstance(message, Cancel) and self._defer_cancel(message.ticket.parent):
-                return True
             if isinstance(message, Open) and isinstance(self.side, CtxRank):
                 chunks, geometry = self._plan_chunks(message)
                 actions = self.side.receive_open(message, now, num_chunks=len(chunks))
@@ -375,9 +431,12 @@ class RankCore(RoundParticipant):
         except ProtocolError as exc:
             # Refused and nothing changed (S3). Late RECEIPTs for released parents land here too.
             self.counters[f"refused_{type(exc).__name__}"] += 1
-            if isinstance(message, Open):  # a refused proposal gets a typed REJECT
+            if isinstance(message, Open):  # a refused proposal addressed to us gets a typed REJECT
                 reject = reject_for(message, exc, self.our)
-                self._perform([SendMessage(to=message.ticket.gen, message=reject)])
+                if reject is not None:
+                    self._perform([SendMessage(to=message.ticket.gen, message=reject)])
+                else:
+                    self.counters["refused_open_not_ours"] += 1
             return False
         self._perform(actions)
         if isinstance(message, Open):
@@ -550,11 +609,16 @@ class RankCore(RoundParticipant):
                     self._post(ticket, index, now)
                 case StopPosting() | Drain():
                     self._wake.set()  # the poll loop drains what is posted
-                case Release(parent=parent, blocks=blocks):
+                case Release(parent=parent, blocks=blocks, reclaimed=reclaimed):
                     if self.role is Role.GEN:
                         for ref in blocks:  # a late write to a freed block shows on verify
                             self.buffer.block_view(ref.block).fill_(POISON)
-                    self.counters["released"] += 1
+                    if reclaimed:
+                        self.counters["reclaimed"] += 1
+                        self.counters["reclaimed_blocks"] += len(blocks)
+                        log.info("rank %s reclaimed %d quarantined blocks of %s", self.ns, len(blocks), parent)
+                    else:
+                        self.counters["released"] += 1
                     self._finish(parent, self._outcome.get(parent, "released"))
                 case Quarantine(parent=parent, reason=reason):
                     self.counters["quarantined"] += 1
@@ -574,7 +638,25 @@ class RankCore(RoundParticipant):
                     self._finish(parent, "completed")
                 case CleanupSkipped():
                     self.counters["cleanup_skipped"] += 1
+        self._maybe_request_restart()
         return [r for r in refs if r is not None]
+
+    def _maybe_request_restart(self) -> None:
+        """Past the quarantine limit, with nothing but quarantined requests left:
+        ask the coordinator for a restart, once per incarnation. The new
+        incarnation has a new process, buffer and NIXL registration (a fresh,
+        fully free pool); the old one's quarantined memory dies with it."""
+        if self._restart_requested or not self.admission_stopped():
+            return
+        if any(state is not ParentState.QUARANTINED for state in self.side.parents().values()):
+            return  # live requests first finish (admission is stopped meanwhile)
+        if self._coordinator is None and not self._find_coordinator():
+            return
+        self._restart_requested = True
+        quarantined = self.pool.counts().quarantined
+        self.counters["restart_requested"] += 1
+        log.warning("rank %s: %d blocks quarantined, asking for a restart", self.ns, quarantined)
+        self._own(self._coordinator.request_restart.remote(self.config.rank, self.our.epoch, quarantined))
 
     async def _perform_awaiting(self, actions: list[Action]) -> list[Any]:
         refs = self._perform(actions)
@@ -603,27 +685,10 @@ class RankCore(RoundParticipant):
         self._own(resolve_and_send())
         return None
 
-    def _defer_cancel(self, parent: ParentKey) -> bool:
-        """Conservative path: a CTX parent whose transfer was decided finishes it."""
-        if not self.config.conservative or not isinstance(self.side, CtxRank):
-            return False
-        if self.side.parents().get(parent) is not ParentState.DECIDED:
-            return False
-        if parent not in self._deferred:
-            self._deferred.add(parent)
-            self.counters["cancel_deferred"] += 1
-        return True
-
     def _settled(self, parent: ParentKey, cancelled: bool, evidence: Any) -> None:
         """Every local edge of `parent` is terminal. A cancelled parent is released
         by the protocol once its cancel is decided; a success feeds the completion
         round (GEN verifies every byte first: S2)."""
-        if parent in self._deferred:
-            # Conservative path: the transfer we let finish is done; apply the cancel now.
-            self._deferred.discard(parent)
-            self._outcome.setdefault(parent, "cancelled")
-            self._perform(self.side.cancel(parent, CancelReason.CLIENT, time.monotonic(), from_round=True))
-            return
         if cancelled:
             self._outcome.setdefault(parent, "cancelled")
             return
@@ -802,6 +867,8 @@ class RankCore(RoundParticipant):
             "free": counts.free,
             "leased": counts.leased,
             "quarantined": counts.quarantined,
+            "reclaimed": self.counters.get("reclaimed_blocks", 0),
+            "admission_stopped": self.admission_stopped(),
             "pool": self.config.pool_blocks,
             "parents": dict(states),
             "in_flight_chunks": len(self._in_flight),
@@ -810,7 +877,7 @@ class RankCore(RoundParticipant):
             "leaked_handles": len(self.transport.leaked),
             # Per-request bookkeeping of requests still in progress: empty when idle.
             "tracking": len(self._tokens) + len(self._chunks) + len(self._peer_agent)
-            + len(self._prepared_reported) + len(self._deferred) + len(self._waiters),
+            + len(self._prepared_reported) + len(self._waiters),
             "counters": dict(self.counters),
             "violations": list(self.violations),
         }

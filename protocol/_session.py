@@ -82,7 +82,8 @@ GEN rank (decode)::
     gen.receive_ready / receive_terminal / receive_reject / receive_cancel
         # Terminal(COMPLETED, bytes == expected) -> SendMessage(Receipt)
     # every edge terminal -> ParentSettled(parent, evidence): feed the GEN completion round
-    gen.completed(parent)                          # -> DecodeReady (lease kept) or Release
+    gen.completed(parent, now)                     # -> DecodeReady (lease kept until the
+                                                   #    consumer deadline) or Release
     gen.free(parent)                               # client done with the KV -> Release, once
 
 Both sides::
@@ -92,9 +93,16 @@ Both sides::
     receive_cancel(cancel, now)                    # exact installed ticket only
     expire(now)                                    # deadlines -> intents / quarantine
     peer_restarted(their_endpoint, now)            # a peer came back with a new epoch
+    peer_dead(dead_endpoint, now)                  # a peer incarnation is confirmed dead
+    withdraw(parent)                               # admission not decided: tentative lease back
     local_not_started(parent) -> bool              # this rank's share of the NOT_STARTED verdict
     release_not_started(parent)                    # the round's topology-wide verdict
     reclaim(parent, proof=...)                     # quarantine -> free, with proof of quiescence
+
+Quarantine ends with proof, in place: an UNKNOWN edge becomes DRAINED when
+the proof arrives (CTX: every chunk it posted polled to DONE/ERR; GEN: a
+non-UNKNOWN TERMINAL from the writer, or `peer_dead` for the writer), and a
+quarantined parent with no UNKNOWN edge left is reclaimed.
 
 `ParentSettled` (every local edge terminal) and `CancelIntent` are what the
 actor feeds into the next agreement round; `AdmissionStop` asks the
@@ -108,8 +116,6 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
-
-import msgspec
 
 from ._errors import (
     IllegalTransition,
@@ -189,6 +195,7 @@ class ParentState(enum.Enum):
     RESIDENT = "resident"  # CTX: prefilled, KV resident under the lease deadline; collecting OPENs
     INSTALLED = "installed"  # GEN: session installed on this rank, OPEN sent on every edge
     DECIDED = "decided"  # CTX: the round decided the parent; READY published, DMA running
+    FINISHING = "finishing"  # CTX, conservative path: cancelled, but the decided transfer finishes first
     CANCELLING = "cancelling"  # cancelled; edges are being brought to terminal evidence
     SETTLED = "settled"  # every local edge terminal; waiting for the completion round
     DECODE_READY = "decode_ready"  # GEN: completion round done; KV kept until free()
@@ -206,7 +213,7 @@ class EdgeState(enum.Enum):
     COMPLETED = "completed"  # terminal: every byte written (and, on GEN, checked)
     NOT_STARTED = "not_started"  # terminal: no DMA was ever posted for the edge
     DRAINED = "drained"  # terminal: posted DMA polled to DONE/ERR; nothing in flight
-    UNKNOWN = "unknown"  # terminal: quiescence not provable; the lease is quarantined (absorbing)
+    UNKNOWN = "unknown"  # terminal: quiescence not proven; the lease is quarantined until proof
 
 
 class ParentEvent(enum.Enum):
@@ -219,9 +226,11 @@ class ParentEvent(enum.Enum):
     COMPLETE = "complete"  # completion round, parent not cancelled
     COMPLETE_CANCELLED = "complete_cancelled"  # completion round, parent cancelled
     RELEASE_NOT_STARTED = "release_not_started"  # round verdict: every edge NOT_STARTED
-    EXPIRED_NOT_STARTED = "expired_not_started"  # lease deadline passed; nothing exposed/posted
+    WITHDRAWN = "withdrawn"  # the admission round rejected (or timed out) our tentative lease
+    DEFER_CANCEL = "defer_cancel"  # CTX, conservative path: cancel of a decided transfer
     QUIESCENCE_LOST = "quiescence_lost"  # an edge became UNKNOWN
     FREE = "free"  # GEN: the client freed the decode-ready KV
+    CONSUMER_EXPIRED = "consumer_expired"  # GEN: nobody freed the decode-ready KV in time
     RECLAIM = "reclaim"  # quarantined blocks proven quiescent
 
 
@@ -235,6 +244,7 @@ class EdgeEvent(enum.Enum):
     CANCEL = "cancel"  # the parent was cancelled
     DRAIN_DONE = "drain_done"  # CTX: no posted chunk is left in flight while draining
     QUIESCENCE_LOST = "quiescence_lost"  # drain/transfer timeout or peer restart with DMA unproven
+    QUIESCENCE_PROVEN = "quiescence_proven"  # late proof: writes ended (chunks polled, writer's TERMINAL, writer dead)
     RECEIPT_RECEIVED = "receipt_received"  # CTX: GEN acknowledged the bytes
     READY_RECEIVED = "ready_received"  # GEN: READY arrived
     TERMINAL_COMPLETED = "terminal_completed"  # GEN: TERMINAL(COMPLETED) with the expected bytes
@@ -276,29 +286,38 @@ def _t(next_state: enum.Enum, *effects: Effect) -> Transition:
 
 
 # Terminal-state self loops shared by several rows.
-_CLEANUP_EVENTS = (_PE.COMPLETE, _PE.COMPLETE_CANCELLED, _PE.RELEASE_NOT_STARTED)
+_CLEANUP_EVENTS = (_PE.COMPLETE, _PE.COMPLETE_CANCELLED, _PE.RELEASE_NOT_STARTED, _PE.WITHDRAWN)
 
 CTX_PARENT_TRANSITIONS: Mapping[tuple[ParentState, ParentEvent], Transition] = {
     (_PS.ADMITTED, _PE.PREFILLED): _t(_PS.RESIDENT),
     (_PS.ADMITTED, _PE.CANCEL): _t(_PS.CANCELLING),
-    (_PS.ADMITTED, _PE.EXPIRED_NOT_STARTED): _t(_PS.RELEASED, _FX.RELEASE),
+    # Leased in our vote, but the round did not admit: nothing was exposed.
+    (_PS.ADMITTED, _PE.WITHDRAWN): _t(_PS.RELEASED, _FX.RELEASE),
     (_PS.RESIDENT, _PE.EDGE_PREPARED): _t(_PS.RESIDENT),
     (_PS.RESIDENT, _PE.DECIDED): _t(_PS.DECIDED),
     (_PS.RESIDENT, _PE.CANCEL): _t(_PS.CANCELLING),
-    (_PS.RESIDENT, _PE.EXPIRED_NOT_STARTED): _t(_PS.RELEASED, _FX.RELEASE),
     (_PS.DECIDED, _PE.CANCEL): _t(_PS.CANCELLING),
+    # Conservative path (outside the qualified scope): a decided transfer is
+    # not interrupted; the cancel applies once every edge is terminal.
+    (_PS.DECIDED, _PE.DEFER_CANCEL): _t(_PS.FINISHING),
     (_PS.DECIDED, _PE.EDGES_SETTLED): _t(_PS.SETTLED, _FX.SETTLED),
     (_PS.DECIDED, _PE.QUIESCENCE_LOST): _t(_PS.QUARANTINED, _FX.QUARANTINE),
+    (_PS.FINISHING, _PE.CANCEL): _t(_PS.FINISHING),
+    (_PS.FINISHING, _PE.DECIDED): _t(_PS.FINISHING),
+    (_PS.FINISHING, _PE.EDGES_SETTLED): _t(_PS.SETTLED, _FX.SETTLED),
+    (_PS.FINISHING, _PE.QUIESCENCE_LOST): _t(_PS.QUARANTINED, _FX.QUARANTINE),
     (_PS.CANCELLING, _PE.CANCEL): _t(_PS.CANCELLING),
     # A decision for a parent we already cancelled publishes nothing.
     (_PS.CANCELLING, _PE.DECIDED): _t(_PS.CANCELLING),
     (_PS.CANCELLING, _PE.EDGES_SETTLED): _t(_PS.SETTLED, _FX.SETTLED),
     (_PS.CANCELLING, _PE.QUIESCENCE_LOST): _t(_PS.QUARANTINED, _FX.QUARANTINE),
+    (_PS.CANCELLING, _PE.WITHDRAWN): _t(_PS.RELEASED, _FX.RELEASE),
     (_PS.SETTLED, _PE.CANCEL): _t(_PS.SETTLED),
     (_PS.SETTLED, _PE.DECIDED): _t(_PS.SETTLED),
     (_PS.SETTLED, _PE.COMPLETE): _t(_PS.RELEASED, _FX.RELEASE),
     (_PS.SETTLED, _PE.COMPLETE_CANCELLED): _t(_PS.RELEASED, _FX.RELEASE),
     (_PS.SETTLED, _PE.RELEASE_NOT_STARTED): _t(_PS.RELEASED, _FX.RELEASE),
+    (_PS.SETTLED, _PE.WITHDRAWN): _t(_PS.RELEASED, _FX.RELEASE),
     (_PS.RELEASED, _PE.CANCEL): _t(_PS.RELEASED),
     (_PS.RELEASED, _PE.DECIDED): _t(_PS.RELEASED),
     **{(_PS.RELEASED, e): _t(_PS.RELEASED, _FX.SKIP) for e in _CLEANUP_EVENTS},
@@ -312,7 +331,7 @@ CTX_PARENT_TRANSITIONS: Mapping[tuple[ParentState, ParentEvent], Transition] = {
 GEN_PARENT_TRANSITIONS: Mapping[tuple[ParentState, ParentEvent], Transition] = {
     (_PS.ADMITTED, _PE.INSTALLED): _t(_PS.INSTALLED, _FX.SEND_OPEN),
     (_PS.ADMITTED, _PE.CANCEL): _t(_PS.CANCELLING),
-    (_PS.ADMITTED, _PE.EXPIRED_NOT_STARTED): _t(_PS.RELEASED, _FX.RELEASE),
+    (_PS.ADMITTED, _PE.WITHDRAWN): _t(_PS.RELEASED, _FX.RELEASE),
     (_PS.INSTALLED, _PE.CANCEL): _t(_PS.CANCELLING),
     (_PS.INSTALLED, _PE.EDGES_SETTLED): _t(_PS.SETTLED, _FX.SETTLED),
     (_PS.INSTALLED, _PE.QUIESCENCE_LOST): _t(_PS.QUARANTINED, _FX.QUARANTINE),
@@ -321,13 +340,17 @@ GEN_PARENT_TRANSITIONS: Mapping[tuple[ParentState, ParentEvent], Transition] = {
     (_PS.CANCELLING, _PE.QUIESCENCE_LOST): _t(_PS.QUARANTINED, _FX.QUARANTINE),
     # The topology-wide verdict replaces the per-edge TERMINAL messages.
     (_PS.CANCELLING, _PE.RELEASE_NOT_STARTED): _t(_PS.RELEASED, _FX.RELEASE),
+    (_PS.CANCELLING, _PE.WITHDRAWN): _t(_PS.RELEASED, _FX.RELEASE),
     (_PS.SETTLED, _PE.CANCEL): _t(_PS.SETTLED),
     (_PS.SETTLED, _PE.COMPLETE): _t(_PS.DECODE_READY, _FX.DECODE_READY),
     (_PS.SETTLED, _PE.COMPLETE_CANCELLED): _t(_PS.RELEASED, _FX.RELEASE),
     (_PS.SETTLED, _PE.RELEASE_NOT_STARTED): _t(_PS.RELEASED, _FX.RELEASE),
-    # Once decode-ready the KV belongs to the request; only free() returns it.
+    (_PS.SETTLED, _PE.WITHDRAWN): _t(_PS.RELEASED, _FX.RELEASE),
+    # Once decode-ready the KV belongs to the request; only free() returns it,
+    # or the consumer deadline (every edge COMPLETED: no writer is left).
     (_PS.DECODE_READY, _PE.CANCEL): _t(_PS.DECODE_READY),
     (_PS.DECODE_READY, _PE.FREE): _t(_PS.RELEASED, _FX.RELEASE),
+    (_PS.DECODE_READY, _PE.CONSUMER_EXPIRED): _t(_PS.RELEASED, _FX.RELEASE),
     (_PS.RELEASED, _PE.CANCEL): _t(_PS.RELEASED),
     (_PS.RELEASED, _PE.FREE): _t(_PS.RELEASED, _FX.SKIP),
     **{(_PS.RELEASED, e): _t(_PS.RELEASED, _FX.SKIP) for e in _CLEANUP_EVENTS},
@@ -360,11 +383,13 @@ CTX_EDGE_TRANSITIONS: Mapping[tuple[EdgeState, EdgeEvent], Transition] = {
     (_ES.COMPLETED, _EE.RECEIPT_RECEIVED): _t(_ES.COMPLETED),
     (_ES.NOT_STARTED, _EE.CANCEL): _t(_ES.NOT_STARTED),
     (_ES.DRAINED, _EE.CANCEL): _t(_ES.DRAINED),
-    # UNKNOWN is absorbing: late completions prove nothing about the other chunks' writes.
+    # UNKNOWN: one late completion proves nothing about the other chunks' writes ...
     (_ES.UNKNOWN, _EE.CANCEL): _t(_ES.UNKNOWN),
     (_ES.UNKNOWN, _EE.CHUNK_DONE): _t(_ES.UNKNOWN),
     (_ES.UNKNOWN, _EE.CHUNK_FAILED): _t(_ES.UNKNOWN),
     (_ES.UNKNOWN, _EE.QUIESCENCE_LOST): _t(_ES.UNKNOWN),
+    # ... until every chunk it posted was polled to DONE/ERR: late, but proven.
+    (_ES.UNKNOWN, _EE.QUIESCENCE_PROVEN): _t(_ES.DRAINED, _FX.SEND_TERMINAL),
 }
 
 _GEN_TERMINALS: Mapping[EdgeEvent, Transition] = {
@@ -401,7 +426,15 @@ GEN_EDGE_TRANSITIONS: Mapping[tuple[EdgeState, EdgeEvent], Transition] = {
     (_ES.DRAINED, _EE.CANCEL): _t(_ES.DRAINED),
     (_ES.DRAINED, _EE.READY_RECEIVED): _t(_ES.DRAINED),
     (_ES.DRAINED, _EE.TERMINAL_DRAINED): _t(_ES.DRAINED),
-    # UNKNOWN is absorbing: once quarantined, late evidence is ignored.
+    # The writer incarnation is confirmed dead: nothing can write any more.
+    **{
+        (state, _EE.QUIESCENCE_PROVEN): _t(_ES.DRAINED)
+        for state in (_ES.OPEN_PROPOSED, _ES.READY, _ES.CANCELLING)
+    },
+    # UNKNOWN is left only by proof: a non-UNKNOWN TERMINAL from the writer (it
+    # is sent only once every chunk of the edge was polled to DONE/ERR) or the
+    # writer incarnation confirmed dead. Other late evidence changes nothing.
+    (_ES.UNKNOWN, _EE.QUIESCENCE_PROVEN): _t(_ES.DRAINED),
     **{
         (_ES.UNKNOWN, e): _t(_ES.UNKNOWN)
         for e in (
@@ -458,8 +491,8 @@ def render_state_tables() -> str:
         "Every `(state, event)` pair not listed raises `IllegalTransition`.",
         "Effects are carried out, in order, on entering the next state.",
         "Initial states: CTX edge `prepared` (a valid OPEN), GEN edge `open_proposed`,",
-        "both parents `admitted`. Absorbing: `released` and edge `unknown`; `quarantined`",
-        "is left only by `reclaim` with a proof of quiescence.",
+        "both parents `admitted`. Absorbing: `released`. Edge `unknown` and parent",
+        "`quarantined` are left only with a proof of quiescence (`quiescence_proven`, `reclaim`).",
         "",
         "## States",
         "",
@@ -494,6 +527,7 @@ _STATE_DOCS: Mapping[enum.Enum, str] = {
     _PS.RESIDENT: "CTX: prefilled, KV resident under the lease deadline; collecting OPENs",
     _PS.INSTALLED: "GEN: session installed on this rank, OPEN sent on every edge",
     _PS.DECIDED: "CTX: the round decided the parent; READY published, DMA running",
+    _PS.FINISHING: "CTX, conservative path: cancelled, but the decided transfer finishes first",
     _PS.CANCELLING: "cancelled; edges are being brought to terminal evidence",
     _PS.SETTLED: "every local edge terminal; waiting for the completion round",
     _PS.DECODE_READY: "GEN: completion round done; KV kept until free()",
@@ -508,7 +542,7 @@ _STATE_DOCS: Mapping[enum.Enum, str] = {
     _ES.COMPLETED: "terminal: every byte written (and, on GEN, checked)",
     _ES.NOT_STARTED: "terminal: no DMA was ever posted for the edge",
     _ES.DRAINED: "terminal: posted DMA polled to DONE/ERR; nothing in flight",
-    _ES.UNKNOWN: "terminal: quiescence not provable; the lease is quarantined (absorbing)",
+    _ES.UNKNOWN: "terminal: quiescence not proven; the lease is quarantined until proof",
 }
 
 
@@ -552,10 +586,12 @@ class Drain:
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    """The pool already returned these blocks to FREE: they may be reused."""
+    """The pool already returned these blocks to FREE: they may be reused.
+    `reclaimed`: they come back from quarantine, on a proof of quiescence."""
 
     parent: ParentKey
     blocks: tuple[BlockRef, ...]
+    reclaimed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -650,15 +686,18 @@ class GenEdgeSpec:
     expected_bytes: int
 
 
-def reject_for(open_msg: Open, error: ProtocolError, our: Endpoint) -> Reject:
-    """The REJECT a CTX actor (endpoint `our`) answers to an OPEN that `receive_open` refused.
+def reject_for(open_msg: Open, error: ProtocolError, our: Endpoint) -> Reject | None:
+    """The REJECT a CTX actor (endpoint `our`) answers to an OPEN that `receive_open`
+    refused, or None when the refusal must stay silent.
 
-    The REJECT's ticket names *our* endpoint. A GEN rank treats a REJECT as
-    NOT_STARTED evidence only if its ticket matches the session exactly, i.e.
-    only if it comes from the CTX incarnation the OPEN was sent to. An OPEN
-    that reached a restarted incarnation is rejected with a ticket the GEN
-    finds stale, so it proves nothing about writes the old incarnation may
-    have posted (the GEN waits for timeout / peer restart -> UNKNOWN).
+    A GEN rank treats a REJECT whose ticket matches its session exactly as
+    NOT_STARTED evidence and cancels the request. So only an OPEN addressed to
+    *us* (our exact endpoint) is answered, with its own ticket unchanged. An
+    OPEN naming another CTX endpoint (a stale epoch, another instance, a
+    restarted incarnation) is dropped: answering it with our endpoint would
+    forge a ticket that a live session accepts (S3), and answering with its
+    own ticket would speak for an incarnation that is not us. Its sender
+    learns the outcome from its own timeout or the restart notice.
     """
     if isinstance(error, DuplicateSessionError):
         reason = RejectReason.DUPLICATE
@@ -668,10 +707,9 @@ def reject_for(open_msg: Open, error: ProtocolError, our: Endpoint) -> Reject:
         reason = RejectReason.BAD_BUFFER_INFO
     else:
         reason = RejectReason.STALE
-    ticket = open_msg.ticket
-    if ticket.ctx != our:
-        ticket = msgspec.structs.replace(ticket, ctx=our)
-    return Reject(ticket=ticket, reason=reason, detail=str(error)[:200])
+    if open_msg.ticket.ctx != our:
+        return None
+    return Reject(ticket=open_msg.ticket, reason=reason, detail=str(error)[:200])
 
 
 # ---------------------------------------------------------------------------
@@ -734,6 +772,7 @@ class _Rank:
         pool: BlockPool,
         *,
         transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
+        consume_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
     ) -> None:
         if our.ns.role is not self._role:
             raise LeaseError(
@@ -745,7 +784,10 @@ class _Rank:
         self.our = our
         self.digest = digest
         self.pool = pool
+        if not consume_timeout > 0:
+            raise LeaseError(f"consume_timeout must be positive, got {consume_timeout}")
         self.transfer_timeout = transfer_timeout
+        self.consume_timeout = consume_timeout
         self._parents: dict[ParentKey, _Parent] = {}
         self._closed_parents: collections.OrderedDict[ParentKey, ParentState] = (
             collections.OrderedDict()
@@ -870,12 +912,29 @@ class _Rank:
             return []
         return self._cancel(record, CancelReason.PEER, now, intent=True)
 
-    def completed(self, parent: ParentKey) -> list[Action]:
-        """The completion round decided `parent`: release (CTX) or decode-ready (GEN)."""
+    def completed(self, parent: ParentKey, now: float | None = None) -> list[Action]:
+        """The completion round decided `parent`: release (CTX) or decode-ready (GEN).
+
+        GEN: with `now`, a decode-ready parent gets the consumer deadline
+        (`now + consume_timeout`): past it, `expire` returns the KV (L1)."""
         record = self._parents.get(parent)
         cancelled = record is not None and record.cancel_reason is not None
         event = _PE.COMPLETE_CANCELLED if cancelled else _PE.COMPLETE
-        return self._fire_parent(parent, event)
+        actions = self._fire_parent(parent, event)
+        if record is not None and record.state is _PS.DECODE_READY:
+            record.deadline = None if now is None else now + self.consume_timeout
+        return actions
+
+    def withdraw(self, parent: ParentKey) -> list[Action]:
+        """The admission round did not admit `parent` (another rank refused, or
+        the round timed out), but we leased for it in our vote: return the
+        tentative lease. Nothing was exposed (no OPEN was ever recorded for
+        it), so this needs no further proof; an edge would contradict that and
+        raises `LeaseError` with nothing changed."""
+        record = self._parents.get(parent)
+        if record is not None and record.edges:
+            raise LeaseError(f"withdrawal of {parent!r}, which already has sessions")
+        return self._fire_parent(parent, _PE.WITHDRAWN)
 
     def release_not_started(self, parent: ParentKey) -> list[Action]:
         """Apply the round's verdict that every edge of `parent` is NOT_STARTED topology-wide."""
@@ -950,7 +1009,7 @@ class _Rank:
         if effect is _FX.RECLAIM:
             self.pool.reclaim_quarantine(record.key, proof=reason)
             self._close(record, "reclaimed")
-            return [Release(record.key, record.refs)]
+            return [Release(record.key, record.refs, reclaimed=True)]
         if effect is _FX.QUARANTINE:
             self.pool.quarantine(record.key)
             why = reason or "quiescence not provable"
@@ -1003,7 +1062,9 @@ class _Rank:
     def _settle(self, record: _Parent, now: float) -> list[Action]:
         """Fire the parent's coupling to its edges (h11's state-triggered transitions):
         an UNKNOWN edge cancels the siblings and quarantines; all terminal settles."""
-        if record.state in (_PS.RELEASED, _PS.QUARANTINED, _PS.SETTLED, _PS.DECODE_READY):
+        if record.state is _PS.QUARANTINED:
+            return self._reclaim_if_proven(record)
+        if record.state in (_PS.RELEASED, _PS.SETTLED, _PS.DECODE_READY):
             return []
         edges = record.edges.values()
         if any(e.state is _ES.UNKNOWN for e in edges):
@@ -1013,10 +1074,28 @@ class _Rank:
                 return self._cancel(record, CancelReason.FAILURE, now, intent=True)
             return self._fire_parent(record.key, _PE.QUIESCENCE_LOST, "edge evidence UNKNOWN")
         waiting = record.state in (_PS.ADMITTED, _PS.RESIDENT) and record.cancel_reason is None
-        settling = record.state in (_PS.DECIDED, _PS.INSTALLED, _PS.CANCELLING)
+        settling = record.state in (_PS.DECIDED, _PS.FINISHING, _PS.INSTALLED, _PS.CANCELLING)
         if settling and not waiting and all(e.state in _TERMINAL_EDGE_STATES for e in edges):
             return self._fire_parent(record.key, _PE.EDGES_SETTLED) + self._release_if_decided(record)
         return []
+
+
+    def _reclaim_if_proven(self, record: _Parent) -> list[Action]:
+        """A quarantined parent whose every edge is terminal with quiescence
+        proven (none UNKNOWN any more, nothing of ours in flight) is reclaimed
+        in place: the proof is the evidence that replaced each UNKNOWN."""
+        edges = record.edges.values()
+        if not edges or any(e.state not in _TERMINAL_EDGE_STATES or e.state is _ES.UNKNOWN for e in edges):
+            return []
+        if any(e.in_flight for e in edges):
+            return []
+        return self._fire_parent(
+            record.key, _PE.RECLAIM, "every UNKNOWN edge later proven quiescent"
+        )
+
+    def _prove_quiescent(self, edge: _Edge) -> list[Action]:
+        """Late proof that nothing writes through `edge` any more."""
+        return self._fire_edge(edge, _EE.QUIESCENCE_PROVEN)
 
 
 def _check_endpoint(what: str, got: Endpoint, ours: Endpoint) -> None:
@@ -1047,14 +1126,21 @@ class CtxRank(_Rank):
         transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
         chunk_window: int = DEFAULT_CHUNK_WINDOW,
         post_on_decide: bool = True,
+        conservative: bool = False,
     ) -> None:
         """`post_on_decide=False` defers posting from `decided()` to `start_posting()`
-        (for an actor that must gather a staging slot first); the default posts at once."""
+        (for an actor that must gather a staging slot first); the default posts at once.
+
+        `conservative=True` is the path outside the qualified scope: a cancel
+        never interrupts a decided transfer (parent FINISHING); it applies once
+        every edge is terminal. The transfer deadline still bounds it (L1):
+        past it the edges drain as on the active path."""
         super().__init__(our, digest, pool, transfer_timeout=transfer_timeout)
         if chunk_window < 1:
             raise LeaseError(f"chunk_window must be at least 1, got {chunk_window}")
         self.chunk_window = chunk_window
         self.post_on_decide = post_on_decide
+        self.conservative = conservative
 
     def admit(
         self, parent: ParentKey, n_blocks: int, *, now: float, lease_deadline: float
@@ -1144,7 +1230,7 @@ class CtxRank(_Rank):
             raise PoolError(f"negative byte count {nbytes}")
         if edge.state is _ES.UNKNOWN:
             edge.in_flight.discard(index)
-            return self._fire_edge(edge, _EE.CHUNK_DONE)
+            return self._fire_edge(edge, _EE.CHUNK_DONE) + self._late_drain(edge, now)
         edge.in_flight.discard(index)
         edge.chunks_done += 1
         edge.bytes_done += nbytes
@@ -1163,14 +1249,26 @@ class CtxRank(_Rank):
         edge.in_flight.discard(index)
         record = self._parents[ticket.parent]
         if edge.state is _ES.UNKNOWN:
-            return self._fire_edge(edge, _EE.CHUNK_FAILED)
+            return self._fire_edge(edge, _EE.CHUNK_FAILED) + self._late_drain(edge, now)
         edge.failed = True
         actions = self._fire_edge(edge, _EE.CHUNK_FAILED)
         if edge.state is _ES.DRAINING and not edge.in_flight:
             actions += self._fire_edge(edge, _EE.DRAIN_DONE)
         if record.cancel_reason is None:
             actions += self._cancel(record, CancelReason.FAILURE, now, intent=True)
+        elif record.state is _PS.FINISHING:
+            actions += self._stop_finishing(record, now)  # incomplete: stop waiting for it
         return actions + self._settle(record, now)
+
+    def _late_drain(self, edge: _Edge, now: float) -> list[Action]:
+        """An UNKNOWN edge whose last posted chunk just reported DONE/ERR: every
+        WRITE we posted from these blocks has ended (polled from the initiator),
+        so the edge is DRAINED after all; its TERMINAL(DRAINED) is the GEN's
+        proof too. The parent is reclaimed once no edge is UNKNOWN."""
+        if edge.in_flight:
+            return []
+        actions = self._prove_quiescent(edge)
+        return actions + self._settle(self._parents[edge.ticket.parent], now)
 
     def receive_receipt(self, message: Receipt) -> list[Action]:
         """GEN acknowledged the bytes of a COMPLETED edge (not quiescence, not completion)."""
@@ -1207,30 +1305,27 @@ class CtxRank(_Rank):
         """Apply every deadline that passed at `now`.
 
         * lease deadline while waiting for GEN (ADMITTED/RESIDENT): nothing was
-          ever posted from our blocks, so release now (and tell the round);
+          ever posted from our blocks: cancel + CancelIntent (the round's
+          decision releases, never the timeout itself);
         * transfer deadline of a DECIDED parent: cancel (drain) + CancelIntent;
+          of a FINISHING one (conservative path): stop waiting, drain;
         * drain deadline of a DRAINING edge: UNKNOWN -> quarantine.
         """
         actions: list[Action] = []
         for record in list(self._parents.values()):
             if record.state in (_PS.ADMITTED, _PS.RESIDENT):
                 if record.lease_deadline is not None and now >= record.lease_deadline:
-                    # Nothing was decided, so nothing was posted from our blocks
-                    # and nothing ever will be: tell every proposer NOT_STARTED,
-                    # release, and let the round cancel the siblings elsewhere.
-                    record.cancel_reason = CancelReason.TIMEOUT
-                    actions.append(CancelIntent(record.key, CancelReason.TIMEOUT))
-                    for edge in record.edges.values():
-                        actions += self._fire_edge(edge, _EE.CANCEL)
-                    actions += self._fire_parent(record.key, _PE.EXPIRED_NOT_STARTED)
-                    continue
-            elif (
-                record.state is _PS.DECIDED
-                and record.deadline is not None
-                and now >= record.deadline
-            ):
+                    # Nothing was decided, so nothing was posted from our blocks:
+                    # cancel (every proposer hears NOT_STARTED) and record the
+                    # intent. The lease returns when the round decides the cancel.
+                    actions += self._cancel(record, CancelReason.TIMEOUT, now, intent=True)
+                continue
+            past = record.deadline is not None and now >= record.deadline
+            if record.state is _PS.DECIDED and past:
                 actions += self._cancel(record, CancelReason.TIMEOUT, now, intent=True)
-            if record.state is _PS.CANCELLING:
+            elif record.state is _PS.FINISHING and past:
+                actions += self._stop_finishing(record, now)
+            if record.state in (_PS.CANCELLING, _PS.FINISHING):
                 for edge in record.edges.values():
                     if (
                         edge.state is _ES.DRAINING
@@ -1265,6 +1360,12 @@ class CtxRank(_Rank):
                 actions += self._settle(record, now)
         return actions
 
+    def peer_dead(self, dead: Endpoint, now: float) -> list[Action]:
+        """GEN incarnation `dead` is confirmed dead. We are the writer: its death
+        proves nothing about WRITEs we posted (only polling them to DONE/ERR
+        does), so this is `peer_restarted` for every epoch up to `dead`'s."""
+        return self.peer_restarted(Endpoint(ns=dead.ns, epoch=dead.epoch + 1), now)
+
     # ---- internals -----------------------------------------------------
 
     def _posted_edge(self, ticket: ContextTicket, index: int) -> _Edge:
@@ -1272,6 +1373,27 @@ class CtxRank(_Rank):
         if index not in edge.in_flight:
             raise PoolError(f"chunk {index} of edge {ticket.edge} is not in flight")
         return edge
+
+    def _cancel(
+        self, record: _Parent, reason: CancelReason, now: float, *, intent: bool
+    ) -> list[Action]:
+        if not (self.conservative and record.state is _PS.DECIDED):
+            return super()._cancel(record, reason, now, intent=intent)
+        # Conservative path: the decided transfer runs to its end (or to its
+        # deadline); the cancel is recorded and applies when the edges settle.
+        self._fire_parent(record.key, _PE.DEFER_CANCEL)
+        record.cancel_reason = reason
+        actions: list[Action] = [CancelIntent(record.key, reason)] if intent else []
+        return actions + self._settle(record, now)
+
+    def _stop_finishing(self, record: _Parent, now: float) -> list[Action]:
+        """Conservative path given up (deadline passed, or a chunk failed): the
+        edges stop posting and drain, as a cancel on the active path would."""
+        actions: list[Action] = []
+        for edge in record.edges.values():
+            if edge.state not in _TERMINAL_EDGE_STATES and edge.state is not _ES.DRAINING:
+                actions += self._cancel_edge(edge, now)
+        return actions
 
     def _cancel_edge(self, edge: _Edge, now: float) -> list[Action]:
         if edge.state is _ES.POSTING:
@@ -1403,6 +1525,10 @@ class GenRank(_Rank):
         )
         if bad_bytes:
             event = _EE.TERMINAL_DRAINED
+        if edge.state is _ES.UNKNOWN and message.evidence is not TerminalKind.UNKNOWN:
+            # The writer sends a TERMINAL other than UNKNOWN only once every chunk
+            # it posted on this edge was polled to DONE/ERR: a late proof.
+            event = _EE.QUIESCENCE_PROVEN
         tr = _fire(self._machine("edge"), self._edge_table, edge.state, event)  # validate first
         if tr.next is _ES.COMPLETED and edge.state is not _ES.COMPLETED:
             edge.bytes_done = message.bytes_done  # what the RECEIPT acknowledges
@@ -1455,8 +1581,9 @@ class GenRank(_Rank):
     def expire(self, now: float) -> list[Action]:
         """Apply every deadline that passed at `now`.
 
-        * admitted, never installed, past its deadline: no OPEN exposed our
-          blocks, release now;
+        * admitted, never installed, past its lease deadline: no OPEN exposed
+          our blocks: cancel + CancelIntent (the round's decision releases);
+        * decode-ready past the consumer deadline: release (no writer is left);
         * installed, past the transfer deadline: cancel (CANCEL to every CTX
           rank) + CancelIntent; each cancelled edge waits one more timeout;
         * a cancelled edge still without TERMINAL past its wait: UNKNOWN ->
@@ -1466,7 +1593,15 @@ class GenRank(_Rank):
         for record in list(self._parents.values()):
             if record.state is _PS.ADMITTED and record.cancel_reason is None:
                 if record.lease_deadline is not None and now >= record.lease_deadline:
-                    actions += self._fire_parent(record.key, _PE.EXPIRED_NOT_STARTED)
+                    # No OPEN was sent, nothing exposed: cancel and record the
+                    # intent; the lease returns when the round decides it.
+                    actions += self._cancel(record, CancelReason.TIMEOUT, now, intent=True)
+                continue
+            if record.state is _PS.DECODE_READY:
+                if record.deadline is not None and now >= record.deadline:
+                    # Nobody consumed the KV in time. Every edge is COMPLETED and
+                    # acknowledged: no writer is left, so returning it is safe (S1).
+                    actions += self._fire_parent(record.key, _PE.CONSUMER_EXPIRED)
                 continue
             if (
                 record.state is _PS.INSTALLED
@@ -1501,6 +1636,30 @@ class GenRank(_Rank):
                 actions += self._fire_edge(edge, _EE.QUIESCENCE_LOST)
             if hit:
                 actions += self._settle(record, now)
+        return actions
+
+    def peer_dead(self, dead: Endpoint, now: float) -> list[Action]:
+        """CTX incarnation `dead` (and every older one) is confirmed dead: a dead
+        process posts no WRITE, so every edge it was writing is proven
+        quiescent, UNKNOWN ones included. Edges still waiting become DRAINED and
+        cancel their parent; a quarantined parent whose every edge is now
+        proven is reclaimed (docs/design.md "Quarantine and reclaim")."""
+        actions: list[Action] = []
+        for record in list(self._parents.values()):
+            hit = [
+                e
+                for e in record.edges.values()
+                if e.ticket.ctx.ns == dead.ns
+                and e.ticket.ctx.epoch <= dead.epoch
+                and (e.state is _ES.UNKNOWN or e.state not in _TERMINAL_EDGE_STATES)
+            ]
+            if not hit:
+                continue
+            for edge in hit:
+                actions += self._prove_quiescent(edge)
+            if record.cancel_reason is None and record.state is _PS.INSTALLED:
+                actions += self._cancel(record, CancelReason.FAILURE, now, intent=True)
+            actions += self._settle(record, now)
         return actions
 
     # ---- internals -----------------------------------------------------

@@ -346,10 +346,11 @@ class Pair:
             self.errors.append(error)
             if role is Role.CTX and isinstance(message, Open):
                 # The actor answers a refused OPEN with a REJECT (to the ticket's GEN).
-                reject: Reject = reject_for(message, error, self.ctx.our)
-                self.queue.append(
-                    Envelope(Role.GEN, message.ticket.gen.ns.rank, encode_frame(reject))
-                )
+                reject: Reject | None = reject_for(message, error, self.ctx.our)
+                if reject is not None:  # an OPEN not addressed to us is dropped silently
+                    self.queue.append(
+                        Envelope(Role.GEN, message.ticket.gen.ns.rank, encode_frame(reject))
+                    )
             return error
         self.perform(actions)
         return None

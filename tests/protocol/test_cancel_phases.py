@@ -6,16 +6,20 @@ side released, drained or quarantined, and the TERMINAL evidence.
 
 from __future__ import annotations
 
+import pytest
+
 from kvhandoff.protocol import (
     Action,
     AdmissionStop,
     Cancel,
     CancelIntent,
     CancelReason,
+    CleanupSkipped,
     CtxRank,
     DecodeReady,
     Drain,
     EdgeState,
+    LeaseError,
     ParentState,
     PostChunk,
     Quarantine,
@@ -234,12 +238,44 @@ def test_drain_timeout_quarantines_both_sides() -> None:
     pair.check_s1()
     pair.run_rounds()
     pair.check_s1()  # rounds never free quarantined blocks
-    # Late completions prove nothing; an explicit proof reclaims.
+    # One late completion proves nothing: the other chunk may still read our blocks.
     pair.finish_chunk((ticket, 0))
-    pair.finish_chunk((ticket, 1))
+    assert pair.ctx.evidence(ticket).state is EdgeState.UNKNOWN
     assert pair.ctx.pool.counts().quarantined == 2
-    pair.perform(pair.ctx.reclaim(P, proof="nixl agent epoch 1 torn down"))
+    pair.check_s1()
+    # The last posted chunk polled to DONE is the proof: the edge is DRAINED after
+    # all, CTX reclaims in place, and its late TERMINAL(DRAINED) is GEN's proof.
+    pair.finish_chunk((ticket, 1))
+    assert pair.ctx.parent_state(P) is ParentState.RELEASED  # reclaimed
     assert pair.ctx.pool.counts().quarantined == 0
+    assert pair.gens[0].pool.counts().quarantined == 2  # not before the proof reaches it
+    pair.deliver_all()
+    assert _terminals(pair) == [TerminalKind.UNKNOWN, TerminalKind.DRAINED]
+    assert pair.gens[0].parent_state(P) is ParentState.RELEASED
+    assert pair.gens[0].pool.counts().quarantined == 0
+    assert pair.gens[0].pool.counts().free == pair.gens[0].pool.num_blocks
+    pair.check_s1()
+
+
+def test_reclaim_needs_every_chunk_polled() -> None:
+    """A chunk that reports ERR is quiescent too; until the last one reports,
+    the quarantine stands (and an explicit reclaim still needs a proof)."""
+    pair = Pair(chunk_window=2)
+    _to_prepared(pair, chunks=2)
+    ticket = pair.tickets(P)[0]
+    pair.decide(P)
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.now += pair.timeout
+    pair.perform(pair.ctx.expire(pair.now))
+    assert pair.ctx.parent_state(P) is ParentState.QUARANTINED
+    with pytest.raises(LeaseError):
+        pair.ctx.reclaim(P, proof="")
+    pair.finish_chunk((ticket, 1), ok=False)
+    assert pair.ctx.pool.counts().quarantined == 2
+    pair.check_s1()
+    pair.finish_chunk((ticket, 0), ok=False)
+    assert pair.ctx.pool.counts().quarantined == 0
+    pair.check_s1()
 
 
 def test_cancel_after_terminal() -> None:
@@ -292,16 +328,22 @@ def test_cancel_after_decode_ready_keeps_the_kv_until_free() -> None:
 # ---- lease expiry ------------------------------------------------------------
 
 
-def test_ctx_lease_expiry_without_gen_releases() -> None:
+def test_ctx_lease_expiry_records_intent_and_the_round_releases() -> None:
+    """A lease deadline frees nothing by itself (seed: timeouts record intent
+    only): it cancels and records the intent; the round's decided cancel
+    releases, exactly once."""
     pair = Pair()
     pair.ctx.admit(P, 3, now=0.0, lease_deadline=5.0)
     pair.perform(pair.ctx.prefilled(P))
     assert pair.ctx.expire(4.9) == []
     actions = pair.ctx.expire(5.0)
     assert _of(actions, CancelIntent) == [CancelIntent(P, CancelReason.TIMEOUT)]
-    assert [len(a.blocks) for a in _of(actions, Release)] == [3]
-    assert pair.ctx.pool.counts().free == pair.ctx_blocks
+    assert not _of(actions, Release)
+    assert pair.ctx.pool.counts().leased == 3
     assert pair.ctx.expire(100.0) == []  # once
+    released = pair.ctx.cancel(P, CancelReason.TIMEOUT, 100.0, from_round=True)
+    assert [len(a.blocks) for a in _of(released, Release)] == [3]
+    assert pair.ctx.pool.counts().free == pair.ctx_blocks
 
 
 def test_ctx_lease_expiry_with_prepared_edge_tells_gen_not_started() -> None:
@@ -310,11 +352,12 @@ def test_ctx_lease_expiry_with_prepared_edge_tells_gen_not_started() -> None:
     ticket = pair.tickets(P)[0]
     pair.now = 5.0
     pair.perform(pair.ctx.expire(pair.now))
-    assert pair.ctx.parent_state(P) is ParentState.RELEASED
+    assert pair.ctx.parent_state(P) is ParentState.SETTLED  # cancelled, nothing released yet
     assert _terminals(pair) == [TerminalKind.NOT_STARTED]
     pair.deliver_all()
     assert pair.gens[0].evidence(ticket).state is EdgeState.NOT_STARTED
     pair.run_rounds()
+    assert pair.ctx.parent_state(P) is ParentState.RELEASED
     _assert_all_free(pair)
     # A late decision for the expired parent publishes nothing.
     assert not [a for a in pair.ctx.decided(P, pair.now) if isinstance(a, SendMessage)]
@@ -335,11 +378,41 @@ def test_transfer_timeout_is_a_cancel_intent_not_a_release() -> None:
     assert pair.ctx.evidence(ticket).state is EdgeState.DRAINED
 
 
-def test_gen_admitted_never_installed_expires_to_release() -> None:
+def test_gen_admitted_never_installed_expires_through_the_round() -> None:
+    """L1 for a GEN lease whose OPENs are never sent (the driver died after
+    admission): the deadline cancels and records the intent; the decided
+    cancel returns the blocks."""
     pair = Pair()
-    pair.gens[0].admit(P, 2, now=0.0, deadline=3.0)
-    assert pair.gens[0].expire(2.0) == []
-    assert [len(a.blocks) for a in _of(pair.gens[0].expire(3.0), Release)] == [2]
+    gen = pair.gens[0]
+    gen.admit(P, 2, now=0.0, deadline=3.0)
+    assert gen.expire(2.0) == []
+    actions = gen.expire(3.0)
+    assert _of(actions, CancelIntent) == [CancelIntent(P, CancelReason.TIMEOUT)]
+    assert not _of(actions, Release) and gen.pool.counts().leased == 2
+    released = gen.cancel(P, CancelReason.TIMEOUT, 3.0, from_round=True)
+    assert [len(a.blocks) for a in _of(released, Release)] == [2]
+    assert gen.pool.counts().free == gen.pool.num_blocks
+
+
+def test_decode_ready_kv_nobody_frees_ends_at_the_consumer_deadline() -> None:
+    pair = Pair()
+    pair.admit(P)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    for key in list(pair.in_flight):
+        pair.finish_chunk(key)
+    pair.deliver_all()
+    gen = pair.gens[0]
+    settled = [p for p, st in gen.parents().items() if st is ParentState.SETTLED]
+    assert settled == [P]
+    assert _of(gen.completed(P, now=10.0), DecodeReady)
+    assert gen.expire(10.0 + gen.consume_timeout - 0.1) == []
+    assert gen.pool.counts().leased > 0
+    actions = gen.expire(10.0 + gen.consume_timeout)
+    assert _of(actions, Release) and gen.pool.counts().leased == 0
+    assert _of(gen.free(P), CleanupSkipped)  # a late free is a no-op
 
 
 def test_gen_waiting_forever_cancels_then_quarantines() -> None:

@@ -113,20 +113,29 @@ def test_absorbing_states() -> None:
                 assert tr.next is ParentState.RELEASED
             if state is ParentState.QUARANTINED and event is not ParentEvent.RECLAIM:
                 assert tr.next is ParentState.QUARANTINED
+    # UNKNOWN is left only by a proof of quiescence, and only to DRAINED.
     for table in (CTX_EDGE_TRANSITIONS, GEN_EDGE_TRANSITIONS):
-        for (state, _event), tr in table.items():
-            if state is EdgeState.UNKNOWN:
+        for (state, event), tr in table.items():
+            if state is EdgeState.UNKNOWN and event is EdgeEvent.QUIESCENCE_PROVEN:
+                assert tr.next is EdgeState.DRAINED
+            elif state is EdgeState.UNKNOWN:
                 assert tr.next is EdgeState.UNKNOWN and not tr.effects
-    # Release is reachable only from SETTLED/DECODE_READY/expiry/verdict, never from
-    # a state with DMA running.
-    for (state, _event), tr in CTX_PARENT_TRANSITIONS.items():
-        if tr.next is ParentState.RELEASED and state is not ParentState.RELEASED:
-            assert state in (
-                ParentState.ADMITTED,
-                ParentState.RESIDENT,
-                ParentState.SETTLED,
-                ParentState.QUARANTINED,
-            )
+    # Release is reachable only from SETTLED (every edge terminal, decided),
+    # DECODE_READY (GEN), QUARANTINED by reclaim, or by withdrawing an admission
+    # the round did not decide (nothing was ever exposed); never from a state
+    # with DMA running, and never on a timeout of a parent that may be written.
+    for table in (CTX_PARENT_TRANSITIONS, GEN_PARENT_TRANSITIONS):
+        for (state, event), tr in table.items():
+            if tr.next is not ParentState.RELEASED or state is ParentState.RELEASED:
+                continue
+            if state is ParentState.ADMITTED:
+                assert event is ParentEvent.WITHDRAWN, (state, event)
+            elif state is ParentState.CANCELLING:  # GEN: or the round's NOT_STARTED verdict
+                assert event in (ParentEvent.WITHDRAWN, ParentEvent.RELEASE_NOT_STARTED)
+            elif state is ParentState.QUARANTINED:
+                assert event is ParentEvent.RECLAIM
+            else:
+                assert state in (ParentState.SETTLED, ParentState.DECODE_READY), (state, event)
 
 
 def test_docs_file_is_the_rendering() -> None:
@@ -325,16 +334,19 @@ def test_completed_with_wrong_bytes_is_not_decode_ready() -> None:
 
 
 def test_reject_from_a_restarted_ctx_proves_nothing() -> None:
+    """An OPEN that reached another CTX incarnation than the one it names is
+    refused silently: no REJECT could be both truthful and harmless (with our
+    endpoint it would match the live session exactly and cancel it: S3)."""
     pair, good = _resident_pair()
     new_ctx = ctx_endpoint(epoch=2)
-    reject = reject_for(good, StaleError("ctx epoch", 1, 2), new_ctx)
-    assert reject.ticket.ctx == new_ctx
-    with pytest.raises(StaleError):
-        pair.gens[0].receive_reject(reject, pair.now)
+    assert reject_for(good, StaleError("ctx epoch", 1, 2), new_ctx) is None
+    forged = msgspec.structs.replace(good.ticket, ctx=new_ctx)
+    with pytest.raises(StaleError):  # a REJECT rewritten to another endpoint proves nothing
+        pair.gens[0].receive_reject(Reject(ticket=forged, reason=RejectReason.STALE), pair.now)
     assert pair.gens[0].evidence(good.ticket).state is EdgeState.OPEN_PROPOSED
     # From the incarnation it was sent to, the same REJECT is NOT_STARTED evidence.
     same = reject_for(good, StaleError("x", 1, 2), good.ticket.ctx)
-    assert same.reason is RejectReason.STALE
+    assert same is not None and same.reason is RejectReason.STALE
     pair.gens[0].receive_reject(same, pair.now)
     assert pair.gens[0].evidence(good.ticket).state is EdgeState.NOT_STARTED
 
