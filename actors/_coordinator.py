@@ -53,6 +53,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import msgspec
 import ray
 
 from kvhandoff.protocol import (
@@ -313,6 +314,7 @@ class CoordinatorCore:
             raise RoundError(f"parent {parent!r} is already pending or in flight")
 
     def _queue_admission(self, parent: ParentKey, num_tokens: int) -> asyncio.Future[bool]:
+        _check_request(parent, num_tokens)
         self._check_admissible(parent)
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._pending_admits[parent] = (num_tokens, future)
@@ -664,6 +666,18 @@ class CoordinatorCore:
             for future in futures:
                 if not future.done():
                     future.set_exception(error)
+
+
+def _check_request(parent: ParentKey, num_tokens: int) -> None:
+    """Refuse what no rank could vote on, before it reaches a round: the key is
+    re-validated against its wire schema (a Struct built in Python is not), and
+    the size must be a positive int (bool is not)."""
+    if type(num_tokens) is not int or not 0 < num_tokens < 2**32:
+        raise RoundError(f"num_tokens must be a positive int below 2**32, got {num_tokens!r}")
+    try:
+        msgspec.convert(msgspec.to_builtins(parent), ParentKey)
+    except (msgspec.ValidationError, TypeError) as exc:
+        raise RoundError(f"invalid parent {parent!r}: {exc}") from None
 
 
 def _key(parent: ParentKey) -> tuple[str, int, int]:

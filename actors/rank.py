@@ -78,6 +78,7 @@ from kvhandoff.protocol import (
     BlockDescriptor,
     BlockPool,
     BufferInfo,
+    CancelDeferred,
     CancelIntent,
     CancelReason,
     CleanupSkipped,
@@ -638,6 +639,8 @@ class RankCore(RoundParticipant):
                     self._finish(parent, "completed")
                 case CleanupSkipped():
                     self.counters["cleanup_skipped"] += 1
+                case CancelDeferred():
+                    self.counters["cancel_deferred"] += 1
         self._maybe_request_restart()
         return [r for r in refs if r is not None]
 

@@ -166,6 +166,7 @@ __all__ = [
     "ParentSettled",
     "DecodeReady",
     "CleanupSkipped",
+    "CancelDeferred",
     "Action",
     "EdgeEvidence",
     "GenEdgeSpec",
@@ -644,6 +645,14 @@ class CleanupSkipped:
     event: ParentEvent
 
 
+@dataclass(frozen=True, slots=True)
+class CancelDeferred:
+    """CTX, conservative path: the cancel of `parent` waits for its decided
+    transfer to finish (or to reach its deadline) before it applies."""
+
+    parent: ParentKey
+
+
 Action = Union[
     SendMessage,
     PostChunk,
@@ -656,6 +665,7 @@ Action = Union[
     ParentSettled,
     DecodeReady,
     CleanupSkipped,
+    CancelDeferred,
 ]
 
 
@@ -1383,7 +1393,9 @@ class CtxRank(_Rank):
         # deadline); the cancel is recorded and applies when the edges settle.
         self._fire_parent(record.key, _PE.DEFER_CANCEL)
         record.cancel_reason = reason
-        actions: list[Action] = [CancelIntent(record.key, reason)] if intent else []
+        actions: list[Action] = [CancelDeferred(record.key)]
+        if intent:
+            actions.append(CancelIntent(record.key, reason))
         return actions + self._settle(record, now)
 
     def _stop_finishing(self, record: _Parent, now: float) -> list[Action]:

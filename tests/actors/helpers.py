@@ -1,0 +1,59 @@
+"""Helpers shared by the end-to-end tests on real rank actors."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment
+from kvhandoff.topology import block_bytes
+
+
+def gen_bytes(tokens: int, gen_tp: int) -> int:
+    """Bytes every GEN rank together must hold for `tokens` (the whole KV)."""
+    return math.ceil(tokens / DEFAULT_LAYOUT.tokens_per_block) * block_bytes(DEFAULT_LAYOUT, gen_tp) * gen_tp
+
+
+async def settled_stats(dep: Deployment, timeout: float = 10.0) -> dict:
+    """Stats once no rank holds a lease any more (bounded: L1/L2)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await dep.stats()
+        if all(s["leased"] == 0 for s in stats["ranks"]) or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.05)
+
+
+async def wait_stats(dep: Deployment, ready: Callable[[dict], bool], timeout: float = 60.0) -> dict:
+    """Stats once `ready(stats)` holds and no rank holds a lease (bounded: an
+    L1 limit, not a pace)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await dep.stats()
+        # A rank that is restarting answers with an error entry: not there yet.
+        idle = all("error" not in s and s["leased"] == 0 for s in stats["ranks"])
+        if (idle and ready(stats)) or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.05)
+
+
+def assert_clean(stats: dict, *, quarantined_ok: bool = False) -> None:
+    for s in stats["ranks"]:
+        assert "error" not in s, s
+        assert s["violations"] == [], s["violations"]  # S2
+        assert s["leased"] == 0, s  # nothing still held: no leak (L2)
+        assert s["free"] + s["quarantined"] == s["pool"], s
+        assert s["leaked_handles"] == 0, s  # every release that was tried succeeded
+        assert s["tracking"] == 0, s  # no per-request bookkeeping outlives its request
+        if not quarantined_ok:
+            assert s["quarantined"] == 0, s
+            assert s["in_flight_chunks"] == 0, s
+
+
+async def inside(handle: Any, fn: Callable[[Any], Any]) -> Any:
+    """Run `fn(actor_instance)` inside a real actor (Ray's `__ray_call__`): how a
+    test reads or arranges a rank's internals without a hook in its public API."""
+    return await handle.__ray_call__.remote(fn)

@@ -1,0 +1,391 @@
+"""Recovery and refusal on the real rank actors (issue 8's protocol defects).
+
+Real local Ray, real rank actors with their NIXL agents moving host bytes. Each
+test reproduces one defect found by the seed audit and adversarial runs, and
+checks the invariants it can observe: S1/S2 (GEN verifies every byte of every
+completed request; freed blocks are poisoned), S3 (refused messages change
+nothing), S4 (every stats() call checks each pool), L1 (bounded waits on
+observable conditions only) and L2 (free + quarantined == pool, nothing leaked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvhandoff.actors._dataplane import FaultPlan
+from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment
+from kvhandoff.protocol import Cancel as CancelMsg
+from kvhandoff.protocol import (
+    CancelReason,
+    Open,
+    ParentKey,
+    RankNamespace,
+    Role,
+    RoundProposal,
+    StaleError,
+    encode_frame,
+)
+from kvhandoff.topology import topology_digest
+
+from .helpers import assert_clean, gen_bytes, inside, settled_stats, wait_stats
+
+pytestmark = pytest.mark.ray
+
+POOL = 24
+TOKENS = 100  # 7 blocks of 16 tokens
+BLOCKS = math.ceil(TOKENS / DEFAULT_LAYOUT.tokens_per_block)
+TIMEOUT = 30.0
+ROUND_TIMEOUT = 20.0  # the watchdog has its own tests; a loaded box must not trip it here
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+async def launch(**kw: Any) -> Deployment:
+    kw.setdefault("pool_blocks", POOL)
+    kw.setdefault("round_timeout_s", ROUND_TIMEOUT)
+    kw.setdefault("chunk_bytes", 64 << 10)
+    return await Deployment.launch(**kw)
+
+
+def key(request_id: str) -> ParentKey:
+    return ParentKey(request_id=request_id, ctx_attempt=0, gen_attempt=0)
+
+
+async def admit_both(dep: Deployment, parent: ParentKey, tokens: int = TOKENS) -> list[bool]:
+    return list(
+        await asyncio.gather(
+            dep.coordinator(Role.CTX).admit.remote(parent, tokens),
+            dep.coordinator(Role.GEN).admit.remote(parent, tokens),
+        )
+    )
+
+
+async def until_posted(rank: Any, timeout: float = TIMEOUT) -> ParentKey:
+    """The parent a CTX rank is posting chunks for (waits on the observable)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = await inside(
+            rank, lambda self: [p for p in self.side.parents() if any(e.posted for e in self.side.edges(p).values())]
+        )
+        if found:
+            return found[0]
+        await asyncio.sleep(0.01)
+    raise AssertionError("no chunk was ever posted")
+
+
+# ---- defect 1: a rejected admission must not break a healthy rank ---------------------
+
+
+def test_rejected_admission_returns_tentative_leases_quietly(ray_cluster) -> None:
+    """TP ranks with unequal free blocks: rank 1 leases in its vote, rank 0 cannot,
+    so the round rejects. Rank 1 gives its tentative lease back; no rank breaks,
+    nothing restarts (the defect: `release_not_started` raised, the rank was
+    restarted and the restart budget spent)."""
+
+    async def scenario():
+        dep = await launch(ctx_tp=2, gen_tp=1)
+        try:
+            ctx = await dep.ranks(Role.CTX)
+            epochs = await dep.coordinator(Role.CTX).epochs.remote()
+            hog = POOL - BLOCKS + 1  # rank 0 keeps BLOCKS - 1 free blocks: one too few
+            await inside(ctx[0], lambda self: len(self.pool.lease("hog", hog)))
+            refused = await dep.handoff("too-big-for-rank-0", TOKENS, timeout=TIMEOUT)
+            during = await dep.stats()
+            await inside(ctx[0], lambda self: self.pool.release("hog").value)
+            fine = await dep.handoff("fits", TOKENS, timeout=TIMEOUT)
+            coord = await dep.coordinator(Role.CTX).stats.remote()
+            return epochs, refused, during, fine, coord, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    epochs, refused, during, fine, coord, stats = run(scenario())
+    assert refused.outcome == "rejected", refused
+    ctx = [s for s in during["ranks"] if s["role"] == "ctx"]
+    assert ctx[0]["leased"] == POOL - BLOCKS + 1  # only the hog
+    assert ctx[1]["leased"] == 0 and ctx[1]["free"] == POOL  # the tentative lease came back
+    assert coord["restarts"] == 0 and coord["epochs"] == epochs, coord  # nobody broke
+    assert not coord["rank_errors"], coord["rank_errors"]
+    assert fine.outcome == "completed" and fine.bytes_verified == gen_bytes(TOKENS, 1), fine
+    assert_clean(stats)
+
+
+# ---- defect 9 (rank side): an unexpected error in a vote refuses, never breaks -------
+
+
+def test_unexpected_vote_error_refuses_that_admission_only(ray_cluster) -> None:
+    async def scenario():
+        dep = await launch(ctx_tp=2, gen_tp=1)
+        try:
+            ctx = await dep.ranks(Role.CTX)
+
+            def boom(self: Any) -> None:
+                def admit(*_a: Any, **_k: Any) -> None:
+                    raise RuntimeError("a bug in the admission path")
+
+                self.side.admit = admit
+
+            await inside(ctx[1], boom)
+            refused = await dep.handoff("unlucky", TOKENS, timeout=TIMEOUT)
+            await inside(ctx[1], lambda self: delattr(self.side, "admit"))
+            fine = await dep.handoff("fine", TOKENS, timeout=TIMEOUT)
+            coord = await dep.coordinator(Role.CTX).stats.remote()
+            return refused, fine, coord, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    refused, fine, coord, stats = run(scenario())
+    assert refused.outcome == "rejected", refused
+    assert fine.outcome == "completed", fine
+    assert coord["restarts"] == 0 and coord["state"] == "running", coord
+    ctx1 = [s for s in stats["ranks"] if s["role"] == "ctx"][1]
+    assert ctx1["counters"].get("admit_refused_RuntimeError") == 1, ctx1["counters"]
+    assert_clean(stats)
+
+
+# ---- defect 3: the conservative path obeys S3 and L1 -----------------------------------
+
+
+def test_conservative_peer_cancel_at_one_rank_ends_everywhere(ray_cluster) -> None:
+    """Unqualified topology (zero-copy): a CANCEL from GEN reaches one CTX rank
+    while the decided transfer runs. A stale CANCEL (wrong epoch) is refused
+    with no change (S3: it used to be matched by request id alone); the exact
+    one defers on that rank and becomes a round intent, so both CTX ranks let
+    the transfer finish, then release (L1: the sibling used to wait in SETTLED
+    forever for a completion round that could never come)."""
+
+    async def scenario():
+        dep = await launch(
+            ctx_tp=2, gen_tp=1, fault_plan=FaultPlan(defer_s=0.3), transfer_timeout_s=10.0,
+            ctx_overrides={"zero_copy": True},
+        )
+        try:
+            ctx = await dep.ranks(Role.CTX)
+            task = asyncio.create_task(dep.handoff("conservative", TOKENS, timeout=TIMEOUT))
+            parent = await until_posted(ctx[0])
+            tickets = await inside(ctx[0], lambda self: list(self.side.edges(parent)))
+            ticket = tickets[0]
+            stale = msgspec.structs.replace(
+                ticket, ctx=msgspec.structs.replace(ticket.ctx, epoch=ticket.ctx.epoch + 9)
+            )
+            before = await inside(ctx[0], lambda self: self.side.snapshot())
+            stale_ok = await ctx[0].receive_frame.remote(encode_frame(CancelMsg(ticket=stale, reason=CancelReason.PEER)))
+            after = await inside(ctx[0], lambda self: self.side.snapshot())
+            exact_ok = await ctx[0].receive_frame.remote(encode_frame(CancelMsg(ticket=ticket, reason=CancelReason.PEER)))
+            result = await task
+            return dep.qualified, stale_ok, before == after, exact_ok, result, await settled_stats(dep, 30.0)
+        finally:
+            await dep.shutdown()
+
+    qualified, stale_ok, unchanged, exact_ok, result, stats = run(scenario())
+    assert not qualified
+    assert stale_ok is False and unchanged  # S3
+    assert exact_ok is True
+    # Both CTX ranks applied the cancel the round decided from rank 0's intent.
+    assert result.ctx_outcomes == ("cancelled", "cancelled"), result
+    # The GEN did not ask for it here: its transfer ran to the end and every
+    # byte was verified, or the cancel reached it first; never a half result.
+    assert result.outcome in ("completed", "cancelled"), result
+    if result.outcome == "completed":
+        assert result.bytes_verified == gen_bytes(TOKENS, 1), result
+    ctx = [s for s in stats["ranks"] if s["role"] == "ctx"]
+    assert ctx[0]["counters"].get("cancel_deferred", 0) == 1, ctx[0]["counters"]
+    assert all(s["posted_bytes"] > 0 and s["counters"].get("released", 0) == 1 for s in ctx), ctx
+    assert_clean(stats)  # no rank waits in SETTLED: everything released
+
+
+def test_topology_without_transfer_timeout_runs_conservatively(ray_cluster) -> None:
+    """transfer_timeout_s=0 is unqualified only by that; it used to fail at
+    launch (the protocol refuses a non-positive timeout). It runs the
+    conservative path, bounded by the protocol's default timeout."""
+
+    async def scenario():
+        dep = await launch(ctx_tp=1, gen_tp=1, transfer_timeout_s=0.0)
+        try:
+            return dep.qualified, dep.unqualified_reasons, await dep.handoff("t0", TOKENS, timeout=TIMEOUT), await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    qualified, reasons, result, stats = run(scenario())
+    assert not qualified and any("timeout" in r for r in reasons), reasons
+    assert result.outcome == "completed" and result.bytes_verified == gen_bytes(TOKENS, 1), result
+    assert_clean(stats)
+
+
+# ---- defect 4: every GEN lease has a deadline ------------------------------------------
+
+
+def test_gen_lease_without_opens_ends_through_the_round(ray_cluster) -> None:
+    """A driver that dies after the GEN admission never sends OPENs: the GEN
+    lease deadline cancels (an intent), and the round's decision returns the
+    blocks (L1). It used to stay leased forever."""
+
+    async def scenario():
+        dep = await launch(ctx_tp=1, gen_tp=2, lease_timeout_s=0.5)
+        try:
+            parent = key("orphan-gen")
+            assert await dep.coordinator(Role.GEN).admit.remote(parent, TOKENS)
+            held = await dep.stats()
+            gens = await dep.ranks(Role.GEN)
+            outcomes = await asyncio.gather(*(g.wait.remote(parent, TIMEOUT) for g in gens))
+            return held, outcomes, await settled_stats(dep, TIMEOUT)
+        finally:
+            await dep.shutdown()
+
+    held, outcomes, stats = run(scenario())
+    assert [s["leased"] for s in held["ranks"] if s["role"] == "gen"] == [BLOCKS, BLOCKS]
+    assert all(o in ("released", "cancelled") for o in outcomes), outcomes
+    assert_clean(stats)
+
+
+# ---- defect 5: topology digests are checked at runtime ---------------------------------
+
+
+def test_rounds_carry_and_check_the_topology_digest(ray_cluster) -> None:
+    """Every decision of a deployment's coordinator carries its instance's
+    digest, and a rank refuses a proposal carrying another topology's digest
+    (it used to be built with `topology_digest=None`: the check never ran)."""
+    async def scenario():
+        dep = await launch(ctx_tp=1, gen_tp=1)
+        try:
+            done = await dep.handoff("d", TOKENS, timeout=TIMEOUT)
+            log = await dep.coordinator(Role.GEN).decision_log.remote()
+            coord = await dep.coordinator(Role.GEN).stats.remote()
+            gen = (await dep.ranks(Role.GEN))[0]
+            foreign = RoundProposal(round_no=coord["next_round"], topology_digest=topology_digest(dep.ctx_spec))
+            with pytest.raises(Exception) as refused:
+                await gen.round_vote.remote(foreign, coord["epochs"][0])
+            again = await dep.handoff("d2", TOKENS, timeout=TIMEOUT)
+            return topology_digest(dep.gen_spec), done, log, refused.value, again, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    want, done, log, refused, again, stats = run(scenario())
+    assert done.outcome == "completed"
+    assert log and all(d.topology_digest == want for d in log)
+    assert isinstance(refused, StaleError) or "StaleError" in repr(refused), refused
+    assert again.outcome == "completed", again  # the refusal changed nothing
+    assert_clean(stats)
+
+
+# ---- defect 12: a refused OPEN never cancels a live request ---------------------------
+
+
+@pytest.mark.parametrize("forgery", ["stale ctx epoch", "another instance"])
+def test_refused_open_does_not_cancel_the_live_request(ray_cluster, forgery: str) -> None:
+    """Before READY, an OPEN naming the live request but a stale CTX epoch (or
+    another instance's CTX) reaches the CTX rank. It is refused, silently: the
+    REJECT it used to get named the CTX's real endpoint, matched the GEN's live
+    session exactly, and cancelled the request (S3)."""
+
+    async def scenario():
+        dep = await launch(ctx_tp=1, gen_tp=1)
+        try:
+            parent = key("live")
+            assert await admit_both(dep, parent) == [True, True]
+            gen = (await dep.ranks(Role.GEN))[0]
+            ctx = (await dep.ranks(Role.CTX))[0]
+            endpoints = await dep.ctx_endpoints()
+            await gen.hold_frames.remote(Role.CTX.value, 0, True)  # the real OPEN waits
+            await gen.send_opens.remote(parent, endpoints)
+            real: Open = (await inside(gen, lambda self: [self.side.session_open(t) for t in self.side.edges(parent)]))[0]
+            ctx_ep = real.ticket.ctx
+            if forgery == "stale ctx epoch":
+                fake_ctx = msgspec.structs.replace(ctx_ep, epoch=ctx_ep.epoch + 5)
+            else:
+                fake_ctx = msgspec.structs.replace(
+                    ctx_ep, ns=RankNamespace(instance_id="other-ctx", role=Role.CTX, rank=0)
+                )
+            forged = msgspec.structs.replace(real, ticket=msgspec.structs.replace(real.ticket, ctx=fake_ctx))
+            accepted = await ctx.receive_frame.remote(encode_frame(forged))
+            gen_state = await gen.phase.remote(parent)
+            await gen.hold_frames.remote(Role.CTX.value, 0, False)
+            outcome = await gen.wait.remote(parent, TIMEOUT)
+            verified = await gen.free.remote(parent)
+            ctx_outcome = await ctx.wait.remote(parent, TIMEOUT)
+            return accepted, gen_state, outcome, verified, ctx_outcome, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    accepted, gen_state, outcome, verified, ctx_outcome, stats = run(scenario())
+    assert accepted is False
+    assert gen_state["state"] == "installed" and gen_state["edges"] == ["open_proposed"], gen_state
+    assert outcome == "completed" and verified == gen_bytes(TOKENS, 1)
+    assert ctx_outcome == "released"
+    ctx = next(s for s in stats["ranks"] if s["role"] == "ctx")
+    assert ctx["counters"].get("refused_open_not_ours") == 1, ctx["counters"]
+    assert_clean(stats)
+
+
+# ---- defects 2 and 16: quarantine ends, with proof ---------------------------------------
+
+
+def test_late_drain_reclaims_quarantine_in_place(ray_cluster) -> None:
+    """UNKNOWN → quarantine → proof → reclaim, with no restart: a cancelled
+    transfer's chunks outlive the drain deadline (both sides quarantine), then
+    land and are polled to DONE. That is the CTX's proof (every WRITE it posted
+    ended); its late TERMINAL(DRAINED) is the GEN's. Both pools come back whole
+    and a new request reuses the blocks with every byte verified (S1/S2)."""
+
+    async def scenario():
+        dep = await launch(ctx_tp=1, gen_tp=1, fault_plan=FaultPlan(defer_s=2.0), transfer_timeout_s=0.5)
+        try:
+            doomed = await dep.handoff("late", TOKENS, cancel_at="mid_dma", timeout=TIMEOUT)
+            stats = await wait_stats(dep, lambda s: all(r["quarantined"] == 0 for r in s["ranks"]), TIMEOUT)
+            await inside((await dep.ranks(Role.CTX))[0], lambda self: setattr(self.transport, "plan", FaultPlan()))
+            reuse = await dep.handoff("reuse", TOKENS, timeout=TIMEOUT)
+            coords = [await dep.coordinator(r).stats.remote() for r in (Role.CTX, Role.GEN)]
+            return doomed, stats, reuse, coords, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    doomed, reclaimed, reuse, coords, stats = run(scenario())
+    assert doomed.outcome == "failed" and doomed.gen_outcomes == ("quarantined",), doomed
+    for s in reclaimed["ranks"]:
+        assert s["reclaimed"] == BLOCKS and s["quarantined"] == 0, s
+        assert s["counters"].get("quarantined") == 1, s["counters"]
+    assert all(c["restarts"] == 0 and c["reclaim_restarts"] == 0 for c in coords), coords
+    assert reuse.outcome == "completed" and reuse.bytes_verified == gen_bytes(TOKENS, 1), reuse
+    assert_clean(stats)
+
+
+def test_quarantine_past_the_limit_stops_admission_and_restarts(ray_cluster) -> None:
+    """Chunks that never end (no proof will ever come): each stuck request
+    quarantines its blocks on both sides. Past half the pool the CTX rank stops
+    admitting, and, holding nothing else, asks its coordinator for a restart.
+    The new incarnation has a fresh pool; the directory confirms the old one
+    dead, which is the GEN's proof: it reclaims too. Full capacity again."""
+
+    async def scenario():
+        dep = await launch(ctx_tp=1, gen_tp=1, fault_plan=FaultPlan(hold=True), transfer_timeout_s=0.5)
+        try:
+            first_epoch = (await dep.coordinator(Role.CTX).epochs.remote())[0]
+            stuck = [await dep.handoff(f"stuck-{i}", TOKENS, cancel_at="mid_dma", timeout=TIMEOUT) for i in range(2)]
+
+            def restarted(s: dict) -> bool:
+                ctx = next(r for r in s["ranks"] if r["role"] == "ctx")
+                return ctx.get("epoch", first_epoch) != first_epoch and all(r["quarantined"] == 0 for r in s["ranks"])
+
+            back = await wait_stats(dep, restarted, 60.0)
+            coord = await dep.coordinator(Role.CTX).stats.remote()
+            await inside((await dep.ranks(Role.CTX))[0], lambda self: setattr(self.transport, "plan", FaultPlan()))
+            fresh = await dep.handoff("fresh", TOKENS, timeout=TIMEOUT)
+            return stuck, back, coord, fresh, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    stuck, back, coord, fresh, stats = run(scenario())
+    assert [r.outcome for r in stuck] == ["failed", "failed"], stuck
+    assert coord["reclaim_restarts"] >= 1 and coord["restarts"] == 0, coord
+    assert coord["blocks_reclaimed_by_restart"] == 2 * BLOCKS, coord
+    for s in back["ranks"]:
+        assert s["quarantined"] == 0 and s["free"] == POOL and not s["admission_stopped"], s
+    assert fresh.outcome == "completed" and fresh.bytes_verified == gen_bytes(TOKENS, 1), fresh
+    assert_clean(stats)
