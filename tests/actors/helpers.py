@@ -22,7 +22,7 @@ async def settled_stats(dep: Deployment, timeout: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         stats = await dep.stats()
-        if all(s["leased"] == 0 for s in stats["ranks"]) or time.monotonic() > deadline:
+        if all(s.get("leased") == 0 for s in stats["ranks"]) or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.05)
 

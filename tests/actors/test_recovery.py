@@ -108,6 +108,7 @@ def test_rejected_admission_returns_tentative_leases_quietly(ray_cluster) -> Non
 
     epochs, refused, during, fine, coord, stats = run(scenario())
     assert refused.outcome == "rejected", refused
+    assert all("error" not in s for s in during["ranks"]), during["ranks"]  # no rank broke
     ctx = [s for s in during["ranks"] if s["role"] == "ctx"]
     assert ctx[0]["leased"] == POOL - BLOCKS + 1  # only the hog
     assert ctx[1]["leased"] == 0 and ctx[1]["free"] == POOL  # the tentative lease came back
