@@ -571,8 +571,11 @@ class RankCore(RoundParticipant):
             actions = self.side.free(parent)
         except ProtocolError:
             return 0
+        # Bytes are reported by the free that released them, never by a late one
+        # (after the consumer deadline returned the KV, free() is a no-op).
+        verified = self._verified.get(parent, 0) if any(isinstance(a, Release) for a in actions) else 0
         self._perform(actions)
-        return self._verified.pop(parent, 0)
+        return verified
 
     async def hold_frames(self, role: str, rank: int, hold: bool, drop: bool = False) -> int:
         """Fault injection: delay (hold=True) every frame to peer (role, rank);
@@ -620,6 +623,7 @@ class RankCore(RoundParticipant):
                         log.info("rank %s reclaimed %d quarantined blocks of %s", self.ns, len(blocks), parent)
                     else:
                         self.counters["released"] += 1
+                    self._verified.pop(parent, None)
                     self._finish(parent, self._outcome.get(parent, "released"))
                 case Quarantine(parent=parent, reason=reason):
                     self.counters["quarantined"] += 1
@@ -880,7 +884,7 @@ class RankCore(RoundParticipant):
             "leaked_handles": len(self.transport.leaked),
             # Per-request bookkeeping of requests still in progress: empty when idle.
             "tracking": len(self._tokens) + len(self._chunks) + len(self._peer_agent)
-            + len(self._prepared_reported) + len(self._waiters),
+            + len(self._prepared_reported) + len(self._waiters) + len(self._verified),
             "counters": dict(self.counters),
             "violations": list(self.violations),
         }

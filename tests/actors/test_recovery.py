@@ -390,3 +390,34 @@ def test_quarantine_past_the_limit_stops_admission_and_restarts(ray_cluster) -> 
         assert s["quarantined"] == 0 and s["free"] == POOL and not s["admission_stopped"], s
     assert fresh.outcome == "completed" and fresh.bytes_verified == gen_bytes(TOKENS, 1), fresh
     assert_clean(stats)
+
+
+# ---- defect 11 (rank side): decode-ready KV nobody consumes ends -----------------------
+
+
+def test_decode_ready_kv_nobody_frees_is_returned_at_the_consumer_deadline(ray_cluster) -> None:
+    """A client that never frees decode-ready KV (it died, or abandoned the
+    call) used to hold the GEN blocks forever. Past the consumer deadline the
+    rank returns them; a late free() is a no-op that reports no bytes."""
+
+    async def scenario():
+        dep = await launch(ctx_tp=1, gen_tp=1)
+        try:
+            gen = (await dep.ranks(Role.GEN))[0]
+            await inside(gen, lambda self: setattr(self.side, "consume_timeout", 0.5))
+            parent = key("never-freed")
+            assert await admit_both(dep, parent) == [True, True]
+            await gen.send_opens.remote(parent, await dep.ctx_endpoints())
+            outcome = await gen.wait.remote(parent, TIMEOUT)
+            held = await dep.stats()
+            stats = await settled_stats(dep, TIMEOUT)
+            late = await gen.free.remote(parent)
+            return outcome, held, stats, late
+        finally:
+            await dep.shutdown()
+
+    outcome, held, stats, late = run(scenario())
+    assert outcome == "completed"
+    assert next(s for s in held["ranks"] if s["role"] == "gen")["leased"] == BLOCKS  # decode-ready: held
+    assert late == 0
+    assert_clean(stats)

@@ -12,6 +12,7 @@ from kvhandoff.protocol import (
     Action,
     AdmissionStop,
     Cancel,
+    CancelDeferred,
     CancelIntent,
     CancelReason,
     CleanupSkipped,
@@ -481,3 +482,69 @@ def test_decided_cancel_releases_a_parent_that_already_settled() -> None:
     assert pair.gens[0].parent_state(P) is ParentState.RELEASED
     assert not _of(pair.actions, Quarantine)
     _assert_all_free(pair)
+
+
+def test_evidence_completes_only_a_release_the_round_decided() -> None:
+    """docs/design.md "Who may free memory": a drained chunk (a poll result)
+    settles a cancelled parent but frees nothing while the cancel is only an
+    intent; the round's decided cancel releases. With the decision first, the
+    last chunk's DONE completes the release it was waiting for."""
+    for decided_first in (False, True):
+        pair = Pair(chunk_window=2)
+        _to_prepared(pair, chunks=2)
+        ticket = pair.tickets(P)[0]
+        pair.decide(P)
+        pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now, from_round=decided_first))
+        assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
+        pair.finish_chunk((ticket, 0))
+        assert pair.ctx.pool.counts().leased == 2
+        pair.finish_chunk((ticket, 1))
+        pair.check_s1()
+        if decided_first:
+            assert pair.ctx.parent_state(P) is ParentState.RELEASED
+        else:
+            assert pair.ctx.parent_state(P) is ParentState.SETTLED  # drained, still leased
+            assert pair.ctx.pool.counts().leased == 2
+            pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now, from_round=True))
+            assert pair.ctx.parent_state(P) is ParentState.RELEASED
+        assert pair.ctx.pool.counts().free == pair.ctx_blocks
+
+
+def test_conservative_cancel_lets_the_decided_transfer_finish() -> None:
+    """Conservative path as table rows: a cancel of a DECIDED parent defers
+    (FINISHING, CancelDeferred, a CancelIntent for the round) and posts on; the
+    edges complete, the decided cancel releases; GEN gets COMPLETED evidence."""
+    pair = Pair(chunk_window=1, conservative=True)
+    _to_prepared(pair, chunks=3)
+    ticket = pair.tickets(P)[0]
+    pair.decide(P)
+    actions = pair.ctx.cancel(P, CancelReason.PEER, pair.now)
+    pair.perform(actions)
+    assert _of(actions, CancelDeferred) == [CancelDeferred(P)]
+    assert _of(actions, CancelIntent) and not _of(actions, Drain)
+    assert pair.ctx.parent_state(P) is ParentState.FINISHING
+    while pair.in_flight:  # the window moves on: every chunk is still posted
+        pair.finish_chunk(next(iter(pair.in_flight)))
+    assert pair.ctx.evidence(ticket).state is EdgeState.COMPLETED
+    assert pair.ctx.parent_state(P) is ParentState.SETTLED
+    assert _terminals(pair) == [TerminalKind.COMPLETED]
+    pair.perform(pair.ctx.cancel(P, CancelReason.PEER, pair.now, from_round=True))
+    assert pair.ctx.parent_state(P) is ParentState.RELEASED
+    pair.check_s1()
+
+
+def test_conservative_transfer_past_its_deadline_drains() -> None:
+    """L1 on the conservative path: past the transfer deadline the FINISHING
+    parent stops waiting and drains like the active path."""
+    pair = Pair(chunk_window=1, conservative=True)
+    _to_prepared(pair, chunks=3)
+    ticket = pair.tickets(P)[0]
+    pair.decide(P)
+    pair.perform(pair.ctx.cancel(P, CancelReason.PEER, pair.now))
+    pair.now += pair.timeout
+    pair.perform(pair.ctx.expire(pair.now))
+    assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
+    pair.finish_chunk(next(iter(pair.in_flight)))
+    assert pair.ctx.evidence(ticket).state is EdgeState.DRAINED
+    assert pair.ctx.parent_state(P) is ParentState.SETTLED
+    pair.check_s1()
