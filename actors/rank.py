@@ -72,6 +72,7 @@ from kvhandoff.actors._dataplane import (
 from kvhandoff.actors._member import RoundMember, RoundParticipant, VoteNews
 from kvhandoff.actors._pattern import POISON, expected_blocks, request_seed
 from kvhandoff.protocol import (
+    DEFAULT_QUARANTINE_LIMIT,
     DEFAULT_TRANSFER_TIMEOUT,
     Action,
     AdmissionStop,
@@ -160,7 +161,7 @@ class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: Share of the pool quarantined at which this rank stops admitting and,
     #: once it holds nothing else, asks its coordinator for a restart (a new
     #: incarnation with a fresh, fully free pool). See docs/design.md.
-    quarantine_limit: float = 0.5
+    quarantine_limit: float = DEFAULT_QUARANTINE_LIMIT
 
 
 def agent_name(deployment: str, ns: RankNamespace, epoch: int) -> str:
@@ -198,11 +199,13 @@ class RankCore(RoundParticipant):
         self.side: CtxRank | GenRank
         if self.role is Role.CTX:
             self.side = CtxRank(
-                self.our, self.digest, self.pool, transfer_timeout=timeout, conservative=config.conservative
+                self.our, self.digest, self.pool, transfer_timeout=timeout,
+                conservative=config.conservative, quarantine_limit=config.quarantine_limit,
             )
         else:
             self.side = GenRank(
-                self.our, self.digest, self.pool, transfer_timeout=timeout, consume_timeout=config.consume_timeout_s
+                self.our, self.digest, self.pool, transfer_timeout=timeout,
+                consume_timeout=config.consume_timeout_s, quarantine_limit=config.quarantine_limit,
             )
         # Rounds carry the instance's topology digest: a proposal or decision
         # of another topology is refused by the follower (S3).
@@ -355,7 +358,7 @@ class RankCore(RoundParticipant):
         now = time.monotonic()
         deadline = now + self.config.lease_timeout_s
         ok = []
-        stopped = self.admission_stopped()
+        stopped = self.side.admission_stopped()
         for request in proposal.admissions:
             if stopped:
                 self.counters["admit_refused_stopped"] += 1
@@ -378,12 +381,6 @@ class RankCore(RoundParticipant):
             self._tokens[request.parent] = request.num_tokens
             ok.append(request.parent)
         return VoteNews(admit_ok=tuple(ok))
-
-    def admission_stopped(self) -> bool:
-        """Quarantine has passed `quarantine_limit` of the pool: this rank admits
-        nothing more until a restart gives it a fresh pool (bounded: it asks for
-        the restart as soon as it holds no live request)."""
-        return self.pool.counts().quarantined >= self.config.quarantine_limit * self.config.pool_blocks
 
     def _apply(self, decision: RoundDecision) -> None:
         now = time.monotonic()
@@ -653,9 +650,7 @@ class RankCore(RoundParticipant):
         ask the coordinator for a restart, once per incarnation. The new
         incarnation has a new process, buffer and NIXL registration (a fresh,
         fully free pool); the old one's quarantined memory dies with it."""
-        if self._restart_requested or not self.admission_stopped():
-            return
-        if any(state is not ParentState.QUARANTINED for state in self.side.parents().values()):
+        if self._restart_requested or not self.side.wants_restart():
             return  # live requests first finish (admission is stopped meanwhile)
         if self._coordinator is None and not self._find_coordinator():
             return
@@ -875,7 +870,7 @@ class RankCore(RoundParticipant):
             "leased": counts.leased,
             "quarantined": counts.quarantined,
             "reclaimed": self.counters.get("reclaimed_blocks", 0),
-            "admission_stopped": self.admission_stopped(),
+            "admission_stopped": self.side.admission_stopped(),
             "pool": self.config.pool_blocks,
             "parents": dict(states),
             "in_flight_chunks": len(self._in_flight),

@@ -175,12 +175,15 @@ __all__ = [
     "reject_for",
     "DEFAULT_TRANSFER_TIMEOUT",
     "DEFAULT_CHUNK_WINDOW",
+    "DEFAULT_QUARANTINE_LIMIT",
 ]
 
 #: Seconds a decided transfer, a drain or a GEN wait may take before escalation.
 DEFAULT_TRANSFER_TIMEOUT = 30.0
 #: Most chunks of one edge posted and not yet DONE/ERR at a time.
 DEFAULT_CHUNK_WINDOW = 4
+#: Share of a rank's pool in quarantine at which it stops admitting.
+DEFAULT_QUARANTINE_LIMIT = 0.5
 # How many released parents a rank remembers (cleanup-once reporting, stale
 # classification of late calls).
 _CLOSED_PARENT_MEMORY = 4096
@@ -783,6 +786,7 @@ class _Rank:
         *,
         transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
         consume_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
+        quarantine_limit: float = DEFAULT_QUARANTINE_LIMIT,
     ) -> None:
         if our.ns.role is not self._role:
             raise LeaseError(
@@ -796,6 +800,9 @@ class _Rank:
         self.pool = pool
         if not consume_timeout > 0:
             raise LeaseError(f"consume_timeout must be positive, got {consume_timeout}")
+        if not 0 < quarantine_limit <= 1:
+            raise LeaseError(f"quarantine_limit must be in (0, 1], got {quarantine_limit}")
+        self.quarantine_limit = quarantine_limit
         self.transfer_timeout = transfer_timeout
         self.consume_timeout = consume_timeout
         self._parents: dict[ParentKey, _Parent] = {}
@@ -834,6 +841,19 @@ class _Rank:
 
     def lease(self, parent: ParentKey) -> tuple[BlockRef, ...]:
         return self._require(parent).refs
+
+    def admission_stopped(self) -> bool:
+        """Quarantine holds `quarantine_limit` of the pool or more: admit nothing
+        until a restart gives this rank a fresh pool (the bounded admission stop
+        of docs/design.md "Quarantine and reclaim")."""
+        return self.pool.counts().quarantined >= self.quarantine_limit * self.pool.num_blocks
+
+    def wants_restart(self) -> bool:
+        """Admission is stopped and nothing but quarantined requests is left:
+        only a new incarnation (a fresh pool) brings the capacity back."""
+        return self.admission_stopped() and all(
+            record.state is _PS.QUARANTINED for record in self._parents.values()
+        )
 
     def is_cancelled(self, parent: ParentKey) -> bool:
         record = self._parents.get(parent)
@@ -1137,6 +1157,7 @@ class CtxRank(_Rank):
         chunk_window: int = DEFAULT_CHUNK_WINDOW,
         post_on_decide: bool = True,
         conservative: bool = False,
+        quarantine_limit: float = DEFAULT_QUARANTINE_LIMIT,
     ) -> None:
         """`post_on_decide=False` defers posting from `decided()` to `start_posting()`
         (for an actor that must gather a staging slot first); the default posts at once.
@@ -1145,7 +1166,9 @@ class CtxRank(_Rank):
         never interrupts a decided transfer (parent FINISHING); it applies once
         every edge is terminal. The transfer deadline still bounds it (L1):
         past it the edges drain as on the active path."""
-        super().__init__(our, digest, pool, transfer_timeout=transfer_timeout)
+        super().__init__(
+            our, digest, pool, transfer_timeout=transfer_timeout, quarantine_limit=quarantine_limit
+        )
         if chunk_window < 1:
             raise LeaseError(f"chunk_window must be at least 1, got {chunk_window}")
         self.chunk_window = chunk_window

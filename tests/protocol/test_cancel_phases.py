@@ -548,3 +548,28 @@ def test_conservative_transfer_past_its_deadline_drains() -> None:
     assert pair.ctx.evidence(ticket).state is EdgeState.DRAINED
     assert pair.ctx.parent_state(P) is ParentState.SETTLED
     pair.check_s1()
+
+
+def test_quarantine_limit_stops_admission_and_asks_for_a_restart_when_idle() -> None:
+    """The bounded admission stop: below the limit the rank admits; at the
+    limit it stops, and wants a restart only once nothing but quarantined
+    requests is left (a live request finishes first)."""
+    pair = Pair(chunk_window=2, ctx_blocks=4)
+    assert pair.ctx.quarantine_limit == 0.5
+    _to_prepared(pair, chunks=2)  # 2 of the 4 CTX blocks
+    ticket = pair.tickets(P)[0]
+    pair.decide(P)
+    assert not pair.ctx.admission_stopped()
+    other = parent_key(2)
+    pair.ctx.admit(other, 1, now=pair.now, lease_deadline=pair.now + 100)
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.now += pair.timeout
+    pair.perform(pair.ctx.expire(pair.now))  # the drain never ends: UNKNOWN, quarantined
+    assert pair.ctx.pool.counts().quarantined == 2
+    assert pair.ctx.admission_stopped()
+    assert not pair.ctx.wants_restart()  # req-2 is still live
+    pair.perform(pair.ctx.cancel(other, CancelReason.CLIENT, pair.now, from_round=True))
+    assert pair.ctx.wants_restart()
+    pair.finish_chunk((ticket, 0))
+    pair.finish_chunk((ticket, 1))  # the proof after all: reclaimed, admission resumes
+    assert not pair.ctx.admission_stopped() and not pair.ctx.wants_restart()
