@@ -33,7 +33,7 @@ from kvhandoff.protocol import (
 from kvhandoff.protocol import Cancel as CancelMsg
 from kvhandoff.topology import block_bytes, topology_digest
 
-from .helpers import assert_clean, gen_bytes, settled_stats, wait_stats
+from .helpers import assert_clean, gen_bytes, inside, settled_stats, wait_stats
 
 pytestmark = pytest.mark.ray
 
@@ -42,9 +42,9 @@ TOKENS = 100  # 7 blocks of 16 tokens
 TIMEOUT = 20.0
 # The watchdog has its own tests (test_coordinator.py); here a loaded 2-core box must not trip it.
 ROUND_TIMEOUT = 20.0
-# Per-chunk DMA deferral for mid-DMA cancels: the transfer must outlast a cancel
-# round on a loaded 2-core box (10 ms lost that race once in CI: the transfer
-# completed first, which is correct behaviour but not the phase under test).
+# Per-chunk DMA deferral: gives the cancel storms real in-flight DMA to hit.
+# It synchronises nothing: the mid-DMA phase tests hold chunks in flight and let
+# them go once the ranks show the cancel applied (cancel_mid_dma below).
 DEFER_S = 0.2
 
 
@@ -160,12 +160,51 @@ def test_cancel_storm_never_wedges(deployment: Deployment) -> None:
     assert_clean(stats)
 
 
+async def set_hold(dep: Deployment, hold: bool) -> None:
+    """Hold (or let go) every CTX rank's posted chunks in flight (FaultPlan.hold)."""
+
+    def apply(self: object) -> None:
+        self.transport.plan.hold = hold  # type: ignore[attr-defined]
+
+    await asyncio.gather(*(inside(h, apply) for h in await dep.ranks(Role.CTX)))
+
+
+async def cancel_mid_dma(dep: Deployment, request_id: str) -> tuple[object, list[dict]]:
+    """A mid-DMA cancel synchronised on what the ranks show, not on a delay:
+    every CTX chunk is held in flight; the handoff cancels once a chunk is
+    posted; the chunks are let go only when every CTX rank has applied the
+    cancel (no CTX parent still decided, at least one edge draining). So the
+    real bytes land after the cancel, whatever the machine's speed. Returns the
+    result and the CTX phases seen at the moment of release."""
+    await set_hold(dep, True)
+    task = asyncio.create_task(dep.handoff(request_id, TOKENS, cancel_at="mid_dma", timeout=TIMEOUT))
+    ctx = await dep.ranks(Role.CTX)
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        parents = [p for p in await asyncio.gather(*(inside(h, _live_parents) for h in ctx)) if p]
+        phases = [await h.phase.remote(p[0]) for h, p in zip(ctx, parents)] if parents else []
+        applied = phases and all(ph["state"] not in ("decided", "resident") for ph in phases)
+        if (applied and any("draining" in ph["edges"] for ph in phases)) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.01)
+    await set_hold(dep, False)
+    return await task, phases
+
+
+def _live_parents(self: object) -> list:
+    return list(self.side.parents())  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("phase", ["before_open", "before_ready", "mid_dma"])
 def test_cancel_at_each_phase_releases_everything(deployment: Deployment, phase: str) -> None:
     dep = deployment
     before = run(dep.stats())
     posted_before = sum(s["posted_chunks"] for s in before["ranks"])
-    result = run(dep.handoff(f"cancel-{phase}", TOKENS, cancel_at=phase, timeout=TIMEOUT))
+    if phase == "mid_dma":
+        result, phases = run(cancel_mid_dma(dep, f"cancel-{phase}"))
+        assert any("draining" in ph["edges"] for ph in phases), phases  # DMA was in flight
+    else:
+        result = run(dep.handoff(f"cancel-{phase}", TOKENS, cancel_at=phase, timeout=TIMEOUT))
     assert result.outcome == "cancelled", result
     assert result.bytes_verified == 0
     stats = run(settled_stats(dep))
@@ -200,7 +239,8 @@ def test_mid_dma_cancel_then_immediate_reuse_sees_no_stale_bytes(ray_cluster) ->
         try:
             outcomes = []
             for i in range(2):
-                cancelled = await dep.handoff(f"reuse-c{i}", TOKENS, cancel_at="mid_dma", timeout=TIMEOUT)
+                cancelled, phases = await cancel_mid_dma(dep, f"reuse-c{i}")
+                assert any("draining" in ph["edges"] for ph in phases), phases
                 fresh = await dep.handoff(f"reuse-f{i}", TOKENS, timeout=TIMEOUT)
                 outcomes.append((cancelled.outcome, fresh.outcome, fresh.bytes_verified))
             return outcomes, await settled_stats(dep)
