@@ -125,10 +125,12 @@ class Pair:
         n_gen: int = 1,
         chunk_window: int = 2,
         timeout: float = TIMEOUT,
+        post_on_decide: bool = True,
     ) -> None:
         self.now = 0.0
         self.timeout = timeout
         self.chunk_window = chunk_window
+        self.post_on_decide = post_on_decide
         self.ctx_blocks = ctx_blocks
         self.gen_blocks = gen_blocks
         self.ctx = self._new_ctx(1)
@@ -151,6 +153,7 @@ class Pair:
             BlockPool(self.ctx_blocks),
             transfer_timeout=self.timeout,
             chunk_window=self.chunk_window,
+            post_on_decide=self.post_on_decide,
         )
 
     def _new_gen(self, epoch: int, rank: int) -> GenRank:
