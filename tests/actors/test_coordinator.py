@@ -40,9 +40,9 @@ pytestmark = pytest.mark.ray
 TOKENS_PER_BLOCK = 16
 
 
-
 #: How late past its bound a watchdog may be seen to fire on a loaded 2-core box.
 SLACK = 1.5
+
 
 def pk(name: str) -> ParentKey:
     return ParentKey(request_id=name, ctx_attempt=0, gen_attempt=0)

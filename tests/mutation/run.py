@@ -131,13 +131,15 @@ def check_imports_from(scratch: pathlib.Path, env: dict[str, str]) -> None:
         [sys.executable, "-c", probe], cwd=scratch, env=env, capture_output=True, text=True
     )
     paths = out.stdout.split()
-    if out.returncode or not paths or not all(
-        pathlib.Path(p).resolve().is_relative_to(scratch.resolve()) for p in paths
+    if (
+        out.returncode
+        or not paths
+        or not all(pathlib.Path(p).resolve().is_relative_to(scratch.resolve()) for p in paths)
     ):
         raise SystemExit(f"scratch copy is not what gets imported: {out.stdout}{out.stderr}")
 
 
-_FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+_FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)(?: - (.*))?$", re.MULTILINE)
 
 
 def run_tests(
@@ -173,7 +175,8 @@ def run_tests(
         raise SystemExit(f"selection {selection!r} collected no tests")
     found = _FAILED.findall(out.stdout)
     if found:
-        return False, found[0], seconds
+        test, how = found[0]  # how: the summary's "- KeyError: ..." part, if any
+        return False, f"{test} ({how[:100]})" if how else test, seconds
     tail = (out.stdout + out.stderr).strip().splitlines()[-1:] or ["?"]
     return False, f"exit {out.returncode}: {tail[0][:120]}", seconds
 
@@ -216,9 +219,7 @@ def table(results: list[Result]) -> str:
     rows = [("id", "file", "status", "caught by / note", "s")]
     for r in results:
         detail = r.caught_by if r.status == "caught" else r.mutant.note
-        rows.append(
-            (r.mutant.id, r.mutant.file, r.status, detail[:90], f"{r.seconds:.0f}")
-        )
+        rows.append((r.mutant.id, r.mutant.file, r.status, detail[:90], f"{r.seconds:.0f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -296,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         for selection in selections:
             passed, why, seconds = run_tests(scratch, env, selection, args.timeout)
             baseline_s += seconds
-            print(f"baseline {selection!r}: {'ok' if passed else why} ({seconds:.0f} s)", flush=True)
+            print(
+                f"baseline {selection!r}: {'ok' if passed else why} ({seconds:.0f} s)", flush=True
+            )
             if not passed:
                 raise SystemExit("the unmutated baseline fails: fix that first")
         results = []

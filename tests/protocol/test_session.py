@@ -39,6 +39,7 @@ from kvhandoff.protocol import (
     Reject,
     RejectReason,
     Release,
+    Role,
     SendMessage,
     StaleError,
     Terminal,
@@ -398,3 +399,89 @@ def test_decode_ready_action_only_on_success() -> None:
     pair = Pair()
     pair.handoff(P)
     assert [a for a in pair.actions if isinstance(a, DecodeReady)] == [DecodeReady(P)]
+
+
+# ---- RECEIPT bytes and wrong-role messages (mutants that used to survive) -------
+
+
+def _completed_with_receipt_held() -> tuple[Pair, Receipt]:
+    """A handoff whose edge is COMPLETED on both sides, the GEN's RECEIPT still queued."""
+    pair = Pair(chunk_window=2)
+    pair.admit(P, blocks=2, chunks=2)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    while pair.in_flight:
+        pair.finish_chunk(next(iter(pair.in_flight)))
+    while any(env.to_role is Role.GEN for env in pair.queue):  # READY, TERMINAL
+        pair.deliver(next(i for i, env in enumerate(pair.queue) if env.to_role is Role.GEN))
+    (env,) = pair.queue
+    receipt = protocol.decode_frame(env.frame)
+    assert isinstance(receipt, Receipt)
+    return pair, receipt
+
+
+def test_receipt_must_acknowledge_exactly_the_bytes_written() -> None:
+    """A RECEIPT acknowledging fewer or more bytes than the CTX edge wrote is
+    refused (StaleError naming the receipt bytes) and changes nothing, in any
+    order with the real one; the exact RECEIPT is recorded.
+
+    Kills: deleting the byte-count check in `CtxRank.receive_receipt`."""
+    pair, receipt = _completed_with_receipt_held()
+    ticket = pair.tickets(P)[0]
+    written = pair.ctx.evidence(ticket).bytes_done
+    assert receipt.bytes_received == written == 2 * CHUNK_BYTES
+    r = msgspec.structs.replace
+    before = pair.ctx.snapshot()
+    for wrong in (0, written - 1, written + 1, 2 * written):
+        with pytest.raises(StaleError) as info:
+            pair.ctx.receive(r(receipt, bytes_received=wrong), pair.now)
+        assert "receipt bytes" in str(info.value)
+        assert pair.ctx.snapshot() == before
+    pair.ctx.receive(receipt, pair.now)
+    accepted = pair.ctx.snapshot()
+    assert accepted != before  # the acknowledgement was recorded ...
+    with pytest.raises(StaleError):  # ... and a wrong one after it still changes nothing
+        pair.ctx.receive(r(receipt, bytes_received=written - 1), pair.now)
+    assert pair.ctx.snapshot() == accepted
+
+
+def test_each_role_refuses_the_messages_only_the_other_role_receives() -> None:
+    """READY and TERMINAL go to GEN ranks only, OPEN and RECEIPT to CTX ranks only.
+    Delivered (as frames) to the wrong role for a live session, each is refused
+    with IllegalTransition naming the receive boundary, and nothing changes on
+    any rank, at every phase of a handoff.
+
+    Kills: deleting the `case _: raise IllegalTransition` of `CtxRank.receive`
+    or `GenRank.receive` (the message would be dropped silently)."""
+    pair = Pair(chunk_window=1)
+    pair.admit(P, blocks=2, chunks=2)
+    pair.prefill(P)
+    pair.install(P)
+    (open_env,) = pair.queue
+    open_msg = protocol.decode_frame(open_env.frame)
+    ticket = pair.tickets(P)[0]
+    to_gen = [Ready(ticket=ticket)] + [
+        Terminal(ticket=ticket, evidence=kind, bytes_done=0) for kind in TerminalKind
+    ]
+    to_ctx = [open_msg, Receipt(ticket=ticket, bytes_received=0)]
+
+    def check_refusals(phase: str) -> None:
+        snaps = [rank.snapshot() for rank in pair.ranks()]
+        for role, wrong in ((Role.CTX, to_gen), (Role.GEN, to_ctx)):
+            for message in wrong:
+                queued = len(pair.queue)
+                error = pair.deliver_frame(role, 0, protocol.encode_frame(message))
+                assert isinstance(error, IllegalTransition), (phase, role, message, error)
+                assert error.machine == f"{role.value}-receive", (phase, error.machine)
+                del pair.queue[queued:]  # the harness answers a refused OPEN with a REJECT
+        assert [rank.snapshot() for rank in pair.ranks()] == snaps, phase
+
+    check_refusals("installed, OPEN in flight")
+    pair.deliver_all()
+    check_refusals("prepared")
+    pair.decide(P)
+    check_refusals("posting")
+    pair.pump()
+    check_refusals("settled")

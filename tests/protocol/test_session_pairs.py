@@ -750,8 +750,7 @@ _SETTLE_CANCELS_FIRST = (
     " always finds the parent CANCELLING"
 )
 _QUARANTINED_IS_CANCELLED = (
-    "a quarantined parent is always cancelled (see above), so completed() sends"
-    " COMPLETE_CANCELLED"
+    "a quarantined parent is always cancelled (see above), so completed() sends COMPLETE_CANCELLED"
 )
 UNREACHABLE_ROWS: dict[tuple[str, enum.Enum, enum.Enum], str] = {
     ("ctx-edge", _ES.DRAINING, _EE.CANCEL): _ONCE,
