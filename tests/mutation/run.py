@@ -23,7 +23,8 @@ Usage (from the repository root, in the project's venv)::
     python tests/mutation/run.py --file _session.py    # mutants of one file
     python tests/mutation/run.py --id receipt-bytes-check --id ctx-wrong-role
     python tests/mutation/run.py --tests "tests/actors/test_e2e.py -k happy"
-    python tests/mutation/run.py --json /tmp/mutation.json --list
+    python tests/mutation/run.py --json /tmp/mutation.json --logs /tmp/mutation-logs
+    python tests/mutation/run.py --list
 
 Each mutant runs its own `tests` selection from mutants.toml, else the
 default `tests/protocol` (fast); `--tests` overrides the selection for all.
@@ -143,7 +144,11 @@ _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)(?: - (.*))?$", re.MULTILINE)
 
 
 def run_tests(
-    scratch: pathlib.Path, env: dict[str, str], selection: str, timeout: float
+    scratch: pathlib.Path,
+    env: dict[str, str],
+    selection: str,
+    timeout: float,
+    log: pathlib.Path | None = None,
 ) -> tuple[bool, str, float]:
     """Run one pytest selection; (passed, first failing test or reason, seconds)."""
     shutil.rmtree(scratch / ".hypothesis", ignore_errors=True)  # no replay across mutants
@@ -169,6 +174,8 @@ def run_tests(
     except subprocess.TimeoutExpired:
         return False, f"timeout after {timeout:.0f} s", time.monotonic() - start
     seconds = time.monotonic() - start
+    if log is not None:
+        log.write_text(out.stdout + out.stderr)
     if out.returncode == 0:
         return True, "", seconds
     if out.returncode == 5:
@@ -192,7 +199,12 @@ def apply(source: str, mutant: Mutant) -> str | None:
 
 
 def run_one(
-    scratch: pathlib.Path, env: dict[str, str], mutant: Mutant, selection: str, timeout: float
+    scratch: pathlib.Path,
+    env: dict[str, str],
+    mutant: Mutant,
+    selection: str,
+    timeout: float,
+    logs: pathlib.Path | None = None,
 ) -> Result:
     target = scratch / mutant.file
     original = target.read_text()
@@ -208,7 +220,8 @@ def run_one(
         return Result(mutant, "invalid", caught_by=f"SyntaxError: {exc}", tests=selection)
     try:
         target.write_text(mutated)
-        passed, caught_by, seconds = run_tests(scratch, env, selection, timeout)
+        log = logs / f"{mutant.id}.log" if logs is not None else None
+        passed, caught_by, seconds = run_tests(scratch, env, selection, timeout, log)
     finally:
         target.write_text(original)  # restore the scratch copy, whatever happened
     status = "survived" if passed else "caught"
@@ -273,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=pathlib.Path, help="also write the JSON summary here")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy")
+    parser.add_argument("--logs", type=pathlib.Path, help="write each mutant's pytest output here")
     args = parser.parse_args(argv)
 
     mutants = load(args.mutants)
@@ -305,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for n, mutant in enumerate(mutants, 1):
             selection = args.tests or mutant.tests or DEFAULT_TESTS
-            result = run_one(scratch, env, mutant, selection, args.timeout)
+            if args.logs is not None:
+                args.logs.mkdir(parents=True, exist_ok=True)
+            result = run_one(scratch, env, mutant, selection, args.timeout, args.logs)
             results.append(result)
             print(
                 f"[{n}/{len(mutants)}] {mutant.id}: {result.status} "

@@ -19,10 +19,12 @@ from kvhandoff.protocol import (
     GEN_PARENT_TRANSITIONS,
     MACHINES,
     BlockDescriptor,
+    Cancel,
     CancelReason,
     CleanupSkipped,
     CtxRank,
     DecodeReady,
+    Drain,
     DuplicateSessionError,
     EdgeState,
     GenEdgeSpec,
@@ -164,6 +166,15 @@ def test_success_path_actions_in_order() -> None:
     assert pair.gens[0].pool.counts().leased == 3  # KV stays with the request
     pair.free(P)
     assert pair.gens[0].pool.counts().free == pair.gen_blocks
+    # Nothing on the success path was refused: the RECEIPT acknowledged exactly
+    # the bytes GEN checked, and the CTX accepted it.
+    assert pair.errors == []
+    receipts = [
+        a.message
+        for a in pair.actions
+        if isinstance(a, SendMessage) and isinstance(a.message, Receipt)
+    ]
+    assert [r.bytes_received for r in receipts] == [3 * CHUNK_BYTES]
 
 
 # ---- default-deny on OPEN and on session messages ----------------------------
@@ -485,3 +496,176 @@ def test_each_role_refuses_the_messages_only_the_other_role_receives() -> None:
     check_refusals("posting")
     pair.pump()
     check_refusals("settled")
+
+
+# ---- decision points the mutation check found untested ---------------------------
+
+
+def test_a_decided_cancel_releases_a_settled_parent_without_a_completion_round() -> None:
+    """The round decided a cancel for a parent whose edges already finished
+    (SETTLED): no completion round will ever come for it, so applying the
+    decided cancel releases it at once, on both sides (L1)."""
+    pair = Pair()
+    pair.admit(P)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    pair.pump()  # COMPLETED everywhere; the completion round has not run
+    for rank in pair.ranks():
+        assert rank.parent_state(P) is ParentState.SETTLED
+        actions = rank.cancel(P, CancelReason.CLIENT, pair.now, from_round=True)
+        assert [type(a) for a in actions if isinstance(a, Release)] == [Release], rank.our
+        assert rank.parent_state(P) is ParentState.RELEASED
+        assert rank.pool.counts().leased == 0
+
+
+def test_a_decided_cancel_releases_a_draining_parent_once_drained() -> None:
+    """A decided cancel that finds chunks in flight releases nothing until the
+    last one reports; then the parent is released without a completion round."""
+    pair = Pair(chunk_window=2)
+    pair.admit(P, chunks=2)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    actions = pair.ctx.cancel(P, CancelReason.CLIENT, pair.now, from_round=True)
+    assert not [a for a in actions if isinstance(a, Release)]
+    assert pair.ctx.pool.counts().leased == 2
+    first, second = sorted(pair.in_flight, key=lambda k: k[1])
+    pair.finish_chunk(first)
+    assert pair.ctx.parent_state(P) is ParentState.CANCELLING  # one chunk still in flight
+    pair.finish_chunk(second)
+    assert pair.ctx.parent_state(P) is ParentState.RELEASED
+    assert pair.ctx.pool.counts().leased == 0
+
+
+def test_peer_cancel_after_decode_ready_changes_nothing() -> None:
+    """Once decode-ready the KV belongs to the request: a late peer CANCEL is
+    accepted as a no-op, echoes no cancel intent, and changes no state."""
+    pair = Pair()
+    pair.handoff(P)
+    gen = pair.gens[0]
+    assert gen.parent_state(P) is ParentState.DECODE_READY
+    before = gen.snapshot()
+    ticket = pair.tickets(P)[0]
+    assert gen.receive(Cancel(ticket=ticket, reason=CancelReason.PEER), pair.now) == []
+    assert gen.cancel(P, CancelReason.CLIENT, pair.now) == []
+    assert gen.snapshot() == before and not gen.is_cancelled(P)
+
+
+@pytest.mark.parametrize("post_on_decide", [False, True], ids=["deferred", "posting"])
+def test_start_posting_after_a_cancel_is_a_no_op(post_on_decide: bool) -> None:
+    """An actor may call start_posting after a cancel won the race, whether the
+    edges never posted (the parent is SETTLED: NOT_STARTED) or are draining
+    (the parent is CANCELLING): nothing more is posted and nothing changes."""
+    pair = Pair(post_on_decide=post_on_decide, chunk_window=1)
+    pair.admit(P, chunks=2)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    expected = ParentState.CANCELLING if post_on_decide else ParentState.SETTLED
+    assert pair.ctx.parent_state(P) is expected
+    posted = pair.ctx.evidence(pair.tickets(P)[0]).posted
+    before = pair.ctx.snapshot()
+    assert pair.ctx.start_posting(P, pair.now) == []
+    assert pair.ctx.snapshot() == before
+    assert posted == (1 if post_on_decide else 0)
+
+
+def test_not_started_share_is_false_once_anything_was_posted() -> None:
+    """CTX: a cancelled parent with a chunk posted (DRAINING, then DRAINED) is
+    never NOT_STARTED. GEN: contrary evidence (DRAINED, COMPLETED) removes its
+    share too. Only then may the verdict skip the TERMINAL messages (S1)."""
+    pair = Pair(chunk_window=1)
+    pair.admit(P, chunks=2)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    ticket = pair.tickets(P)[0]
+    assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
+    assert not pair.ctx.local_not_started(P)
+    with pytest.raises(LeaseError):
+        pair.ctx.release_not_started(P)
+    gen = pair.gens[0]
+    pair.perform(gen.cancel(P, CancelReason.CLIENT, pair.now))
+    assert gen.local_not_started(P)  # no contrary evidence yet
+    pair.pump()  # the posted chunk reports; TERMINAL(DRAINED) reaches GEN
+    assert pair.ctx.evidence(ticket).state is EdgeState.DRAINED
+    assert gen.evidence(ticket).state is EdgeState.DRAINED
+    assert not pair.ctx.local_not_started(P)
+    assert not gen.local_not_started(P)
+
+
+def test_deadlines_are_inclusive() -> None:
+    """A deadline is reached at `now == deadline` (as trio's deadlines): the CTX
+    lease deadline releases a parent that never started, and the drain deadline
+    makes a still-draining edge UNKNOWN, both exactly at the deadline."""
+    pair = Pair()
+    pair.admit(P, blocks=2, lease=5.0)
+    pair.prefill(P)
+    pair.now = 5.0 - 1e-9
+    pair.expire()
+    assert pair.ctx.parent_state(P) is ParentState.RESIDENT
+    pair.now = 5.0
+    pair.perform(pair.ctx.expire(pair.now))
+    assert pair.ctx.parent_state(P) is ParentState.RELEASED
+
+    pair = Pair(chunk_window=1)
+    pair.admit(P, chunks=2)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    ticket = pair.tickets(P)[0]
+    (drain,) = [a for a in pair.actions if isinstance(a, Drain)]
+    pair.perform(pair.ctx.expire(drain.deadline - 1e-9))
+    assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
+    pair.perform(pair.ctx.expire(drain.deadline))
+    assert pair.ctx.evidence(ticket).state is EdgeState.UNKNOWN
+
+
+def test_restart_notice_for_the_live_epoch_changes_nothing() -> None:
+    """peer_restarted names a NEWER epoch; a notice naming the epoch our sessions
+    already use (a duplicate or reordered notice) ends nothing (S3)."""
+    pair = Pair(chunk_window=1)
+    pair.admit(P, chunks=2)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    before = [rank.snapshot() for rank in pair.ranks()]
+    assert pair.ctx.peer_restarted(pair.gens[0].our, pair.now) == []
+    assert pair.gens[0].peer_restarted(pair.ctx.our, pair.now) == []
+    assert [rank.snapshot() for rank in pair.ranks()] == before
+
+
+def test_bad_chunk_reports_and_proofless_reclaim_change_nothing() -> None:
+    """chunk_done with a negative byte count, and reclaim without a proof, are
+    refused before anything changes (the machine must not move first)."""
+    pair = Pair(chunk_window=1)
+    pair.admit(P, chunks=2)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    ((ticket, index),) = pair.in_flight
+    before = pair.ctx.snapshot()
+    with pytest.raises(PoolError):
+        pair.ctx.chunk_done(ticket, index, -1, pair.now)
+    assert pair.ctx.snapshot() == before
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.now += pair.timeout + 1
+    pair.perform(pair.ctx.expire(pair.now))  # drain deadline: UNKNOWN, quarantined
+    assert pair.ctx.parent_state(P) is ParentState.QUARANTINED
+    before = pair.ctx.snapshot()
+    with pytest.raises(LeaseError):
+        pair.ctx.reclaim(P, proof="")
+    assert pair.ctx.snapshot() == before
+    pair.ctx.reclaim(P, proof="agent of ctx epoch 1 torn down")
+    assert pair.ctx.pool.counts().quarantined == 0
