@@ -931,7 +931,7 @@ def test_every_state_a_table_names_is_reached() -> None:
         for state in {s for (s, _e) in table}:
             if state not in reached:
                 missing.append(f"{machine}: {state}")
-    assert not missing, f"no scenario reaches {missing}: add one to SCENARIOS"
+    assert not missing, f"no scenario reaches {missing}: add an s_* scenario that does"
 
 
 def test_every_event_is_delivered_or_listed() -> None:
@@ -951,7 +951,13 @@ def test_every_event_is_delivered_or_listed() -> None:
         for state, event in table:
             if event in foreign:
                 problems.append(f"{machine}: row ({state}, {event}) names another role's event")
-    assert not problems, "\n".join(problems)
+    assert not problems, (
+        "\n".join(problems)
+        + "\nAn event some entry point delivers: add an Entry (the method or message, with"
+        " the model of when it delivers the event) to CTX_ENTRIES / GEN_ENTRIES. An event"
+        " fired by a coupling or the clock: list it in INTERNAL_EVENTS (its rows must then"
+        " be fired by a scenario). Another role's event: NOT_AN_EVENT_OF."
+    )
 
 
 def test_every_role_gets_every_message_kind() -> None:
@@ -979,8 +985,13 @@ def test_every_row_is_fired() -> None:
             key = (machine, state, event)
             if key not in seen and key not in UNREACHABLE_ROWS:
                 unreached.append(f"{machine}: ({state}, {event})")
-    assert not unreached, "rows no real call fires:\n" + "\n".join(sorted(unreached))
+    assert not unreached, (
+        "rows no real call fires:\n"
+        + "\n".join(sorted(unreached))
+        + "\nAdd a scenario (or an Entry) that reaches each, or list it in UNREACHABLE_ROWS"
+        " with the reason no call sequence can fire it."
+    )
     for key, why in UNREACHABLE_ROWS.items():
         machine, state, event = key
         assert (state, event) in MACHINES[machine][0], f"listed row {key} is gone: {why}"
-        assert key not in seen, f"listed as unreachable but fired: {key}"
+        assert key not in seen, f"listed in UNREACHABLE_ROWS but fired (remove it): {key}"
