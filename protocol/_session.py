@@ -289,8 +289,9 @@ def _t(next_state: enum.Enum, *effects: Effect) -> Transition:
     return Transition(next_state, effects)
 
 
-# Terminal-state self loops shared by several rows.
-_CLEANUP_EVENTS = (_PE.COMPLETE, _PE.COMPLETE_CANCELLED, _PE.RELEASE_NOT_STARTED, _PE.WITHDRAWN)
+# Terminal-state self loops shared by several rows (a quarantined parent has
+# sessions, so it is never withdrawn: withdraw() refuses it first).
+_CLEANUP_EVENTS = (_PE.COMPLETE, _PE.COMPLETE_CANCELLED, _PE.RELEASE_NOT_STARTED)
 
 CTX_PARENT_TRANSITIONS: Mapping[tuple[ParentState, ParentEvent], Transition] = {
     (_PS.ADMITTED, _PE.PREFILLED): _t(_PS.RESIDENT),
@@ -315,7 +316,6 @@ CTX_PARENT_TRANSITIONS: Mapping[tuple[ParentState, ParentEvent], Transition] = {
     (_PS.CANCELLING, _PE.DECIDED): _t(_PS.CANCELLING),
     (_PS.CANCELLING, _PE.EDGES_SETTLED): _t(_PS.SETTLED, _FX.SETTLED),
     (_PS.CANCELLING, _PE.QUIESCENCE_LOST): _t(_PS.QUARANTINED, _FX.QUARANTINE),
-    (_PS.CANCELLING, _PE.WITHDRAWN): _t(_PS.RELEASED, _FX.RELEASE),
     (_PS.SETTLED, _PE.CANCEL): _t(_PS.SETTLED),
     (_PS.SETTLED, _PE.DECIDED): _t(_PS.SETTLED),
     (_PS.SETTLED, _PE.COMPLETE): _t(_PS.RELEASED, _FX.RELEASE),
@@ -324,7 +324,7 @@ CTX_PARENT_TRANSITIONS: Mapping[tuple[ParentState, ParentEvent], Transition] = {
     (_PS.SETTLED, _PE.WITHDRAWN): _t(_PS.RELEASED, _FX.RELEASE),
     (_PS.RELEASED, _PE.CANCEL): _t(_PS.RELEASED),
     (_PS.RELEASED, _PE.DECIDED): _t(_PS.RELEASED),
-    **{(_PS.RELEASED, e): _t(_PS.RELEASED, _FX.SKIP) for e in _CLEANUP_EVENTS},
+    **{(_PS.RELEASED, e): _t(_PS.RELEASED, _FX.SKIP) for e in (*_CLEANUP_EVENTS, _PE.WITHDRAWN)},
     (_PS.QUARANTINED, _PE.CANCEL): _t(_PS.QUARANTINED),
     (_PS.QUARANTINED, _PE.DECIDED): _t(_PS.QUARANTINED),
     (_PS.QUARANTINED, _PE.QUIESCENCE_LOST): _t(_PS.QUARANTINED),
@@ -344,7 +344,6 @@ GEN_PARENT_TRANSITIONS: Mapping[tuple[ParentState, ParentEvent], Transition] = {
     (_PS.CANCELLING, _PE.QUIESCENCE_LOST): _t(_PS.QUARANTINED, _FX.QUARANTINE),
     # The topology-wide verdict replaces the per-edge TERMINAL messages.
     (_PS.CANCELLING, _PE.RELEASE_NOT_STARTED): _t(_PS.RELEASED, _FX.RELEASE),
-    (_PS.CANCELLING, _PE.WITHDRAWN): _t(_PS.RELEASED, _FX.RELEASE),
     (_PS.SETTLED, _PE.CANCEL): _t(_PS.SETTLED),
     (_PS.SETTLED, _PE.COMPLETE): _t(_PS.DECODE_READY, _FX.DECODE_READY),
     (_PS.SETTLED, _PE.COMPLETE_CANCELLED): _t(_PS.RELEASED, _FX.RELEASE),
@@ -357,7 +356,7 @@ GEN_PARENT_TRANSITIONS: Mapping[tuple[ParentState, ParentEvent], Transition] = {
     (_PS.DECODE_READY, _PE.CONSUMER_EXPIRED): _t(_PS.RELEASED, _FX.RELEASE),
     (_PS.RELEASED, _PE.CANCEL): _t(_PS.RELEASED),
     (_PS.RELEASED, _PE.FREE): _t(_PS.RELEASED, _FX.SKIP),
-    **{(_PS.RELEASED, e): _t(_PS.RELEASED, _FX.SKIP) for e in _CLEANUP_EVENTS},
+    **{(_PS.RELEASED, e): _t(_PS.RELEASED, _FX.SKIP) for e in (*_CLEANUP_EVENTS, _PE.WITHDRAWN)},
     (_PS.QUARANTINED, _PE.CANCEL): _t(_PS.QUARANTINED),
     (_PS.QUARANTINED, _PE.QUIESCENCE_LOST): _t(_PS.QUARANTINED),
     (_PS.QUARANTINED, _PE.FREE): _t(_PS.QUARANTINED, _FX.SKIP),
@@ -436,8 +435,9 @@ GEN_EDGE_TRANSITIONS: Mapping[tuple[EdgeState, EdgeEvent], Transition] = {
         for state in (_ES.OPEN_PROPOSED, _ES.READY, _ES.CANCELLING)
     },
     # UNKNOWN is left only by proof: a non-UNKNOWN TERMINAL from the writer (it
-    # is sent only once every chunk of the edge was polled to DONE/ERR) or the
-    # writer incarnation confirmed dead. Other late evidence changes nothing.
+    # is sent only once every chunk of the edge was polled to DONE/ERR; it
+    # arrives as `quiescence_proven`) or the writer incarnation confirmed dead.
+    # Other late evidence changes nothing.
     (_ES.UNKNOWN, _EE.QUIESCENCE_PROVEN): _t(_ES.DRAINED),
     **{
         (_ES.UNKNOWN, e): _t(_ES.UNKNOWN)
@@ -446,7 +446,7 @@ GEN_EDGE_TRANSITIONS: Mapping[tuple[EdgeState, EdgeEvent], Transition] = {
             _EE.READY_RECEIVED,
             _EE.REJECTED,
             _EE.QUIESCENCE_LOST,
-            *_GEN_TERMINALS,
+            _EE.TERMINAL_UNKNOWN,
         )
     },
 }

@@ -40,9 +40,9 @@ pytestmark = pytest.mark.ray
 TOKENS_PER_BLOCK = 16
 
 
-
 #: How late past its bound a watchdog may be seen to fire on a loaded 2-core box.
 SLACK = 1.5
+
 
 def pk(name: str) -> ParentKey:
     return ParentKey(request_id=name, ctx_attempt=0, gen_attempt=0)
@@ -95,6 +95,7 @@ class BlockRank:
         self.lie_epoch: int | None = None
         self.coordinator: Any = None
         self.controls = 0
+        self.votes_entered = 0  # round_vote calls that reached this actor (observable progress)
 
     # The four round methods the coordinator calls.
     async def round_identity(self) -> tuple[int, int]:
@@ -105,6 +106,7 @@ class BlockRank:
         return await self.member.round_join(next_round, epoch)
 
     async def round_vote(self, proposal: RoundProposal, epoch: int | None = None) -> Any:
+        self.votes_entered += 1
         await asyncio.sleep(self.vote_delay)  # a hung rank, before the critical section
         vote = await self.member.round_vote(proposal, epoch)
         if self.lie_epoch is not None:  # an impostor speaking for an old incarnation
@@ -151,6 +153,7 @@ class BlockRank:
             "log": list(ledger.log),
             "epoch": self.member.our_epoch,
             "controls": self.controls,
+            "votes_entered": self.votes_entered,
         }
 
 
@@ -175,6 +178,14 @@ def make(tp: int, **kwargs: Any) -> tuple[Any, list[Any]]:
 
 def snapshots(ranks: list[Any]) -> list[dict[str, Any]]:
     return ray.get([r.snapshot.remote() for r in ranks])
+
+
+def wait_for(condition: Any, what: str, timeout: float = 10.0) -> None:
+    """Poll `condition()` until it holds (a wait on an observable state, not a sleep)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.01)
 
 
 def settled_snapshots(ranks: list[Any], timeout: float = 10.0) -> list[dict[str, Any]]:
@@ -367,9 +378,16 @@ def test_killed_rank_watchdog_restart_new_epoch_and_resume(ray_cluster: Any) -> 
 
     # Rank 1 hangs in its vote; we kill it mid-round.
     ray.get(ranks[1].set_vote_delay.remote(60.0))
+    entered = ray.get(ranks[1].snapshot.remote())["votes_entered"]
     started = time.monotonic()
     round_ref = coordinator.run_round.remote()
-    time.sleep(0.2)
+    # Kill it only once it is inside its vote of this round (observable), so the
+    # round really is mid-flight when the rank dies.
+    wait_for(
+        lambda: ray.get(ranks[1].snapshot.remote())["votes_entered"] > entered,
+        "rank 1 entered its vote",
+        timeout=timeout,
+    )
     ray.kill(ranks[1])
     while ray.get(coordinator.stats.remote())["state"] != "recovering":
         assert time.monotonic() - started < timeout + SLACK, "watchdog did not fire in time"

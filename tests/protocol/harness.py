@@ -7,12 +7,19 @@ incarnations each may still touch, for S1), and simulates the agreement rounds
 (cancel, decide, completion, NOT_STARTED verdict) with one CTX rank and the
 GEN ranks. Tests can hold messages in the queues to reorder, duplicate or drop
 them, restart a rank with a new epoch, and move time.
+
+When the protocol misbehaves, the harness reports the broken contract as an
+`AssertionError` that names it (S1, S3, S4, no-leak, L1), never as a
+`KeyError`/`TypeError` of its own bookkeeping: every call into a rank goes
+through `protocol_call` (a rank may raise only `ProtocolError`, the refusal
+contract of S3), and every lookup the harness makes in its own tables is
+guarded by an assertion that says which invariant a miss means.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvhandoff.protocol import (
     Action,
@@ -56,6 +63,28 @@ CTX_DIGEST = bytes(range(32))
 GEN_DIGEST = bytes(range(32, 64))
 CHUNK_BYTES = 4096
 TIMEOUT = 10.0
+
+
+class ProtocolCrash(AssertionError):
+    """A rank raised something other than a ProtocolError (or returned no action list)."""
+
+
+def protocol_call(invariant: str, what: str, call: Callable[[], list[Action]]) -> list[Action]:
+    """Run one call into a rank. A `ProtocolError` passes through (a typed refusal,
+    which the caller checks changed nothing); anything else is the protocol
+    breaking its contract and is reported as an assertion naming `invariant`."""
+    try:
+        actions = call()
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise ProtocolCrash(
+            f"{invariant}: {what} raised {type(exc).__name__}: {exc!r}; a rank must refuse"
+            " with a ProtocolError and change nothing, or act"
+        ) from exc
+    if not isinstance(actions, list):
+        raise ProtocolCrash(f"{invariant}: {what} returned {actions!r}, not a list of actions")
+    return actions
 
 
 def ctx_endpoint(epoch: int = 1, rank: int = 0) -> Endpoint:
@@ -126,11 +155,13 @@ class Pair:
         chunk_window: int = 2,
         timeout: float = TIMEOUT,
         conservative: bool = False,
+        post_on_decide: bool = True,
     ) -> None:
         self.now = 0.0
         self.timeout = timeout
         self.chunk_window = chunk_window
         self.conservative = conservative
+        self.post_on_decide = post_on_decide
         self.ctx_blocks = ctx_blocks
         self.gen_blocks = gen_blocks
         self.ctx = self._new_ctx(1)
@@ -154,6 +185,7 @@ class Pair:
             transfer_timeout=self.timeout,
             chunk_window=self.chunk_window,
             conservative=self.conservative,
+            post_on_decide=self.post_on_decide,
         )
 
     def _new_gen(self, epoch: int, rank: int) -> GenRank:
@@ -182,7 +214,7 @@ class Pair:
         self.chunks[parent] = chunks
 
     def prefill(self, parent: ParentKey) -> None:
-        self.perform(self.ctx.prefilled(parent))
+        self._act("S3", f"prefilled({parent!r})", lambda: self.ctx.prefilled(parent))
 
     def install(self, parent: ParentKey) -> None:
         chunks = self.chunks[parent]
@@ -194,11 +226,15 @@ class Pair:
                 num_tokens=16,
                 expected_bytes=chunks * CHUNK_BYTES,
             )
-            self.perform(gen.install(parent, [spec], self.now))
+            self._act(
+                "S3",
+                f"install({parent!r}) on {gen.our.ns}",
+                lambda g=gen, s=spec: g.install(parent, [s], self.now),
+            )
 
     def decide(self, parent: ParentKey) -> None:
         """CTX decision round: only when every edge is prepared (the round's rule)."""
-        self.perform(self.ctx.decided(parent, self.now))
+        self._act("S3", f"decided({parent!r})", lambda: self.ctx.decided(parent, self.now))
 
     def all_prepared(self, parent: ParentKey) -> bool:
         edges = self.ctx.edges(parent)
@@ -211,7 +247,13 @@ class Pair:
         for parent in sorted(self.intents, key=repr):
             for rank in self.ranks():
                 if parent in rank.parents():
-                    self.perform(rank.cancel(parent, CancelReason.PEER, self.now, from_round=True))
+                    self._act(
+                        "L1",
+                        f"decided cancel of {parent!r}",
+                        lambda r=rank, p=parent: r.cancel(
+                            p, CancelReason.PEER, self.now, from_round=True
+                        ),
+                    )
         self.intents.clear()
         # Topology-wide NOT_STARTED verdict first: the CTX rank (the only writer)
         # proved it, and no GEN rank has contrary evidence.
@@ -226,45 +268,71 @@ class Pair:
                 and all(g.local_not_started(parent) for g in holders)
             ):
                 for rank in [self.ctx, *holders]:
-                    self.perform(rank.release_not_started(parent))
+                    self._act(
+                        "S1",
+                        f"NOT_STARTED verdict for {parent!r}",
+                        lambda r=rank, p=parent: r.release_not_started(p),
+                    )
         # Completion rounds: CTX (one rank here), GEN (intersection over ranks).
         for parent, state in self.ctx.parents().items():
             if state is ParentState.SETTLED:
-                self.perform(self.ctx.completed(parent))
+                self._act(
+                    "L1", f"CTX completion of {parent!r}", lambda p=parent: self.ctx.completed(p)
+                )
         for parent in sorted(gen_parents, key=repr):
             # A QUARANTINED rank is finished with the parent (a failure, in the
             # round's union); it does not hold the others' completion back.
             holders = [g for g in self.gens if parent in g.parents()]
-            states = {g.parents()[parent] for g in holders}
+            states = {g.parents().get(parent) for g in holders}
             if ParentState.SETTLED in states and states <= {
                 ParentState.SETTLED,
                 ParentState.QUARANTINED,
             }:
                 for gen in holders:
-                    if gen.parents()[parent] is ParentState.SETTLED:
-                        self.perform(gen.completed(parent))
+                    if gen.parents().get(parent) is ParentState.SETTLED:
+                        self._act(
+                            "L1",
+                            f"GEN completion of {parent!r}",
+                            lambda g=gen, p=parent: g.completed(p),
+                        )
 
     def free(self, parent: ParentKey) -> None:
         for gen in self.gens:
             if parent in gen.parents():
-                self.perform(gen.free(parent))
+                self._act("L1", f"free of {parent!r}", lambda g=gen, p=parent: g.free(p))
 
     def expire(self) -> None:
         for rank in self.ranks():
-            self.perform(rank.expire(self.now))
+            self._act(
+                "L1", f"expire({self.now}) on {rank.our.ns}", lambda r=rank: r.expire(self.now)
+            )
 
     # ---- the data plane model ------------------------------------------
 
     def finish_chunk(self, key: tuple[ContextTicket, int], *, ok: bool = True) -> None:
         """A posted chunk reports DONE (ok) or ERR; only its own CTX incarnation hears it."""
+        assert key in self.in_flight, f"harness: chunk {key[1]} of {key[0].edge} was never posted"
         write = self.in_flight.pop(key)
         if write.ctx_epoch != self.ctx.our.epoch:
             return  # the incarnation that posted it is gone: nobody polls it
         ticket, index = key
-        if ok:
-            self.perform(self.ctx.chunk_done(ticket, index, CHUNK_BYTES, self.now))
-        else:
-            self.perform(self.ctx.chunk_failed(ticket, index, self.now))
+        what = f"chunk_{'done' if ok else 'failed'}({ticket.request_id} {ticket.edge} #{index})"
+        try:
+            if ok:
+                actions = protocol_call(
+                    "S1", what, lambda: self.ctx.chunk_done(ticket, index, CHUNK_BYTES, self.now)
+                )
+            else:
+                actions = protocol_call(
+                    "S1", what, lambda: self.ctx.chunk_failed(ticket, index, self.now)
+                )
+        except ProtocolError as exc:
+            # The CTX posted this chunk itself: it must hear its completion, or the
+            # chunk's blocks could be released while the DMA may still run.
+            raise AssertionError(
+                f"S1: the CTX refused {what} of a chunk it posted: {exc!r}"
+            ) from exc
+        self.perform(actions)
 
     # ---- restarts ------------------------------------------------------
 
@@ -273,16 +341,28 @@ class Pair:
         old = self.gens[rank]
         self.gens[rank] = self._new_gen(old.our.epoch + 1, rank)
         if notify:
-            self.perform(self.ctx.peer_restarted(self.gens[rank].our, self.now))
+            self._act(
+                "S1",
+                "CTX peer_restarted",
+                lambda: self.ctx.peer_restarted(self.gens[rank].our, self.now),
+            )
 
     def restart_ctx(self, *, notify: bool = True) -> None:
         old = self.ctx
         self.ctx = self._new_ctx(old.our.epoch + 1)
         if notify:
             for gen in self.gens:
-                self.perform(gen.peer_restarted(self.ctx.our, self.now))
+                self._act(
+                    "S1",
+                    "GEN peer_restarted",
+                    lambda g=gen: g.peer_restarted(self.ctx.our, self.now),
+                )
 
     # ---- actions and messages ------------------------------------------
+
+    def _act(self, invariant: str, what: str, call: Callable[[], list[Action]]) -> None:
+        """Perform what one of the harness's own calls into a rank returns."""
+        self.perform(protocol_call(invariant, what, call))
 
     def perform(self, actions: Iterable[Action]) -> None:
         for action in actions:
@@ -292,6 +372,13 @@ class Pair:
                     rank = to.ns.rank
                     self.queue.append(Envelope(to.ns.role, rank, encode_frame(message)))
                 case PostChunk(ticket=ticket, index=index):
+                    assert self.ctx.pool.holds(ticket.parent), (
+                        f"S1: PostChunk {index} of {ticket.edge} for {ticket.parent!r},"
+                        " whose lease the CTX no longer holds: the DMA would read freed blocks"
+                    )
+                    assert (ticket, index) not in self.in_flight, (
+                        f"S1: chunk {index} of {ticket.edge} posted again while in flight"
+                    )
                     gen_refs: tuple[BlockRef, ...] = ()
                     edge_open = self._open_for(ticket)
                     if edge_open is not None:
@@ -304,7 +391,7 @@ class Pair:
                         ctx_epoch=ticket.ctx.epoch,
                         gen_epoch=ticket.gen.epoch,
                         gen_rank=ticket.gen.ns.rank,
-                        ctx_refs=self.ctx.lease(ticket.parent),
+                        ctx_refs=self.ctx.pool.lease_of(ticket.parent),
                         gen_refs=gen_refs,
                     )
                 case CancelIntent(parent=parent):
@@ -338,13 +425,17 @@ class Pair:
     def deliver_message(
         self, role: Role, rank: int, message: SessionMessage
     ) -> ProtocolError | None:
+        what = f"{role.value} rank {rank} receive({type(message).__name__} {message.ticket.request_id})"
         try:
             if role is Role.CTX:
-                actions = self.ctx.receive(
-                    message, self.now, num_chunks=self.chunks.get(message.ticket.parent, 1)
+                num_chunks = self.chunks.get(message.ticket.parent, 1)
+                actions = protocol_call(
+                    "S3", what, lambda: self.ctx.receive(message, self.now, num_chunks=num_chunks)
                 )
             else:
-                actions = self.gens[rank].receive(message, self.now)
+                assert 0 <= rank < len(self.gens), f"S3: {what}: no GEN rank {rank} exists"
+                gen = self.gens[rank]
+                actions = protocol_call("S3", what, lambda: gen.receive(message, self.now))
         except ProtocolError as error:
             self.errors.append(error)
             if role is Role.CTX and isinstance(message, Open):
@@ -414,6 +505,7 @@ class Pair:
                     assert self.ctx.pool.is_current(ref), (
                         f"S1: CTX block {ref} reused under {write}"
                     )
+            assert 0 <= write.gen_rank < len(self.gens), f"S1: {write} targets no GEN rank"
             gen = self.gens[write.gen_rank]
             if write.gen_epoch == gen.our.epoch:
                 for ref in write.gen_refs:
@@ -422,17 +514,22 @@ class Pair:
     def check_s4_and_ownership(self) -> None:
         """S4 in every pool, and pool ownership matches the protocol state exactly (no leak)."""
         for rank in self.ranks():
-            rank.pool.check_invariants()
+            try:
+                rank.pool.check_invariants()
+            except ProtocolError as exc:
+                raise AssertionError(f"S4: pool of {rank.our.ns}: {exc}") from exc
             counts = rank.pool.counts()
             owned = 0
             for parent, state in rank.parents().items():
-                refs = rank.lease(parent)
-                owned += len(refs)
-                assert rank.pool.holds(parent), f"{parent} live but holds no lease"
+                assert rank.pool.holds(parent), (
+                    f"no leak: {parent!r} is live ({state.value}) on {rank.our.ns}"
+                    " but its pool holds no lease for it"
+                )
+                owned += len(rank.pool.lease_of(parent))
                 assert rank.pool.is_quarantined(parent) == (state is ParentState.QUARANTINED), (
-                    parent,
-                    state,
+                    f"S4: {parent!r} is {state.value} on {rank.our.ns} but its pool lease is"
+                    f" {'' if rank.pool.is_quarantined(parent) else 'not '}quarantined"
                 )
             assert counts.leased + counts.quarantined == owned, (
-                f"leak: pool {counts}, parents own {owned}"
+                f"no leak: pool of {rank.our.ns} has {counts}, its live parents own {owned}"
             )

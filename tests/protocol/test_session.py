@@ -10,8 +10,6 @@ import re
 
 import msgspec
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 import kvhandoff.protocol as protocol
 from kvhandoff.protocol import (
@@ -21,10 +19,12 @@ from kvhandoff.protocol import (
     GEN_PARENT_TRANSITIONS,
     MACHINES,
     BlockDescriptor,
+    Cancel,
     CancelReason,
     CleanupSkipped,
     CtxRank,
     DecodeReady,
+    Drain,
     DuplicateSessionError,
     EdgeEvent,
     EdgeState,
@@ -42,6 +42,7 @@ from kvhandoff.protocol import (
     Reject,
     RejectReason,
     Release,
+    Role,
     SendMessage,
     StaleError,
     Terminal,
@@ -50,7 +51,7 @@ from kvhandoff.protocol import (
     reject_for,
     render_state_tables,
 )
-from kvhandoff.protocol._session import _STATE_DOCS, _fire
+from kvhandoff.protocol._session import _STATE_DOCS
 
 from .harness import (
     CHUNK_BYTES,
@@ -69,39 +70,8 @@ P = parent_key(1)
 
 # ---- tables ----------------------------------------------------------------
 
-ALL_PAIRS = [
-    (name, state, event)
-    for name, (_table, states, events) in MACHINES.items()
-    for state in states
-    for event in events
-]
-
-
-@given(st.sampled_from(ALL_PAIRS))
-def test_every_state_event_pair_is_a_transition_or_illegal(
-    pair: tuple[str, object, object],
-) -> None:
-    name, state, event = pair
-    table = MACHINES[name][0]
-    if (state, event) in table:
-        tr = _fire(name, table, state, event)  # type: ignore[arg-type]
-        assert tr is table[(state, event)]
-    else:
-        with pytest.raises(IllegalTransition) as info:
-            _fire(name, table, state, event)  # type: ignore[arg-type]
-        assert (info.value.machine, info.value.state, info.value.event) == (name, state, event)
-
-
-def test_every_pair_enumerated() -> None:
-    # The sampled test above covers this list; make sure it is the full product.
-    assert len(ALL_PAIRS) == 2 * len(ParentState) * len(ParentEvent) + 2 * len(EdgeState) * len(
-        EdgeEvent
-    )
-    for name, state, event in ALL_PAIRS:
-        table = MACHINES[name][0]
-        if (state, event) not in table:
-            with pytest.raises(IllegalTransition):
-                _fire(name, table, state, event)  # type: ignore[arg-type]
+# Every (state, message/event) pair is driven through the real CtxRank/GenRank
+# in test_session_pairs.py (generated from the tables); here: table properties.
 
 
 def test_absorbing_states() -> None:
@@ -206,6 +176,15 @@ def test_success_path_actions_in_order() -> None:
     assert pair.gens[0].pool.counts().leased == 3  # KV stays with the request
     pair.free(P)
     assert pair.gens[0].pool.counts().free == pair.gen_blocks
+    # Nothing on the success path was refused: the RECEIPT acknowledged exactly
+    # the bytes GEN checked, and the CTX accepted it.
+    assert pair.errors == []
+    receipts = [
+        a.message
+        for a in pair.actions
+        if isinstance(a, SendMessage) and isinstance(a.message, Receipt)
+    ]
+    assert [r.bytes_received for r in receipts] == [3 * CHUNK_BYTES]
 
 
 # ---- default-deny on OPEN and on session messages ----------------------------
@@ -444,3 +423,263 @@ def test_decode_ready_action_only_on_success() -> None:
     pair = Pair()
     pair.handoff(P)
     assert [a for a in pair.actions if isinstance(a, DecodeReady)] == [DecodeReady(P)]
+
+
+# ---- RECEIPT bytes and wrong-role messages (mutants that used to survive) -------
+
+
+def _completed_with_receipt_held() -> tuple[Pair, Receipt]:
+    """A handoff whose edge is COMPLETED on both sides, the GEN's RECEIPT still queued."""
+    pair = Pair(chunk_window=2)
+    pair.admit(P, blocks=2, chunks=2)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    while pair.in_flight:
+        pair.finish_chunk(next(iter(pair.in_flight)))
+    while any(env.to_role is Role.GEN for env in pair.queue):  # READY, TERMINAL
+        pair.deliver(next(i for i, env in enumerate(pair.queue) if env.to_role is Role.GEN))
+    (env,) = pair.queue
+    receipt = protocol.decode_frame(env.frame)
+    assert isinstance(receipt, Receipt)
+    return pair, receipt
+
+
+def test_receipt_must_acknowledge_exactly_the_bytes_written() -> None:
+    """A RECEIPT acknowledging fewer or more bytes than the CTX edge wrote is
+    refused (StaleError naming the receipt bytes) and changes nothing, in any
+    order with the real one; the exact RECEIPT is recorded.
+
+    Kills: deleting the byte-count check in `CtxRank.receive_receipt`."""
+    pair, receipt = _completed_with_receipt_held()
+    ticket = pair.tickets(P)[0]
+    written = pair.ctx.evidence(ticket).bytes_done
+    assert receipt.bytes_received == written == 2 * CHUNK_BYTES
+    r = msgspec.structs.replace
+    before = pair.ctx.snapshot()
+    for wrong in (0, written - 1, written + 1, 2 * written):
+        with pytest.raises(StaleError) as info:
+            pair.ctx.receive(r(receipt, bytes_received=wrong), pair.now)
+        assert "receipt bytes" in str(info.value)
+        assert pair.ctx.snapshot() == before
+    pair.ctx.receive(receipt, pair.now)
+    accepted = pair.ctx.snapshot()
+    assert accepted != before  # the acknowledgement was recorded ...
+    with pytest.raises(StaleError):  # ... and a wrong one after it still changes nothing
+        pair.ctx.receive(r(receipt, bytes_received=written - 1), pair.now)
+    assert pair.ctx.snapshot() == accepted
+
+
+def test_each_role_refuses_the_messages_only_the_other_role_receives() -> None:
+    """READY and TERMINAL go to GEN ranks only, OPEN and RECEIPT to CTX ranks only.
+    Delivered (as frames) to the wrong role for a live session, each is refused
+    with IllegalTransition naming the receive boundary, and nothing changes on
+    any rank, at every phase of a handoff.
+
+    Kills: deleting the `case _: raise IllegalTransition` of `CtxRank.receive`
+    or `GenRank.receive` (the message would be dropped silently)."""
+    pair = Pair(chunk_window=1)
+    pair.admit(P, blocks=2, chunks=2)
+    pair.prefill(P)
+    pair.install(P)
+    (open_env,) = pair.queue
+    open_msg = protocol.decode_frame(open_env.frame)
+    ticket = pair.tickets(P)[0]
+    to_gen = [Ready(ticket=ticket)] + [
+        Terminal(ticket=ticket, evidence=kind, bytes_done=0) for kind in TerminalKind
+    ]
+    to_ctx = [open_msg, Receipt(ticket=ticket, bytes_received=0)]
+
+    def check_refusals(phase: str) -> None:
+        snaps = [rank.snapshot() for rank in pair.ranks()]
+        for role, wrong in ((Role.CTX, to_gen), (Role.GEN, to_ctx)):
+            for message in wrong:
+                queued = len(pair.queue)
+                error = pair.deliver_frame(role, 0, protocol.encode_frame(message))
+                assert isinstance(error, IllegalTransition), (phase, role, message, error)
+                assert error.machine == f"{role.value}-receive", (phase, error.machine)
+                del pair.queue[queued:]  # the harness answers a refused OPEN with a REJECT
+        assert [rank.snapshot() for rank in pair.ranks()] == snaps, phase
+
+    check_refusals("installed, OPEN in flight")
+    pair.deliver_all()
+    check_refusals("prepared")
+    pair.decide(P)
+    check_refusals("posting")
+    pair.pump()
+    check_refusals("settled")
+
+
+# ---- decision points the mutation check found untested ---------------------------
+
+
+def test_a_decided_cancel_releases_a_settled_parent_without_a_completion_round() -> None:
+    """The round decided a cancel for a parent whose edges already finished
+    (SETTLED): no completion round will ever come for it, so applying the
+    decided cancel releases it at once, on both sides (L1)."""
+    pair = Pair()
+    pair.admit(P)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    pair.pump()  # COMPLETED everywhere; the completion round has not run
+    for rank in pair.ranks():
+        assert rank.parent_state(P) is ParentState.SETTLED
+        actions = rank.cancel(P, CancelReason.CLIENT, pair.now, from_round=True)
+        assert [type(a) for a in actions if isinstance(a, Release)] == [Release], rank.our
+        assert rank.parent_state(P) is ParentState.RELEASED
+        assert rank.pool.counts().leased == 0
+
+
+def test_a_decided_cancel_releases_a_draining_parent_once_drained() -> None:
+    """A decided cancel that finds chunks in flight releases nothing until the
+    last one reports; then the parent is released without a completion round."""
+    pair = Pair(chunk_window=2)
+    pair.admit(P, chunks=2)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    actions = pair.ctx.cancel(P, CancelReason.CLIENT, pair.now, from_round=True)
+    assert not [a for a in actions if isinstance(a, Release)]
+    assert pair.ctx.pool.counts().leased == 2
+    first, second = sorted(pair.in_flight, key=lambda k: k[1])
+    pair.finish_chunk(first)
+    assert pair.ctx.parent_state(P) is ParentState.CANCELLING  # one chunk still in flight
+    pair.finish_chunk(second)
+    assert pair.ctx.parent_state(P) is ParentState.RELEASED
+    assert pair.ctx.pool.counts().leased == 0
+
+
+def test_peer_cancel_after_decode_ready_changes_nothing() -> None:
+    """Once decode-ready the KV belongs to the request: a late peer CANCEL is
+    accepted as a no-op, echoes no cancel intent, and changes no state."""
+    pair = Pair()
+    pair.handoff(P)
+    gen = pair.gens[0]
+    assert gen.parent_state(P) is ParentState.DECODE_READY
+    before = gen.snapshot()
+    ticket = pair.tickets(P)[0]
+    assert gen.receive(Cancel(ticket=ticket, reason=CancelReason.PEER), pair.now) == []
+    assert gen.cancel(P, CancelReason.CLIENT, pair.now) == []
+    assert gen.snapshot() == before and not gen.is_cancelled(P)
+
+
+@pytest.mark.parametrize("post_on_decide", [False, True], ids=["deferred", "posting"])
+def test_start_posting_after_a_cancel_is_a_no_op(post_on_decide: bool) -> None:
+    """An actor may call start_posting after a cancel won the race, whether the
+    edges never posted (the parent is SETTLED: NOT_STARTED) or are draining
+    (the parent is CANCELLING): nothing more is posted and nothing changes."""
+    pair = Pair(post_on_decide=post_on_decide, chunk_window=1)
+    pair.admit(P, chunks=2)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    expected = ParentState.CANCELLING if post_on_decide else ParentState.SETTLED
+    assert pair.ctx.parent_state(P) is expected
+    posted = pair.ctx.evidence(pair.tickets(P)[0]).posted
+    before = pair.ctx.snapshot()
+    assert pair.ctx.start_posting(P, pair.now) == []
+    assert pair.ctx.snapshot() == before
+    assert posted == (1 if post_on_decide else 0)
+
+
+def test_not_started_share_is_false_once_anything_was_posted() -> None:
+    """CTX: a cancelled parent with a chunk posted (DRAINING, then DRAINED) is
+    never NOT_STARTED. GEN: contrary evidence (DRAINED, COMPLETED) removes its
+    share too. Only then may the verdict skip the TERMINAL messages (S1)."""
+    pair = Pair(chunk_window=1)
+    pair.admit(P, chunks=2)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    ticket = pair.tickets(P)[0]
+    assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
+    assert not pair.ctx.local_not_started(P)
+    with pytest.raises(LeaseError):
+        pair.ctx.release_not_started(P)
+    gen = pair.gens[0]
+    pair.perform(gen.cancel(P, CancelReason.CLIENT, pair.now))
+    assert gen.local_not_started(P)  # no contrary evidence yet
+    pair.pump()  # the posted chunk reports; TERMINAL(DRAINED) reaches GEN
+    assert pair.ctx.evidence(ticket).state is EdgeState.DRAINED
+    assert gen.evidence(ticket).state is EdgeState.DRAINED
+    assert not pair.ctx.local_not_started(P)
+    assert not gen.local_not_started(P)
+
+
+def test_deadlines_are_inclusive() -> None:
+    """A deadline is reached at `now == deadline` (as trio's deadlines): the CTX
+    lease deadline cancels a parent that never started (the intent the round
+    then decides), and the drain deadline makes a still-draining edge UNKNOWN,
+    both exactly at the deadline."""
+    pair = Pair()
+    pair.admit(P, blocks=2, lease=5.0)
+    pair.prefill(P)
+    pair.now = 5.0 - 1e-9
+    pair.expire()
+    assert pair.ctx.parent_state(P) is ParentState.RESIDENT
+    pair.now = 5.0
+    pair.perform(pair.ctx.expire(pair.now))
+    assert pair.ctx.is_cancelled(P) and pair.ctx.parent_state(P) is ParentState.SETTLED
+
+    pair = Pair(chunk_window=1)
+    pair.admit(P, chunks=2)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    ticket = pair.tickets(P)[0]
+    (drain,) = [a for a in pair.actions if isinstance(a, Drain)]
+    pair.perform(pair.ctx.expire(drain.deadline - 1e-9))
+    assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
+    pair.perform(pair.ctx.expire(drain.deadline))
+    assert pair.ctx.evidence(ticket).state is EdgeState.UNKNOWN
+
+
+def test_restart_notice_for_the_live_epoch_changes_nothing() -> None:
+    """peer_restarted names a NEWER epoch; a notice naming the epoch our sessions
+    already use (a duplicate or reordered notice) ends nothing (S3)."""
+    pair = Pair(chunk_window=1)
+    pair.admit(P, chunks=2)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    before = [rank.snapshot() for rank in pair.ranks()]
+    assert pair.ctx.peer_restarted(pair.gens[0].our, pair.now) == []
+    assert pair.gens[0].peer_restarted(pair.ctx.our, pair.now) == []
+    assert [rank.snapshot() for rank in pair.ranks()] == before
+
+
+def test_bad_chunk_reports_and_proofless_reclaim_change_nothing() -> None:
+    """chunk_done with a negative byte count, and reclaim without a proof, are
+    refused before anything changes (the machine must not move first)."""
+    pair = Pair(chunk_window=1)
+    pair.admit(P, chunks=2)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    ((ticket, index),) = pair.in_flight
+    before = pair.ctx.snapshot()
+    with pytest.raises(PoolError):
+        pair.ctx.chunk_done(ticket, index, -1, pair.now)
+    assert pair.ctx.snapshot() == before
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.now += pair.timeout + 1
+    pair.perform(pair.ctx.expire(pair.now))  # drain deadline: UNKNOWN, quarantined
+    assert pair.ctx.parent_state(P) is ParentState.QUARANTINED
+    before = pair.ctx.snapshot()
+    with pytest.raises(LeaseError):
+        pair.ctx.reclaim(P, proof="")
+    assert pair.ctx.snapshot() == before
+    pair.ctx.reclaim(P, proof="agent of ctx epoch 1 torn down")
+    assert pair.ctx.pool.counts().quarantined == 0

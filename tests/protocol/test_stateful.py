@@ -13,6 +13,12 @@ new epoch. After every step it checks:
 * S4: every pool's blocks are each in exactly one state and counts add up;
 * no leak: pool ownership equals the protocol's live parents, and at teardown
   everything settles to free + quarantined == pool.
+
+A broken protocol shows up as an assertion that names the invariant it broke
+(the harness converts a rank's KeyError/TypeError into "S3: ... must refuse
+with a ProtocolError", a chunk posted for a released lease into "S1: ...",
+a pool inconsistency into "S4: ..."), never as a KeyError of the harness;
+`test_harness_reports_*` below pin that.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import contextlib
 
 import msgspec
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -33,17 +40,19 @@ from hypothesis.stateful import (
 )
 
 from kvhandoff.protocol import (
+    Cancel,
     CancelReason,
     Open,
     ParentKey,
     ParentState,
+    PostChunk,
     Role,
     UnknownSessionError,
     decode_frame,
     encode_frame,
 )
 
-from .harness import Envelope, Pair, gen_endpoint, parent_key
+from .harness import Envelope, Pair, gen_endpoint, parent_key, protocol_call
 
 N_GEN = 2
 
@@ -139,7 +148,13 @@ class HandoffMachine(RuleBasedStateMachine):
         rank = self.pair.ranks()[side]
         # A restarted incarnation never heard of the parent: that is the only refusal.
         with contextlib.suppress(UnknownSessionError):
-            self.pair.perform(rank.cancel(parent, reason, self.pair.now))
+            self.pair.perform(
+                protocol_call(
+                    "S3",
+                    f"cancel({parent!r}) on {rank.our.ns}",
+                    lambda: rank.cancel(parent, reason, self.pair.now),
+                )
+            )
 
     @rule(dt=st.sampled_from([0.5, 5.0, 10.0, 20.0]))
     def advance_time(self, dt: float) -> None:
@@ -256,3 +271,49 @@ HandoffMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestHandoff = HandoffMachine.TestCase
+
+
+# ---- the harness reports broken invariants, not its own KeyErrors ------------
+
+
+def test_harness_reports_a_late_message_crash_as_s3() -> None:
+    """A closed session left installed (a registry that forgets to close it) makes
+    a late CANCEL find an edge whose parent is gone: the protocol raises KeyError.
+    The harness reports that as the broken S3 refusal contract."""
+    pair = Pair()
+    parent = parent_key(1)
+    pair.handoff(parent)
+    pair.free(parent)
+    ticket = pair.tickets(parent)[0]
+    assert pair.ctx._sessions.closed_how(ticket) == "released"
+    # Emulate the bug: the closed session is still live in the registry.
+    pair.ctx._sessions._live[ticket] = object()  # type: ignore[assignment]
+    with pytest.raises(AssertionError, match=r"^S3: ctx rank 0 receive\(Cancel req-1\) raised"):
+        pair.deliver_message(Role.CTX, 0, Cancel(ticket=ticket, reason=CancelReason.PEER))
+
+
+def test_harness_reports_a_post_for_a_released_lease_as_s1() -> None:
+    """A PostChunk for a parent whose lease is gone is S1 (the DMA would read
+    freed blocks), not a lookup error in the harness's data-plane model."""
+    pair = Pair()
+    parent = parent_key(1)
+    pair.handoff(parent)
+    ticket = pair.tickets(parent)[0]
+    with pytest.raises(AssertionError, match="^S1: PostChunk 0"):
+        pair.perform([PostChunk(ticket, 0)])
+
+
+def test_harness_reports_pool_corruption_as_s4_and_leaks_as_no_leak() -> None:
+    """A pool whose bookkeeping is broken fails as S4; a live parent whose lease
+    is gone fails as "no leak"; neither as a PoolError/LeaseError of the harness."""
+    pair = Pair()
+    parent = parent_key(1)
+    pair.admit(parent)
+    pair.ctx.pool._free.append(pair.ctx.lease(parent)[0].block)  # a leased block on the free list
+    with pytest.raises(AssertionError, match="^S4: pool of"):
+        pair.check_s4_and_ownership()
+    pair = Pair()
+    pair.admit(parent)
+    pair.ctx.pool.release(parent)  # the pool freed it behind the protocol's back
+    with pytest.raises(AssertionError, match="^no leak:"):
+        pair.check_s4_and_ownership()
