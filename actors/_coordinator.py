@@ -280,10 +280,13 @@ class CoordinatorCore:
         """Per rank, how its start is going: "started", "died: <cause>" or
         "starting (<Ray actor state>)". Answers at once, also while the start
         is in progress (for the launcher's error message)."""
-        status = dict(self._start_status)
-        for rank, why in status.items():
-            if why == "starting" and rank < len(self._handles):
-                status[rank] = f"starting ({_actor_state(self._handles[rank])})"
+        status = {}
+        for rank in range(self._tp):
+            why = self._start_status.get(rank, "starting")
+            if why == "starting":
+                known = rank < len(self._handles)
+                why = f"starting ({_actor_state(self._handles[rank]) if known else 'not created yet'})"
+            status[rank] = why
         return status
 
     def _take_epoch(self) -> int:
