@@ -49,6 +49,7 @@ import asyncio
 import collections
 import itertools
 import json
+import logging
 import math
 import os
 import platform
@@ -1029,7 +1030,8 @@ def run(args: argparse.Namespace) -> int:
         os.environ["UCX_TLS"] = args.ucx_tls  # inherited by the Ray workers we start
     started_ray = False
     if not ray.is_initialized():
-        kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+        # Ray's own INFO/WARNING lines would bury the tables (and a one-line error).
+        kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.ERROR}
         if args.address:
             kw["address"] = args.address
         ray.init(**kw)
