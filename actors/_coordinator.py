@@ -144,7 +144,8 @@ class CoordinatorCore:
     ``round_timeout`` (seconds, per phase); ``max_restarts`` (topology-wide);
     ``batch_window`` (extra seconds to gather a batch); ``max_batch``
     (admissions per round); ``restart_timeout`` (bound on restarting one
-    rank actor; the first start waits on progress, see `_identities`); ``topology_digest`` (checked by the followers if set).
+    rank actor; the first start waits on progress instead, see
+    `_identities`); ``topology_digest`` (checked by the followers if set).
     """
 
     def __init__(

@@ -66,7 +66,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import msgspec
@@ -733,7 +733,7 @@ class Deployment:
             await asyncio.gather(*(g.hold_frames.remote(Role.CTX.value, last_ctx, False) for g in gen_ranks))
         elif cancel_at == "mid_dma":
             await self._send_opens(parent)
-            await self._until_posted_parent(parent, timeout)
+            await self._until_posted_parent(lambda: parent, timeout)
             await self._cancel(attempt)
         else:
             await self._send_opens(parent)
@@ -800,13 +800,16 @@ class Deployment:
             log.warning("%s: handing back %s failed: %r", self.name, parent, exc)
 
     async def _until_posted(self, request_id: str, timeout: float) -> None:
-        await self._until_posted_parent(self.parent(request_id), timeout)
+        """Until a CTX rank posted a chunk of the current attempt of `request_id`
+        (or it ended). The attempt is re-read at every poll: a `handoff` task
+        created just before this call may not have begun its attempt yet."""
+        await self._until_posted_parent(lambda: self.parent(request_id), timeout)
 
-    async def _until_posted_parent(self, parent: ParentKey, timeout: float) -> None:
+    async def _until_posted_parent(self, parent: Callable[[], ParentKey], timeout: float) -> None:
         ctx_ranks = await self.ranks(Role.CTX)
         deadline = time.perf_counter() + timeout
         while time.perf_counter() < deadline:
-            phases = await asyncio.gather(*(h.phase.remote(parent) for h in ctx_ranks))
+            phases = await asyncio.gather(*(h.phase.remote(parent()) for h in ctx_ranks))
             if any(p["posted"] > 0 for p in phases) or any(p["state"] in _ENDED for p in phases):
                 return
             await asyncio.sleep(0.001)
