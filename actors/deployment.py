@@ -76,7 +76,14 @@ from kvhandoff.actors._coordinator import AdmissionStopped, Coordinator
 from kvhandoff.actors._dataplane import FaultPlan
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors.rank import RankActor, RankConfig
-from kvhandoff.protocol import Endpoint, MemoryKind, ParentKey, Role, TopologyError
+from kvhandoff.protocol import (
+    AdmissionRequest,
+    Endpoint,
+    MemoryKind,
+    ParentKey,
+    Role,
+    TopologyError,
+)
 from kvhandoff.topology import (
     KVLayout,
     TopologySpec,
@@ -107,6 +114,8 @@ _ENDED = ("released", "quarantined", "decode_ready", "settled", "completed", "ca
 
 #: Attempt ids are U32 on the wire (ParentKey.ctx_attempt / gen_attempt).
 _MAX_ATTEMPT = 2**32 - 1
+#: A valid parent, to check a token count against the admission message's type.
+_ANY_PARENT = {"request_id": "r", "ctx_attempt": 0, "gen_attempt": 0}
 
 T = TypeVar("T")
 
@@ -513,6 +522,10 @@ class Deployment:
         self._check_id(request_id)
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
             raise InvalidRequest(f"num_tokens must be an int >= 1, got {_short(num_tokens)}")
+        try:  # the round message's own bound on it
+            msgspec.convert({"parent": _ANY_PARENT, "num_tokens": num_tokens}, AdmissionRequest)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(f"num_tokens={num_tokens}: {exc}") from None
         need = blocks_for_tokens(self.layout, num_tokens)
         if need > self.pool_blocks:
             raise InvalidRequest(
