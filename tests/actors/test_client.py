@@ -269,7 +269,16 @@ def test_dead_coordinator_fails_handoffs_cleanly_and_stats_still_work(ray_cluste
         dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=64, round_timeout_s=ROUND_TIMEOUT)
         try:
             assert (await dep.handoff("before", TOKENS, timeout=TIMEOUT)).outcome == "completed"
-            ray.kill(dep.coordinator(Role.CTX))
+            coordinator = dep.coordinator(Role.CTX)
+            ray.kill(coordinator)
+            deadline = time.monotonic() + IDLE_BOUND
+            while True:  # dead before the handoffs start, not in the middle of one
+                try:
+                    await coordinator.stats.remote()
+                except ray.exceptions.RayActorError:
+                    break
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
             results = await asyncio.gather(
                 *(dep.handoff(f"orphaned-{i}", TOKENS, timeout=TIMEOUT) for i in range(8)), return_exceptions=True
             )
