@@ -292,8 +292,10 @@ def test_dead_coordinator_fails_handoffs_cleanly_and_stats_still_work(ray_cluste
     assert stats["coordinators"]["ctx"]["state"] == "unreachable"
     assert stats["coordinators"]["gen"]["state"] == "running"
     decided = stats["coordinators"]["gen"]["decided"]
-    # GEN did admit them (its coordinator is alive), and each was cancelled again.
-    assert decided.get("admitted", 0) >= 1 + len(results) and decided.get("cancelled", 0) >= len(results), decided
+    # GEN did admit them (its coordinator is alive), and each ended again
+    # (cancelled by the client, or failed by a GEN rank's own intent first).
+    assert decided.get("admitted", 0) >= 1 + len(results), decided
+    assert stats["coordinators"]["gen"]["in_flight"] == 0, stats["coordinators"]["gen"]
     gen = [s for s in stats["ranks"] if s.get("role") == "gen"]
     assert len(gen) == 1 and "error" not in gen[0] and gen[0]["leased"] == 0, gen
     assert gen[0]["free"] == gen[0]["pool"]
