@@ -7,7 +7,18 @@ client API (used by the CLI, the Ray job and the notebook) and the CLI.
 
 from ._coordinator import AdmissionStopped, Coordinator, RoundTimeout, TopologyFailed
 from ._dataplane import FaultPlan
-from .deployment import CANCEL_PHASES, DEFAULT_LAYOUT, Deployment, HandoffResult, SyncDeployment
+from .deployment import (
+    CANCEL_PHASES,
+    DEFAULT_LAYOUT,
+    Deployment,
+    DeploymentClosed,
+    DeploymentError,
+    HandoffResult,
+    InvalidConfig,
+    InvalidRequest,
+    LaunchFailed,
+    SyncDeployment,
+)
 from .rank import RankActor, RankConfig
 
 __all__ = [
@@ -16,6 +27,11 @@ __all__ = [
     "HandoffResult",
     "CANCEL_PHASES",
     "DEFAULT_LAYOUT",
+    "DeploymentError",
+    "InvalidRequest",
+    "InvalidConfig",
+    "LaunchFailed",
+    "DeploymentClosed",
     "FaultPlan",
     "RankActor",
     "RankConfig",

@@ -49,6 +49,7 @@ import asyncio
 import collections
 import itertools
 import json
+import logging
 import math
 import os
 import platform
@@ -163,6 +164,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="set UCX_TLS before starting Ray (e.g. tcp: DMA stays in flight longer)",
     )
     add("--address", default=None, help="an existing Ray cluster (default: start a local one)")
+    add(
+        "--start-timeout",
+        type=_positive_seconds,
+        default=600.0,
+        help="seconds the rank actors may take to start (default %(default)g); a rank that "
+        "dies while starting fails the launch at once",
+    )
+
+
+def _positive_seconds(text: str) -> float:
+    # ArgumentTypeError carries the whole message (argparse would name this function).
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+class _LaunchFailed(RuntimeError):
+    """A deployment did not come up: reported in one line, exit status 2."""
 
 
 # -- statistics ---------------------------------------------------------------------------
@@ -231,15 +254,19 @@ class _Bench:
 
     async def launch(self, layout: KVLayout, pool_blocks: int, *, tp1: bool = False) -> Deployment:
         a = self.args
-        return await Deployment.launch(
-            ctx_tp=1 if tp1 else a.ctx_tp,
-            gen_tp=1 if tp1 else a.gen_tp,
-            layout=layout,
-            pool_blocks=pool_blocks,
-            memory=a.memory,
-            chunk_bytes=a.chunk_mib * MiB,
-            synthetic=False,  # time the protocol and the data plane, not the test pattern
-        )
+        try:
+            return await Deployment.launch(
+                ctx_tp=1 if tp1 else a.ctx_tp,
+                gen_tp=1 if tp1 else a.gen_tp,
+                layout=layout,
+                pool_blocks=pool_blocks,
+                memory=a.memory,
+                chunk_bytes=a.chunk_mib * MiB,
+                start_timeout_s=a.start_timeout,
+                synthetic=False,  # time the protocol and the data plane, not the test pattern
+            )
+        except Exception as exc:  # InvalidConfig, LaunchFailed: one line, no traceback
+            raise _LaunchFailed(f"{type(exc).__name__}: {exc}") from exc
 
     # -- 1. data plane ------------------------------------------------------------------
 
@@ -1003,13 +1030,17 @@ def run(args: argparse.Namespace) -> int:
         os.environ["UCX_TLS"] = args.ucx_tls  # inherited by the Ray workers we start
     started_ray = False
     if not ray.is_initialized():
-        kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+        # Ray's own INFO/WARNING lines would bury the tables (and a one-line error).
+        kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.ERROR}
         if args.address:
             kw["address"] = args.address
         ray.init(**kw)
         started_ray = True
     try:
         out = asyncio.run(_Bench(args).run())
+    except _LaunchFailed as exc:
+        print(f"kvhandoff bench: could not launch the deployment: {exc}", file=sys.stderr)
+        return 2
     finally:
         if started_ray:
             ray.shutdown()

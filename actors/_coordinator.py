@@ -150,8 +150,9 @@ class CoordinatorCore:
     ``ranks`` is None, with ``tp`` ranks, and to restart them);
     ``round_timeout`` (seconds, per phase); ``max_restarts`` (topology-wide);
     ``batch_window`` (extra seconds to gather a batch); ``max_batch``
-    (admissions per round); ``restart_timeout`` (bound on starting one
-    rank actor); ``topology_digest`` (checked by the followers if set).
+    (admissions per round); ``restart_timeout`` (bound on restarting one
+    rank actor; the first start waits on progress instead, see
+    `_identities`); ``topology_digest`` (checked by the followers if set).
     """
 
     def __init__(
@@ -213,6 +214,7 @@ class CoordinatorCore:
         self._decision_log: collections.deque[RoundDecision] = collections.deque(maxlen=4096)
         self._outcomes: collections.OrderedDict[ParentKey, str] = collections.OrderedDict()
         self._timeouts: list[RoundTimeout] = []
+        self._start_status: dict[int, str] = {}  # rank -> how its start went (start_status)
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -225,21 +227,15 @@ class CoordinatorCore:
         if self._leader is not None:
             return
         async with self._start_lock:
+            self._raise_if_unusable()  # an earlier caller's start may have failed
             if self._leader is not None:
                 return
-            if self._owns_ranks:
+            if self._owns_ranks and not self._handles:
                 assert self._rank_factory is not None
                 for rank in range(self._tp):
                     self._handles.append(self._rank_factory(rank, self._take_epoch()))
                     self._epochs.append(self._next_epoch - 1)
-            try:
-                async with asyncio.timeout(self._restart_timeout):
-                    identities = await asyncio.gather(
-                        *(h.round_identity.remote() for h in self._handles)
-                    )
-            except Exception as exc:
-                self._enter_failed(f"rank actors did not start: {exc!r}")
-                raise TopologyFailed(self.topology, self._failure_reason) from exc
+            identities = await self._identities()
             for index, (rank, _) in enumerate(identities):
                 if rank != index:
                     self._enter_failed(f"handle {index} reports rank {rank}")
@@ -254,6 +250,54 @@ class CoordinatorCore:
             self.state = TopologyState.RUNNING
             # Owned: kept in self._loop_task and cancelled by shutdown().
             self._loop_task = asyncio.get_running_loop().create_task(self._round_loop())
+
+    async def _identities(self) -> list[tuple[int, int]]:
+        """Every rank's ``round_identity``, which it answers once constructed.
+
+        Waits on progress, not on a wall-clock guess: a rank actor that is still
+        starting (waiting for resources, still constructing) is not dead, so
+        there is no bound here (the caller bounds the whole start, e.g.
+        `Deployment.launch`'s ``start_timeout_s``, and can ask `start_status`
+        which ranks are still starting). A rank actor that died while starting
+        (its constructor raised, its node went away) fails the start at once:
+        its call raises with the death cause, the topology is FAILED and
+        `TopologyFailed` names the rank and why."""
+        self._start_status = {rank: "starting" for rank in range(self._tp)}
+        identities: list[tuple[int, int]] = [(-1, -1)] * self._tp
+
+        async def identify(rank: int) -> None:
+            try:
+                rank_no, epoch = await self._handles[rank].round_identity.remote()
+            except Exception as exc:
+                self._start_status[rank] = f"died: {_death_cause(exc)}"
+                raise
+            identities[rank] = (rank_no, epoch)
+            self._start_status[rank] = "started"
+
+        try:
+            async with asyncio.TaskGroup() as group:  # the first death cancels the other waits
+                for rank in range(self._tp):
+                    group.create_task(identify(rank))
+        except ExceptionGroup as errors:
+            dead = "; ".join(
+                f"rank {rank} {why}" for rank, why in self._start_status.items() if why.startswith("died")
+            )
+            self._enter_failed(f"rank actors did not start: {dead}")
+            raise TopologyFailed(self.topology, self._failure_reason) from errors.exceptions[0]
+        return identities
+
+    async def start_status(self) -> dict[int, str]:
+        """Per rank, how its start is going: "started", "died: <cause>" or
+        "starting (<Ray actor state>)". Answers at once, also while the start
+        is in progress (for the launcher's error message)."""
+        status = {}
+        for rank in range(self._tp):
+            why = self._start_status.get(rank, "starting")
+            if why == "starting":
+                known = rank < len(self._handles)
+                why = f"starting ({_actor_state(self._handles[rank]) if known else 'not created yet'})"
+            status[rank] = why
+        return status
 
     def _take_epoch(self) -> int:
         epoch = self._next_epoch
@@ -682,6 +726,25 @@ def _check_request(parent: ParentKey, num_tokens: int) -> None:
 
 def _key(parent: ParentKey) -> tuple[str, int, int]:
     return (parent.request_id, parent.ctx_attempt, parent.gen_attempt)
+
+
+def _death_cause(exc: BaseException) -> str:
+    """The last line of a Ray actor death error (e.g. "RuntimeError: ..."), short."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[-1] if lines else repr(exc))[:300]
+
+
+def _actor_state(handle: Any) -> str:
+    """Ray's state of an actor that has not answered yet (e.g. PENDING_CREATION:
+    waiting for resources). Read from the GCS actor table, the one source that
+    works without the dashboard; best effort, only for error messages."""
+    try:
+        from ray._private import state
+
+        info = state.actors(handle._actor_id.hex())
+        return f"Ray state {info.get('State', 'unknown')}"
+    except Exception:
+        return "not constructed yet"
 
 
 def _kill(handle: Any) -> None:

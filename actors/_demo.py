@@ -61,10 +61,12 @@ OUTCOMES = ("completed", "cancelled", "rejected", "failed", "timeout")
 # like real prompts; and cheap enough for a 2-core machine.
 MIN_TOKENS = 16
 MAX_TOKENS = 1024
-#: Default per-request timeout passed to `handoff` (`--timeout`). It waits for
-#: the GEN side and then for the CTX side, each up to `timeout`, so L1's bound
-#: is twice that plus slack.
+#: Default per-request timeout passed to `handoff` (`--timeout`). It bounds the
+#: whole handoff; L1's bound (`run_workload`) is twice that plus slack.
 REQUEST_TIMEOUT_S = 15.0
+#: Default bound on starting the rank actors (`--start-timeout`): generous,
+#: since a launch waits on progress and a rank that died fails it at once.
+START_TIMEOUT_S = 600.0
 #: After the workload, how long ranks may take to give back every leased block.
 SETTLE_S = 20.0
 #: Range of the random delay before a concurrent cancel (seconds), log-uniform:
@@ -295,6 +297,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"per-request handoff timeout in seconds (default {REQUEST_TIMEOUT_S:g})",
     )
     parser.add_argument(
+        "--start-timeout",
+        type=_positive_float,
+        default=START_TIMEOUT_S,
+        help="seconds the rank actors may take to start (default %(default)g); a rank that "
+        "dies while starting fails the launch at once",
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print one JSON object on stdout and nothing else"
     )
     parser.add_argument(
@@ -310,24 +319,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Flag types raise ArgumentTypeError with the whole message: for a ValueError
+# argparse would print the function's name ("invalid _positive value").
+
+
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 
 def _rate(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}")
     return value
 
 
@@ -404,10 +426,11 @@ async def _run_async(args: argparse.Namespace, progress: _Progress) -> DemoRepor
             fault_plan=FaultPlan(defer_s=0.005) if args.chaos else None,
             ctx_overrides=overrides,
             gen_overrides=overrides,
+            start_timeout_s=args.start_timeout,
             name=f"kvh-demo-{os.getpid()}",
         )
-    except Exception as exc:
-        raise _LaunchFailed(repr(exc)) from exc
+    except Exception as exc:  # InvalidConfig, LaunchFailed: one line, no traceback
+        raise _LaunchFailed(f"{type(exc).__name__}: {exc}") from exc
     durations["launch_s"] = time.perf_counter() - t
     try:
         exact = "cancel_at" in inspect.signature(dep.handoff).parameters

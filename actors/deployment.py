@@ -24,39 +24,140 @@ One handoff (DESIGN.md "Lifecycle"):
    releases the CTX blocks exactly once. The client then frees the GEN blocks.
 Cancellation enters as a cancel in both instances' next rounds; every rank then
 drains, proves NOT_STARTED, or quarantines (UNKNOWN), per the protocol layer.
+
+The client's own obligations (L1, L2)
+-------------------------------------
+The client holds no blocks, but it is the only party that knows when a caller
+stopped caring about a request, so it must hand back what the attempt holds:
+
+- Input is checked at the API boundary (`InvalidRequest`, `InvalidConfig`)
+  before any actor call: a bad request never reaches a vote, a bad topology
+  never starts an actor.
+- Each `handoff` runs as an *attempt* (a fresh `ParentKey`) in a task the
+  deployment owns. Its admission runs in a second owned task, shielded from
+  the caller, so that whoever hands the attempt back knows whether it was
+  admitted before cancelling it (a cancel that overtook its admission would
+  leave the admitted parent behind).
+- An attempt that ends other than cleanly (its `timeout` passed, its caller
+  was cancelled, a newer attempt of the same request id superseded it, a rank
+  or coordinator died, or anything raised) is handed to an owned *reclaim*
+  task: it waits for the admission's answer, cancels the parent in both
+  instances (the cancel round is applied on every rank before the
+  coordinator answers, and a parent cancelled in a round can never complete
+  in a later one), then frees it on every GEN rank, which returns the blocks
+  of a parent that was already decode-ready. `handoff` returns without waiting
+  for it (the caller asked for a bound); the reclaim itself is bounded
+  (`_reclaim_timeout_s`), and `shutdown()` cancels and awaits what is left
+  before it kills the actors.
+- `completed` means every GEN rank verified its shard and reported its bytes,
+  and they add up to the request's KV size (synthetic mode; without the
+  synthetic pattern nothing is verified and `bytes_verified` is 0).
+- A dead rank or coordinator is an outcome ("failed"), never a Ray exception
+  out of `handoff`; after `shutdown()` every call raises `DeploymentClosed`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import itertools
+import logging
 import threading
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import msgspec
 import ray
 
-from kvhandoff.actors._coordinator import AdmissionStopped, Coordinator, CoordinatorError
+from kvhandoff.actors._coordinator import AdmissionStopped, Coordinator
 from kvhandoff.actors._dataplane import FaultPlan
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors.rank import RankActor, RankConfig
-from kvhandoff.protocol import Endpoint, MemoryKind, ParentKey, Role
-from kvhandoff.topology import KVLayout, TopologySpec, qualify_pair, topology_digest
+from kvhandoff.protocol import (
+    AdmissionRequest,
+    Endpoint,
+    MemoryKind,
+    ParentKey,
+    Role,
+    TopologyError,
+)
+from kvhandoff.topology import (
+    KVLayout,
+    TopologySpec,
+    block_bytes,
+    blocks_for_tokens,
+    qualify_pair,
+    shard_map,
+    topology_digest,
+)
 
-__all__ = ["Deployment", "SyncDeployment", "HandoffResult", "DEFAULT_LAYOUT", "CANCEL_PHASES"]
+__all__ = [
+    "Deployment",
+    "SyncDeployment",
+    "HandoffResult",
+    "DEFAULT_LAYOUT",
+    "CANCEL_PHASES",
+    "DeploymentError",
+    "InvalidRequest",
+    "InvalidConfig",
+    "LaunchFailed",
+    "DeploymentClosed",
+]
+
+log = logging.getLogger("kvhandoff.deployment")
 
 #: Phases at which `handoff(cancel_at=...)` injects a cancel (None: no cancel).
 CANCEL_PHASES = (None, "before_open", "before_ready", "mid_dma", "after_complete")
 _ENDED = ("released", "quarantined", "decode_ready", "settled", "completed", "cancelled")
+
+#: Attempt ids are U32 on the wire (ParentKey.ctx_attempt / gen_attempt).
+_MAX_ATTEMPT = 2**32 - 1
+#: A valid parent, to check a token count against the admission message's type.
+_ANY_PARENT = {"request_id": "r", "ctx_attempt": 0, "gen_attempt": 0}
 
 T = TypeVar("T")
 
 #: A small model-like layout for host-memory demos: 4 layers, 8 KV heads of 64
 #: fp16 dims, 16 tokens per block (128 KiB per block at TP=1).
 DEFAULT_LAYOUT = KVLayout(num_layers=4, num_kv_heads=8, head_dim=64, dtype="float16", tokens_per_block=16)
+
+
+class DeploymentError(Exception):
+    """Base of the client API's own errors."""
+
+
+class InvalidRequest(DeploymentError, ValueError):
+    """A `handoff` argument that can never succeed (bad request id, token count,
+    timeout or cancel phase). Raised before any actor call; nothing changed."""
+
+
+class InvalidConfig(DeploymentError, ValueError):
+    """A `launch` argument that can never work (TP that does not split the KV
+    heads, an empty pool, VRAM without a GPU, ...). Raised before any actor starts."""
+
+
+class LaunchFailed(DeploymentError):
+    """The actors were started but the deployment did not come up. Everything
+    the launch started was killed before this was raised. `not_started` maps
+    "ctx rank 1" (and so on) to why it did not start, where that is known."""
+
+    def __init__(self, deployment: str, reason: str, not_started: dict[str, str] | None = None) -> None:
+        self.deployment = deployment
+        self.reason = reason
+        self.not_started = dict(not_started or {})
+        detail = "; ".join(f"{who}: {why}" for who, why in self.not_started.items())
+        super().__init__(f"deployment {deployment!r} did not start: {reason}" + (f" ({detail})" if detail else ""))
+
+
+class DeploymentClosed(DeploymentError):
+    """The deployment was shut down: its actors are gone."""
+
+    def __init__(self, deployment: str) -> None:
+        self.deployment = deployment
+        super().__init__(f"deployment {deployment!r} is shut down")
 
 
 class HandoffResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -96,8 +197,27 @@ class _RankFactory:
         directory.retire.remote(config.spec.role.value, rank, epoch)
 
 
+class _Attempt:
+    """One `handoff` of one request id: its parent key and the owned tasks
+    that drive it (`task`) and admit it (`admission`)."""
+
+    def __init__(self, parent: ParentKey, num_tokens: int) -> None:
+        self.parent = parent
+        self.num_tokens = num_tokens
+        self.task: asyncio.Task[HandoffResult] | None = None
+        self.admission: asyncio.Task[str] | None = None  # "admitted" | "refused" | "broken"
+        self.cancel_requested = False  # a client cancel(): a refusal is then "cancelled"
+        self.abandoned = False  # superseded, or its caller stopped waiting
+
+
 class Deployment:
     """A CTX instance and a GEN instance with their coordinators (async API)."""
+
+    #: How many recently finished request ids keep their attempt (for `parent()`,
+    #: `wait()`, a late `cancel()`); in-flight ids are always kept. Attempt ids
+    #: come from one deployment-wide counter, so forgetting an id is safe: its
+    #: next attempt still gets an id no rank has seen.
+    _RECENT_IDS = 65536
 
     def __init__(self) -> None:
         self.name = ""
@@ -106,10 +226,18 @@ class Deployment:
         self.layout = DEFAULT_LAYOUT
         self.qualified = True
         self.unqualified_reasons: tuple[str, ...] = ()
+        self.pool_blocks = 0
+        self.synthetic = True
         self._coords: dict[Role, Any] = {}
         self._directory: Any = None
-        self._attempts: dict[str, int] = {}
-        self._cancelled: set[ParentKey] = set()  # attempts a client asked to cancel (bounded below)
+        self._closed = False
+        # Attempt 0 is never handed out: it is what `parent()` names for an id
+        # that has no attempt (yet, or any more).
+        self._attempt_ids = itertools.count(1)
+        self._live: dict[str, _Attempt] = {}
+        self._recent: collections.OrderedDict[str, ParentKey] = collections.OrderedDict()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._reclaim_timeout_s = 60.0
         # Rank handles and CTX endpoints change only when a rank restarts (a new
         # epoch): cached, keyed by both coordinators' epochs, refreshed off the
         # critical path (concurrently with the admission rounds).
@@ -132,7 +260,7 @@ class Deployment:
         lease_timeout_s: float = 30.0,
         round_timeout_s: float = 5.0,
         max_restarts: int = 3,
-        start_timeout_s: float = 60.0,
+        start_timeout_s: float = 600.0,
         fault_plan: FaultPlan | None = None,
         synthetic: bool = True,
         prepared_descriptors: bool = True,
@@ -141,21 +269,110 @@ class Deployment:
         name: str | None = None,
     ) -> Deployment:
         """Start the actors on the current Ray cluster (`ray.init()` it first, or
-        let this call start a local one)."""
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False)
+        let this call start a local one).
+
+        Raises `InvalidConfig` for a configuration that can never work, before
+        any actor starts (and before a local Ray is started). The start then
+        waits on progress, not on a guess: a rank actor that is still starting
+        (waiting for resources, still constructing) is waited for, a rank actor
+        that died while starting fails the launch at once with its death cause,
+        and `start_timeout_s` bounds the whole start. Any failure after the
+        first actor started raises `LaunchFailed`, after killing every actor the
+        launch started (directory, coordinators, their rank actors)."""
         self = cls()
         self.name = name or f"kvh-{uuid.uuid4().hex[:8]}"
+        plans = self._plan(
+            ctx_tp=ctx_tp,
+            gen_tp=gen_tp,
+            layout=layout,
+            pool_blocks=pool_blocks,
+            memory=memory,
+            chunk_bytes=chunk_bytes,
+            transfer_timeout_s=transfer_timeout_s,
+            lease_timeout_s=lease_timeout_s,
+            round_timeout_s=round_timeout_s,
+            max_restarts=max_restarts,
+            start_timeout_s=start_timeout_s,
+            fault_plan=fault_plan,
+            synthetic=synthetic,
+            prepared_descriptors=prepared_descriptors,
+            ctx_overrides=ctx_overrides,
+            gen_overrides=gen_overrides,
+        )
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False)
+        if MemoryKind(memory) is MemoryKind.VRAM and not ray.cluster_resources().get("GPU", 0):
+            raise InvalidConfig("memory='VRAM' puts each rank's KV pool on a GPU, but the Ray cluster has no GPU")
+        # Each rank's transfer, lease and rounds are bounded; so is handing back
+        # an abandoned attempt (see the module docstring).
+        self._reclaim_timeout_s = lease_timeout_s + 2 * transfer_timeout_s + 4 * round_timeout_s
+        try:
+            await self._start(plans, round_timeout_s, max_restarts, start_timeout_s)
+        except BaseException as exc:
+            await self._teardown()
+            if isinstance(exc, DeploymentError) or not isinstance(exc, Exception):
+                raise
+            raise LaunchFailed(self.name, f"{type(exc).__name__}: {exc}") from exc
+        return self
+
+    def _plan(
+        self,
+        *,
+        ctx_tp: Any,
+        gen_tp: Any,
+        layout: KVLayout | None,
+        pool_blocks: Any,
+        memory: Any,
+        chunk_bytes: Any,
+        transfer_timeout_s: Any,
+        lease_timeout_s: Any,
+        round_timeout_s: Any,
+        max_restarts: Any,
+        start_timeout_s: Any,
+        fault_plan: FaultPlan | None,
+        synthetic: bool,
+        prepared_descriptors: bool,
+        ctx_overrides: dict[str, Any] | None,
+        gen_overrides: dict[str, Any] | None,
+    ) -> list[tuple[TopologySpec, list[RankConfig], list[dict[str, Any]]]]:
+        """Everything that can be checked without an actor: the specs, the
+        shard map, the rank configs. Raises `InvalidConfig`."""
+        _check_int("ctx_tp", ctx_tp, 1)
+        _check_int("gen_tp", gen_tp, 1)
+        _check_int("pool_blocks", pool_blocks, 1)
+        _check_int("chunk_bytes", chunk_bytes, 1)
+        _check_int("max_restarts", max_restarts, 0)
+        for field, value in (
+            ("lease_timeout_s", lease_timeout_s),
+            ("round_timeout_s", round_timeout_s),
+            ("start_timeout_s", start_timeout_s),
+        ):
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise InvalidConfig(f"{field} must be a positive number of seconds, got {value!r}")
+        try:
+            mem = MemoryKind(memory)
+        except ValueError:
+            raise InvalidConfig(f"memory must be one of {[m.value for m in MemoryKind]}, got {memory!r}") from None
         self.layout = layout or DEFAULT_LAYOUT
-        mem = MemoryKind(memory)
+        self.pool_blocks = pool_blocks
+        self.synthetic = synthetic
         common = {"memory": mem, "transfer_timeout_s": transfer_timeout_s}
-        self.ctx_spec = TopologySpec(instance_id=f"{self.name}-ctx", role=Role.CTX, tp=ctx_tp, **common, **(ctx_overrides or {}))
-        self.gen_spec = TopologySpec(instance_id=f"{self.name}-gen", role=Role.GEN, tp=gen_tp, **common, **(gen_overrides or {}))
+        try:
+            self.ctx_spec = TopologySpec(
+                instance_id=f"{self.name}-ctx", role=Role.CTX, tp=ctx_tp, **common, **(ctx_overrides or {})
+            )
+            self.gen_spec = TopologySpec(
+                instance_id=f"{self.name}-gen", role=Role.GEN, tp=gen_tp, **common, **(gen_overrides or {})
+            )
+            # Every edge of the heterogeneous-TP split, as the ranks will build it.
+            shard_map(self.layout, ctx_tp, gen_tp)
+        except (TopologyError, TypeError, ValueError) as exc:
+            raise InvalidConfig(str(exc)) from exc
         verdict = qualify_pair(self.ctx_spec, self.gen_spec)
         self.qualified = verdict.qualified
         self.unqualified_reasons = verdict.reasons
         device = "cuda" if mem is MemoryKind.VRAM else "cpu"
-        self._directory = Directory.options(name=f"{self.name}.directory").remote()
+        plans = []
         for spec, peer in ((self.ctx_spec, self.gen_spec), (self.gen_spec, self.ctx_spec)):
             configs = [
                 RankConfig(
@@ -175,9 +392,23 @@ class Deployment:
                 )
                 for r in range(spec.tp)
             ]
-            resources = [
-                {"num_cpus": 0, "num_gpus": 1 if device == "cuda" else 0} for _ in range(spec.tp)
-            ]
+            resources = [{"num_cpus": 0, "num_gpus": 1 if device == "cuda" else 0} for _ in range(spec.tp)]
+            plans.append((spec, configs, resources))
+        return plans
+
+    async def _start(
+        self,
+        plans: list[tuple[TopologySpec, list[RankConfig], list[dict[str, Any]]]],
+        round_timeout_s: float,
+        max_restarts: int,
+        start_timeout_s: float,
+    ) -> None:
+        """Start the directory and both coordinators (which start their ranks on
+        the first call), then wait until every rank answered and registered."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + start_timeout_s
+        self._directory = Directory.options(name=f"{self.name}.directory").remote()
+        for spec, configs, resources in plans:
             self._coords[spec.role] = Coordinator.options(name=f"{self.name}.coord.{spec.role.value}").remote(
                 spec.instance_id,
                 rank_factory=_RankFactory(configs, resources),
@@ -187,38 +418,130 @@ class Deployment:
                 restart_timeout=start_timeout_s,
                 topology_digest=topology_digest(spec),
             )
-        epochs = await asyncio.gather(*(c.epochs.remote() for c in self._coords.values()))
-        expected = {role.value: e for role, e in zip(self._coords, epochs)}
-        if not await self._directory.wait_for.remote(expected, 60.0):
-            raise CoordinatorError(f"{self.name}: rank actors did not register in time")
+        # `epochs` answers once every rank of that instance answered its identity
+        # (constructed); a rank that died while starting makes it raise at once
+        # (TopologyFailed naming the rank and its death cause). A rank still
+        # starting is not an error: only the overall bound applies.
+        starts = {role: asyncio.ensure_future(_ref(c.epochs.remote())) for role, c in self._coords.items()}
+        try:
+            done, pending = await asyncio.wait(
+                starts.values(), timeout=start_timeout_s, return_when=asyncio.FIRST_EXCEPTION
+            )
+            for future in done:
+                error = future.exception()
+                if error is not None:  # a rank died while starting, or a coordinator did
+                    cause = getattr(error, "cause", None) or error
+                    died = {k: v for k, v in (await self._not_started()).items() if "died" in v}
+                    raise LaunchFailed(self.name, str(getattr(cause, "reason", cause)), died) from error
+            if pending:
+                not_started = await self._not_started()
+                raise LaunchFailed(self.name, f"rank actors did not start within {start_timeout_s:g}s", not_started)
+        finally:
+            for future in starts.values():
+                future.cancel()
+        expected = {role.value: starts[role].result() for role in self._coords}
+        left = max(deadline - loop.time(), 0.0)
+        if not await self._directory.wait_for.remote(expected, left):
+            raise LaunchFailed(self.name, f"rank actors did not register with the directory within {start_timeout_s:g}s")
         await asyncio.gather(*(h.connect.remote() for h in await self._all_ranks()))
-        return self
+
+    async def _not_started(self) -> dict[str, str]:
+        """Per rank that has not answered yet: why, as its coordinator sees it."""
+        found: dict[str, str] = {}
+        for role, coord in self._coords.items():
+            try:
+                status = await asyncio.wait_for(_ref(coord.start_status.remote()), 10.0)
+            except Exception as exc:
+                found[f"{role.value} coordinator"] = f"no answer: {exc!r}"[:300]
+                continue
+            for rank, why in sorted(status.items()):
+                if why != "started":
+                    found[f"{role.value} rank {rank}"] = why
+        return found
 
     @classmethod
     def launch_sync(cls, **kwargs: Any) -> SyncDeployment:
         """`launch` for scripts: returns a blocking wrapper with the same methods."""
         runner = _LoopThread()
-        return SyncDeployment(runner.run(cls.launch(**kwargs)), runner)
+        try:
+            deployment = runner.run(cls.launch(**kwargs))
+        except BaseException:
+            runner.stop()
+            raise
+        return SyncDeployment(deployment, runner)
 
-    # -- the client API ------------------------------------------------------------------
+    # -- attempts -----------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """True once `shutdown()` was called."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DeploymentClosed(self.name)
 
     def coordinator(self, role: Role) -> Any:
         """The coordinator actor of one instance (rounds, stats, decision log)."""
+        self._check_open()
         return self._coords[role]
 
     def parent(self, request_id: str) -> ParentKey:
-        """The current attempt of `request_id`. Each `handoff` of the same request id
-        is a new attempt (both attempt ids advance), so leftovers of an earlier
-        attempt (a late cancel, a stale frame) can never touch the new one."""
-        attempt = self._attempts.get(request_id, 0)
-        return ParentKey(request_id=request_id, ctx_attempt=attempt, gen_attempt=attempt)
+        """The current attempt of `request_id`: the one in flight, else the most
+        recent one (bounded memory), else attempt 0 (never handed out, so it
+        names nothing a rank holds). Each `handoff` is a new attempt with ids
+        from one deployment-wide counter, so leftovers of an earlier attempt
+        (a late cancel, a stale frame) can never touch a newer one."""
+        live = self._live.get(request_id)
+        if live is not None:
+            return live.parent
+        recent = self._recent.get(request_id)
+        if recent is not None:
+            return recent
+        return ParentKey(request_id=request_id, ctx_attempt=0, gen_attempt=0)
 
     def _new_attempt(self, request_id: str) -> ParentKey:
-        if request_id in self._attempts:
-            self._attempts[request_id] += 1
-        else:
-            self._attempts[request_id] = 0
-        return self.parent(request_id)
+        """A fresh attempt id for `request_id`, remembered as its current one."""
+        attempt = next(self._attempt_ids)
+        if attempt > _MAX_ATTEMPT:
+            raise DeploymentError(f"deployment {self.name!r} used up its {_MAX_ATTEMPT} attempt ids: launch a new one")
+        parent = ParentKey(request_id=request_id, ctx_attempt=attempt, gen_attempt=attempt)
+        self._recent[request_id] = parent
+        self._recent.move_to_end(request_id)
+        while len(self._recent) > self._RECENT_IDS:
+            self._recent.popitem(last=False)
+        return parent
+
+    def _check_id(self, request_id: Any) -> None:
+        try:
+            # The wire type's own rule (protocol/_ticket.py `Id`), not a copy of it.
+            msgspec.convert({"request_id": request_id, "ctx_attempt": 0, "gen_attempt": 0}, ParentKey)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(f"invalid request id {_short(request_id)}: {exc}") from None
+
+    def _checked(self, request_id: Any, num_tokens: Any) -> None:
+        """Refuse a request that can never succeed, before any actor call."""
+        self._check_id(request_id)
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
+            raise InvalidRequest(f"num_tokens must be an int >= 1, got {_short(num_tokens)}")
+        try:  # the round message's own bound on it
+            msgspec.convert({"parent": _ANY_PARENT, "num_tokens": num_tokens}, AdmissionRequest)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(f"num_tokens={num_tokens}: {exc}") from None
+        need = blocks_for_tokens(self.layout, num_tokens)
+        if need > self.pool_blocks:
+            raise InvalidRequest(
+                f"num_tokens={num_tokens} needs {need} blocks; a rank's pool has only {self.pool_blocks}"
+            )
+
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """A task the deployment owns: kept until done, cancelled by shutdown()."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- the client API ------------------------------------------------------------------
 
     async def refresh_view(self) -> None:
         """Re-read rank handles and CTX endpoints if any rank restarted since."""
@@ -241,6 +564,7 @@ class Deployment:
 
     async def ranks(self, role: Role) -> list[Any]:
         """The current rank actor handles of one instance (rank i at index i)."""
+        self._check_open()
         await self.refresh_view()
         return self._cached_ranks(role)
 
@@ -249,49 +573,68 @@ class Deployment:
         return list(self._view[0][role])
 
     async def _all_ranks(self) -> list[Any]:
-        return [*(await self.ranks(Role.CTX)), *(await self.ranks(Role.GEN))]
+        await self.refresh_view()
+        return [*self._cached_ranks(Role.CTX), *self._cached_ranks(Role.GEN)]
 
     async def ctx_endpoints(self) -> list[Endpoint]:
         """The current CTX endpoints."""
+        self._check_open()
         await self.refresh_view()
         assert self._view is not None
         return list(self._view[1])
 
-    async def admit(self, request_id: str, num_tokens: int) -> bool:
+    async def _admit(self, parent: ParentKey, num_tokens: int) -> str:
         """Both admission rounds, concurrently (CTX leases and prefills, GEN leases).
 
         They are independent: no OPEN is sent before both are admitted, so running
-        them side by side takes one round off the critical path. If only one side
-        admits, that side's parent is cancelled (nothing was exposed yet)."""
-        parent = self.parent(request_id)
+        them side by side takes one round off the critical path. Unless both
+        admit, every side that may hold the parent is cancelled (nothing was
+        exposed yet): one that admitted, and one whose call raised (it died, its
+        topology failed: whether it admitted is unknown). Returns "admitted",
+        "refused" (a side said no, or is restarting) or "broken" (a side raised)."""
 
-        async def one(role: Role) -> bool:
+        async def one(role: Role) -> bool | None:
             try:
                 return bool(await self._coords[role].admit.remote(parent, num_tokens))
             except AdmissionStopped:  # a rank is restarting: refused, retry later
                 return False
+            except Exception as exc:
+                log.warning("%s: %s admission of %s raised: %r", self.name, role.value, parent, exc)
+                return None
 
         ctx_ok, gen_ok = await asyncio.gather(one(Role.CTX), one(Role.GEN))
         if ctx_ok and gen_ok:
-            return True
-        losers = [role for role, ok in ((Role.CTX, ctx_ok), (Role.GEN, gen_ok)) if ok]
-        await asyncio.gather(*(self._coords[role].cancel.remote(parent) for role in losers))
-        return False
+            return "admitted"
+        holders = [role for role, ok in ((Role.CTX, ctx_ok), (Role.GEN, gen_ok)) if ok is not False]
+        await asyncio.gather(*(self._coords[role].cancel.remote(parent) for role in holders), return_exceptions=True)
+        return "broken" if None in (ctx_ok, gen_ok) else "refused"
 
     async def send_opens(self, request_id: str, gen_ranks: list[int] | None = None) -> int:
         """Each (or the listed) GEN rank installs the session and sends its OPENs."""
-        parent = self.parent(request_id)
+        self._check_open()
+        return await self._send_opens(self.parent(request_id), gen_ranks)
+
+    async def _send_opens(self, parent: ParentKey, gen_ranks: list[int] | None = None) -> int:
         if self._view is None:
             await self.refresh_view()
         assert self._view is not None
         endpoints = self._view[1]
         handles = self._cached_ranks(Role.GEN)
         chosen = range(len(handles)) if gen_ranks is None else gen_ranks
-        sent = await asyncio.gather(*(handles[g].send_opens.remote(parent, endpoints) for g in chosen))
-        return sum(sent)
+        # A dead GEN rank sends nothing; its parent fails through its coordinator
+        # (the watchdog) and the waits below report it.
+        sent = await asyncio.gather(
+            *(handles[g].send_opens.remote(parent, endpoints) for g in chosen), return_exceptions=True
+        )
+        return sum(n for n in sent if isinstance(n, int))
 
     async def wait(self, request_id: str, role: Role, timeout: float) -> list[str]:
-        parent = self.parent(request_id)
+        """Every rank's local outcome of the current attempt of `request_id`
+        ("died" for a rank that could not answer), waiting at most `timeout`."""
+        self._check_open()
+        return await self._wait(self.parent(request_id), role, timeout)
+
+    async def _wait(self, parent: ParentKey, role: Role, timeout: float) -> list[str]:
         handles = self._cached_ranks(role) if self._view is not None else await self.ranks(role)
         found = await asyncio.gather(*(h.wait.remote(parent, timeout) for h in handles), return_exceptions=True)
         # A rank that died mid-request is an outcome (the request failed), not an error.
@@ -300,8 +643,19 @@ class Deployment:
     async def handoff(
         self, request_id: str, num_tokens: int, *, timeout: float = 60.0, cancel_at: str | None = None
     ) -> HandoffResult:
-        """Run one request end to end; returns its outcome (never raises for a
-        cancelled or rejected request).
+        """Run one request end to end; returns its outcome.
+
+        Outcomes: "completed" (every GEN rank verified and reported its shard;
+        `bytes_verified` is the request's whole KV size), "cancelled" (a
+        `cancel()`, or a newer `handoff` of the same request id superseded this
+        one), "rejected" (admission refused: no blocks, or a rank restarting),
+        "failed" (a rank or coordinator died, bytes did not verify), "timeout"
+        (`timeout` seconds passed). Whatever the attempt still held is handed
+        back by a task the deployment owns (module docstring), also when the
+        caller is cancelled while waiting here.
+
+        Raises only `InvalidRequest` (bad arguments: nothing was sent) and
+        `DeploymentClosed` (after `shutdown()`).
 
         `cancel_at` injects a cancel at one exact phase (tests, demo, benchmarks):
         - "before_open": both admissions done, no OPEN sent yet;
@@ -312,97 +666,256 @@ class Deployment:
         - "after_complete": cancel after the GEN side is decode-ready (a no-op:
           the KV stays valid until freed).
         """
+        self._check_open()
         if cancel_at not in CANCEL_PHASES:
-            raise ValueError(f"cancel_at must be one of {CANCEL_PHASES}, got {cancel_at!r}")
+            raise InvalidRequest(f"cancel_at must be one of {CANCEL_PHASES}, got {_short(cancel_at)}")
+        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
+            raise InvalidRequest(f"timeout must be a positive number of seconds, got {_short(timeout)}")
+        self._checked(request_id, num_tokens)
+        older = self._live.get(request_id)
+        if older is not None:
+            # Superseded: the older attempt ends "cancelled" and is handed back.
+            older.abandoned = True
+            assert older.task is not None
+            older.task.cancel()
+        attempt = _Attempt(self._new_attempt(request_id), num_tokens)
+        self._live[request_id] = attempt
+        # Admission starts now, in its own task: whoever hands the attempt back
+        # waits for its answer first (see the module docstring).
+        attempt.admission = self._spawn(self._admit(attempt.parent, num_tokens))
+        attempt.task = self._spawn(self._run(attempt, float(timeout), cancel_at))
+        try:
+            return await asyncio.shield(attempt.task)
+        except asyncio.CancelledError:
+            if attempt.task.cancelled():  # shutdown() cancelled it, not our caller
+                raise DeploymentClosed(self.name) from None
+            # Our caller gave up: end the attempt; its task hands everything back.
+            attempt.abandoned = True
+            attempt.task.cancel()
+            raise
+
+    async def _run(self, attempt: _Attempt, timeout: float, cancel_at: str | None) -> HandoffResult:
+        """Drive one attempt under its `timeout`; whatever way it ends, an
+        attempt that did not end cleanly is handed to `_reclaim`."""
+        parent = attempt.parent
         start = time.perf_counter()
-        self._new_attempt(request_id)
-        admitted, _ = await asyncio.gather(self.admit(request_id, num_tokens), self.refresh_view())
-        if not admitted:
+        result: HandoffResult | None = None
+        clean = False
+        try:
+            async with asyncio.timeout(timeout):
+                result, clean = await self._drive(attempt, timeout, cancel_at, start)
+        except TimeoutError:
+            pass
+        except asyncio.CancelledError:
+            if self._closed or not attempt.abandoned:
+                raise
+        except Exception as exc:  # a coordinator died, a Ray call failed: an outcome
+            log.warning("%s: handoff %s failed: %r", self.name, parent, exc)
+            result = HandoffResult(request_id=parent.request_id, outcome="failed")
+        finally:
+            if self._live.get(parent.request_id) is attempt:
+                del self._live[parent.request_id]
+        latency = time.perf_counter() - start
+        if result is None:
+            outcome = "cancelled" if attempt.abandoned else "timeout"
+            result = HandoffResult(request_id=parent.request_id, outcome=outcome, latency_s=latency)
+        if not clean:
+            self._spawn(self._reclaim(attempt))
+        return result
+
+    async def _drive(
+        self, attempt: _Attempt, timeout: float, cancel_at: str | None, start: float
+    ) -> tuple[HandoffResult, bool]:
+        """The handoff itself; returns its result and whether it ended cleanly
+        (nothing left for `_reclaim` to hand back)."""
+        parent = attempt.parent
+        request_id = parent.request_id
+        assert attempt.admission is not None
+        admitted, _ = await asyncio.gather(asyncio.shield(attempt.admission), self.refresh_view())
+        if admitted != "admitted":
             # A client cancel that won the admission round is a cancel, not a refusal.
-            outcome = "cancelled" if self.parent(request_id) in self._cancelled else "rejected"
-            return HandoffResult(request_id=request_id, outcome=outcome, latency_s=time.perf_counter() - start)
+            outcome = "failed" if admitted == "broken" else "cancelled" if attempt.cancel_requested else "rejected"
+            result = HandoffResult(request_id=request_id, outcome=outcome, latency_s=time.perf_counter() - start)
+            return result, True  # `_admit` already cancelled any side that may hold it
         if cancel_at == "before_open":
-            await self.cancel(request_id)
+            await self._cancel(attempt)
         elif cancel_at == "before_ready":
-            gen_ranks = await self.ranks(Role.GEN)
+            gen_ranks = self._cached_ranks(Role.GEN)
             last_ctx = self.ctx_spec.tp - 1
             await asyncio.gather(*(g.hold_frames.remote(Role.CTX.value, last_ctx, True) for g in gen_ranks))
-            await self.send_opens(request_id)
-            await self.cancel(request_id)
+            await self._send_opens(parent)
+            await self._cancel(attempt)
             await asyncio.gather(*(g.hold_frames.remote(Role.CTX.value, last_ctx, False) for g in gen_ranks))
         elif cancel_at == "mid_dma":
-            await self.send_opens(request_id)
-            await self._until_posted(request_id, timeout)
-            await self.cancel(request_id)
+            await self._send_opens(parent)
+            await self._until_posted_parent(lambda: parent, timeout)
+            await self._cancel(attempt)
         else:
-            await self.send_opens(request_id)
-        gen = await self.wait(request_id, Role.GEN, timeout)
+            await self._send_opens(parent)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout - (time.perf_counter() - start)
+        gen = await self._wait(parent, Role.GEN, max(deadline - loop.time(), 0.0))
         latency = time.perf_counter() - start
-        verified = 0
         if cancel_at == "after_complete":
-            await self.cancel(request_id)
-        if all(o == "completed" for o in gen):
-            verified = await self._free(request_id)
-        ctx = await self.wait(request_id, Role.CTX, timeout)
-        outcome = _overall(gen, ctx)
-        return HandoffResult(
+            await self._cancel(attempt)
+        # Free every GEN rank that is decode-ready, also when a sibling failed:
+        # nobody else would ever free it.
+        ready = [g for g, o in enumerate(gen) if o == "completed"]
+        freed = await self._free(parent, ready)
+        ctx = await self._wait(parent, Role.CTX, max(deadline - loop.time(), 0.0))
+        verified = sum(n for n in freed if isinstance(n, int))
+        expected = self._expected_bytes(attempt.num_tokens) if self.synthetic else 0
+        if any(not isinstance(n, int) for n in freed):
+            outcome = "failed"  # a rank died after it was decode-ready: its bytes are gone
+        elif len(ready) == len(gen):
+            # Decode-ready everywhere; "completed" only if the verified bytes add up.
+            outcome = "completed" if verified == expected else "failed"
+        else:
+            outcome = _overall(gen, ctx)
+        result = HandoffResult(
             request_id=request_id,
             outcome=outcome,
-            bytes_verified=verified,
+            bytes_verified=verified if outcome == "completed" else 0,
             latency_s=latency,
             ctx_outcomes=tuple(ctx),
             gen_outcomes=tuple(gen),
         )
+        return result, outcome in ("completed", "cancelled", "rejected")
+
+    def _expected_bytes(self, num_tokens: int) -> int:
+        """The request's whole KV on the GEN side: every GEN rank's shard."""
+        tp = self.gen_spec.tp
+        return blocks_for_tokens(self.layout, num_tokens) * block_bytes(self.layout, tp) * tp
+
+    async def _reclaim(self, attempt: _Attempt) -> None:
+        """Hand back everything an attempt that did not end cleanly may hold
+        (bounded by `_reclaim_timeout_s`; owned, cancelled by shutdown()).
+
+        Order matters: first the admission's answer (a cancel that overtook its
+        admission would leave the admitted parent behind), then a cancel in both
+        instances (applied on every rank before the coordinator answers; once
+        cancelled, the parent can never complete later), then a free on every
+        GEN rank, which releases the parent if it was already decode-ready (and
+        is refused, changing nothing, if it was not)."""
+        parent = attempt.parent
+        try:
+            async with asyncio.timeout(self._reclaim_timeout_s):
+                assert attempt.admission is not None
+                admitted = await asyncio.shield(attempt.admission)
+                if admitted != "admitted":
+                    return  # `_admit` already cancelled any side that may hold it
+                await asyncio.gather(*(c.cancel.remote(parent) for c in self._coords.values()), return_exceptions=True)
+                with contextlib.suppress(Exception):  # a restart: free the current incarnations
+                    await self.refresh_view()
+                if self._view is not None:
+                    await self._free(parent, range(len(self._cached_ranks(Role.GEN))))
+        except TimeoutError:
+            log.warning("%s: handing back %s took over %gs", self.name, parent, self._reclaim_timeout_s)
+        except Exception as exc:
+            log.warning("%s: handing back %s failed: %r", self.name, parent, exc)
 
     async def _until_posted(self, request_id: str, timeout: float) -> None:
-        parent = self.parent(request_id)
+        """Until a CTX rank posted a chunk of the current attempt of `request_id`
+        (or it ended). The attempt is re-read at every poll: a `handoff` task
+        created just before this call may not have begun its attempt yet."""
+        await self._until_posted_parent(lambda: self.parent(request_id), timeout)
+
+    async def _until_posted_parent(self, parent: Callable[[], ParentKey], timeout: float) -> None:
         ctx_ranks = await self.ranks(Role.CTX)
         deadline = time.perf_counter() + timeout
         while time.perf_counter() < deadline:
-            phases = await asyncio.gather(*(h.phase.remote(parent) for h in ctx_ranks))
+            phases = await asyncio.gather(*(h.phase.remote(parent()) for h in ctx_ranks))
             if any(p["posted"] > 0 for p in phases) or any(p["state"] in _ENDED for p in phases):
                 return
             await asyncio.sleep(0.001)
 
-    async def _free(self, request_id: str) -> int:
-        parent = self.parent(request_id)
+    async def _free(self, parent: ParentKey, gen_ranks: Any) -> list[int | BaseException]:
+        """Free `parent` on the listed GEN ranks: per rank, the bytes it verified
+        (0 if it was not decode-ready there) or the error (it died)."""
         handles = self._cached_ranks(Role.GEN)
-        sizes = await asyncio.gather(*(h.free.remote(parent) for h in handles), return_exceptions=True)
-        return int(sum(n for n in sizes if isinstance(n, int)))
+        return list(await asyncio.gather(*(handles[g].free.remote(parent) for g in gen_ranks), return_exceptions=True))
 
     async def cancel(self, request_id: str) -> None:
         """Cancel a request at any moment: both instances decide it in their next round."""
-        parent = self.parent(request_id)
-        if len(self._cancelled) > 65536:
-            self._cancelled.clear()
-        self._cancelled.add(parent)
+        self._check_open()
+        self._check_id(request_id)
+        live = self._live.get(request_id)
+        if live is not None:
+            await self._cancel(live)
+        else:
+            await self._cancel_parent(self.parent(request_id))
+
+    async def _cancel(self, attempt: _Attempt) -> None:
+        attempt.cancel_requested = True
+        await self._cancel_parent(attempt.parent)
+
+    async def _cancel_parent(self, parent: ParentKey) -> None:
         await asyncio.gather(*(c.cancel.remote(parent) for c in self._coords.values()), return_exceptions=True)
 
     async def stats(self) -> dict[str, Any]:
-        """Per-rank pool counts and counters, and each coordinator's stats."""
-        ranks = await self._all_ranks()
-        per_rank = await asyncio.gather(*(h.stats.remote() for h in ranks), return_exceptions=True)
-        coords = await asyncio.gather(*(c.stats.remote() for c in self._coords.values()))
+        """Per-rank pool counts and counters, and each coordinator's stats.
+
+        Works while parts are dead: a coordinator that does not answer is
+        reported as {"state": "unreachable", "error": ...}, its ranks are
+        asked through the last known handles, and a rank that does not answer
+        is reported as {"error": ..., "role": ..., "rank": ...}."""
+        self._check_open()
+        roles = list(self._coords)
+        coords = await asyncio.gather(*(self._coords[r].stats.remote() for r in roles), return_exceptions=True)
+        handles = await asyncio.gather(*(self._coords[r].rank_handles.remote() for r in roles), return_exceptions=True)
+        who: list[tuple[Role, int, Any]] = []
+        for role, found in zip(roles, handles):
+            if isinstance(found, BaseException):
+                found = self._view[0][role] if self._view is not None else []
+            who += [(role, rank, h) for rank, h in enumerate(found)]
+        per_rank = await asyncio.gather(*(h.stats.remote() for _, _, h in who), return_exceptions=True)
         return {
             "name": self.name,
             "qualified": self.qualified,
             "unqualified_reasons": list(self.unqualified_reasons),
-            "ranks": [s if isinstance(s, dict) else {"error": repr(s)} for s in per_rank],
-            "coordinators": {role.value: c for role, c in zip(self._coords, coords)},
+            "ranks": [
+                s if isinstance(s, dict) else {"error": repr(s)[:500], "role": role.value, "rank": rank}
+                for (role, rank, _), s in zip(who, per_rank)
+            ],
+            "coordinators": {
+                role.value: c if isinstance(c, dict) else {"state": "unreachable", "error": repr(c)[:500]}
+                for role, c in zip(roles, coords)
+            },
         }
 
     async def shutdown(self) -> None:
-        for coord in self._coords.values():
-            with contextlib.suppress(Exception):
-                await coord.shutdown.remote()
-            ray.kill(coord)
-        if self._directory is not None:
-            ray.kill(self._directory)
+        """Stop everything (idempotent): attempts still in flight end (their
+        `handoff` raises `DeploymentClosed`), then the coordinators, their rank
+        actors and the directory are killed. Every later call raises
+        `DeploymentClosed`."""
+        if self._closed:
+            return
+        self._closed = True
+        # Tasks of this loop only: a caller that ran earlier calls under
+        # another loop (asyncio.run per call) had those tasks ended with it.
+        loop = asyncio.get_running_loop()
+        tasks = [t for t in self._tasks if not t.done() and t.get_loop() is loop]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._teardown()
+
+    async def _teardown(self) -> None:
+        """Kill every actor this deployment started. Each coordinator first gets
+        a bounded chance to stop its rounds and kill its ranks itself; killing a
+        coordinator also ends its ranks (Ray ends the actors an actor owns)."""
+        coords = list(self._coords.values())
+        await asyncio.gather(
+            *(asyncio.wait_for(_ref(c.shutdown.remote()), 10.0) for c in coords), return_exceptions=True
+        )
+        for handle in [*coords, self._directory]:
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(handle, no_restart=True)
 
 
 def _overall(gen: list[str], ctx: list[str]) -> str:
-    if all(o == "completed" for o in gen):
-        return "completed"
+    """The outcome of a handoff that did not complete, from every rank's local outcome."""
     every = set(gen) | set(ctx)
     if {"quarantined", "failed", "died"} & every:
         return "failed"
@@ -411,6 +924,22 @@ def _overall(gen: list[str], ctx: list[str]) -> str:
     if "rejected" in every and not ({"cancelled", "released"} & every):
         return "rejected"
     return "cancelled"
+
+
+def _check_int(field: str, value: Any, least: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise InvalidConfig(f"{field} must be an int >= {least}, got {_short(value)}")
+
+
+def _short(value: Any) -> str:
+    """`repr(value)`, cut short: a 4 KiB request id must not make a 4 KiB error."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} chars)"
+
+
+async def _ref(ref: Any) -> Any:
+    """Await a Ray ObjectRef as a coroutine (for asyncio.wait / wait_for)."""
+    return await ref
 
 
 class _LoopThread:
@@ -435,19 +964,28 @@ class SyncDeployment:
         self.deployment = deployment
         self._runner = runner
 
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self.deployment.closed:  # the loop is stopped: running anything would hang
+            coro.close()
+            raise DeploymentClosed(self.deployment.name)
+        return self._runner.run(coro)
+
     def handoff(self, request_id: str, num_tokens: int, **kw: Any) -> HandoffResult:
-        return self._runner.run(self.deployment.handoff(request_id, num_tokens, **kw))
+        return self._run(self.deployment.handoff(request_id, num_tokens, **kw))
 
     def cancel(self, request_id: str) -> None:
-        self._runner.run(self.deployment.cancel(request_id))
+        self._run(self.deployment.cancel(request_id))
 
     def stats(self) -> dict[str, Any]:
-        return self._runner.run(self.deployment.stats())
+        return self._run(self.deployment.stats())
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run any coroutine (e.g. a workload) on the deployment's loop."""
-        return self._runner.run(coro)
+        return self._run(coro)
 
     def shutdown(self) -> None:
+        """Idempotent, like `Deployment.shutdown`."""
+        if self.deployment.closed:
+            return
         self._runner.run(self.deployment.shutdown())
         self._runner.stop()

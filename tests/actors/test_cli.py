@@ -123,6 +123,48 @@ def test_ray_job_example_runs_and_leaks_nothing() -> None:
     assert proc.stdout.strip().endswith("ok")
 
 
+def _cli(*argv: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvhandoff.actors.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=_env(),
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--requests", "abc"],
+        ["demo", "--cancel-rate", "lots"],
+        ["demo", "--start-timeout", "0"],
+        ["bench", "--start-timeout", "soon"],
+    ],
+    ids=" ".join,
+)
+def test_bad_flag_values_get_a_plain_error(argv: list[str]) -> None:
+    """argparse names a type function that raised ValueError ("invalid
+    _positive value"): every flag type says what it expected instead."""
+    proc = _cli(*argv, timeout=60)
+    assert proc.returncode == 2, proc
+    assert "expected a" in proc.stderr and argv[1] in proc.stderr, proc.stderr
+    assert "_positive" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_launch_failure_is_one_line(command: str) -> None:
+    """A configuration that can never work (3 ranks for 8 KV heads) is refused
+    before any actor starts, in one line on stderr, exit status 2."""
+    proc = _cli(command, "--ctx-tp", "3", "--sections" if command == "bench" else "--json", *(["control"] if command == "bench" else []))
+    assert proc.returncode == 2, proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"kvhandoff {command}: could not launch the deployment: InvalidConfig"), lines
+
+
 def test_notebook_is_valid_json_with_async_code_and_no_outputs() -> None:
     notebook = json.loads((ROOT / "examples" / "notebook.ipynb").read_text())
     assert notebook["nbformat"] == 4

@@ -1,0 +1,416 @@
+"""The client API (`Deployment`) against misuse, abandonment and dead parts,
+on a real local Ray cluster with real rank actors and real NIXL on host memory.
+
+Each test is a defect of issue 8 seen from the client: bad input refused at the
+boundary (9, 10), abandoned attempts handed back (11), "completed" that never
+lies and dead ranks as outcomes (13), launch that waits on progress and cleans
+up (8, 14), stats and shutdown with dead parts (15), and the bounded attempt
+map. Waits are on observable conditions (`until_idle`), with generous bounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+import time
+from typing import Any
+
+import pytest
+
+from kvhandoff.actors import (
+    DEFAULT_LAYOUT,
+    Deployment,
+    DeploymentClosed,
+    HandoffResult,
+    InvalidConfig,
+    InvalidRequest,
+    LaunchFailed,
+)
+from kvhandoff.protocol import Role
+from kvhandoff.topology import block_bytes
+
+pytestmark = pytest.mark.ray
+
+POOL = 128
+TOKENS = 100  # 7 blocks of 16 tokens
+TIMEOUT = 20.0
+# The watchdog has its own tests; here a loaded 2-core box must not trip it.
+ROUND_TIMEOUT = 20.0
+IDLE_BOUND = 60.0  # L1/L2: generous bound on giving every block back
+OUTCOMES = {"completed", "cancelled", "rejected", "failed", "timeout"}
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def expected_bytes(tokens: int, gen_tp: int) -> int:
+    blocks = math.ceil(tokens / DEFAULT_LAYOUT.tokens_per_block)
+    return blocks * block_bytes(DEFAULT_LAYOUT, gen_tp) * gen_tp
+
+
+async def until_idle(dep: Deployment, bound: float = IDLE_BOUND) -> dict:
+    """Stats once every answering rank holds no leased block; fails after `bound`."""
+    deadline = time.monotonic() + bound
+    while True:
+        stats = await dep.stats()
+        ranks = [s for s in stats["ranks"] if "error" not in s]
+        if ranks and all(s["leased"] == 0 for s in ranks):
+            return stats
+        assert time.monotonic() < deadline, [(s.get("role"), s.get("leased"), s.get("parents")) for s in stats["ranks"]]
+        await asyncio.sleep(0.05)
+
+
+def assert_pools_whole(stats: dict) -> None:
+    for s in stats["ranks"]:
+        assert "error" not in s, s
+        assert s["violations"] == [], s["violations"]
+        assert s["leased"] == 0, s
+        assert s["free"] + s["quarantined"] == s["pool"], s
+
+
+async def until_completed(dep: Deployment, request_id: str, tokens: int = TOKENS) -> HandoffResult:
+    """A handoff that completes once admission is open again (bounded retries)."""
+    deadline = time.monotonic() + IDLE_BOUND
+    while True:
+        result = await dep.handoff(request_id, tokens, timeout=TIMEOUT)
+        if result.outcome == "completed" or time.monotonic() > deadline:
+            return result
+        await asyncio.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def dep(ray_cluster: Any) -> Any:
+    deployment = run(
+        Deployment.launch(
+            ctx_tp=2, gen_tp=1, pool_blocks=POOL, round_timeout_s=ROUND_TIMEOUT, transfer_timeout_s=5.0
+        )
+    )
+    yield deployment
+    run(deployment.shutdown())
+
+
+# -- 9, 10: bad input is refused at the API boundary -------------------------------------
+
+BAD_TOKENS = [-1, 0, 10.5, "100", None, True, POOL * DEFAULT_LAYOUT.tokens_per_block + 1]
+BAD_IDS = ["", "has space", "x" * 4096, 12345]
+
+
+def test_bad_input_is_refused_before_any_actor_call(dep: Deployment) -> None:
+    async def scenario() -> tuple[dict, dict, HandoffResult, dict]:
+        before = await until_idle(dep)
+        for tokens in BAD_TOKENS:
+            with pytest.raises(InvalidRequest):
+                await dep.handoff("bad-tokens", tokens)
+        for request_id in BAD_IDS:
+            with pytest.raises(InvalidRequest):
+                await dep.handoff(request_id, TOKENS)  # type: ignore[arg-type]
+            with pytest.raises(InvalidRequest):
+                await dep.cancel(request_id)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequest):
+            await dep.handoff("bad-timeout", TOKENS, timeout=0)
+        after = await dep.stats()
+        good = await dep.handoff("good-after-bad", TOKENS, timeout=TIMEOUT)
+        return before, after, good, await until_idle(dep)
+
+    before, after, good, settled = run(scenario())
+    for role in ("ctx", "gen"):
+        # No round ran for any of them: nothing reached a vote.
+        assert after["coordinators"][role]["rounds"] == before["coordinators"][role]["rounds"]
+        assert after["coordinators"][role]["restarts"] == 0
+        assert after["coordinators"][role]["state"] == "running"
+    assert [s["epoch"] for s in after["ranks"]] == [s["epoch"] for s in before["ranks"]]
+    assert good.outcome == "completed", good
+    assert good.bytes_verified == expected_bytes(TOKENS, 1)
+    assert_pools_whole(settled)
+    assert all(s["quarantined"] == 0 for s in settled["ranks"])
+
+
+# -- 11: abandoned attempts are handed back -----------------------------------------------
+
+
+def test_abandoned_handoffs_leak_nothing(dep: Deployment) -> None:
+    """Timeouts far below a handoff's latency, callers that give up through
+    `asyncio.wait_for`, and attempts superseded by a second `handoff` of the same
+    id, all at random moments: every GEN and CTX block comes back, and the
+    deployment serves a normal handoff right after."""
+    rng = random.Random(8)
+
+    async def one(i: int) -> list[HandoffResult]:
+        kind = i % 3
+        if kind == 0:
+            result = await dep.handoff(f"short-{i}", TOKENS, timeout=rng.choice([0.005, 0.02, 0.05, 0.1]))
+            return [result]
+        if kind == 1:
+            with contextlib.suppress(TimeoutError):
+                return [await asyncio.wait_for(dep.handoff(f"gave-up-{i}", TOKENS, timeout=TIMEOUT), rng.uniform(0.001, 0.2))]
+            return []
+        first = asyncio.ensure_future(dep.handoff(f"twice-{i}", TOKENS, timeout=TIMEOUT))
+        await asyncio.sleep(rng.uniform(0.0, 0.1))  # jitter only: any moment is a valid test
+        second = await dep.handoff(f"twice-{i}", TOKENS, timeout=TIMEOUT)
+        return [await first, second]
+
+    async def scenario() -> tuple[list[HandoffResult], dict, HandoffResult, dict]:
+        results = [r for rs in await asyncio.gather(*(one(i) for i in range(30))) for r in rs]
+        settled = await until_idle(dep)
+        after = await dep.handoff("normal-after-abandons", TOKENS, timeout=TIMEOUT)
+        return results, settled, after, await until_idle(dep)
+
+    results, settled, after, final = run(scenario())
+    assert {r.outcome for r in results} <= OUTCOMES
+    for r in results:  # never "completed" without the bytes
+        assert r.outcome != "completed" or r.bytes_verified == expected_bytes(TOKENS, 1), r
+    assert_pools_whole(settled)
+    assert after.outcome == "completed", after
+    assert_pools_whole(final)
+    assert all(c["restarts"] == 0 for c in final["coordinators"].values())
+
+
+def test_second_handoff_of_a_live_request_id_supersedes_it(dep: Deployment) -> None:
+    """The first attempt is held mid-handoff (its OPENs wait at the GEN rank);
+    a second `handoff` of the same id cancels it ("cancelled") and runs as a
+    new attempt that completes with every byte."""
+
+    async def scenario() -> tuple[HandoffResult, HandoffResult, Any, Any, dict]:
+        gen = (await dep.ranks(Role.GEN))[0]
+        await gen.hold_frames.remote(Role.CTX.value, 0, True)
+        first = asyncio.ensure_future(dep.handoff("dup", TOKENS, timeout=TIMEOUT))
+        await asyncio.sleep(0)  # `handoff` registers its attempt before its first await
+        first_parent = dep.parent("dup")
+        deadline = time.monotonic() + TIMEOUT
+        while not (await gen.phase.remote(first_parent))["edges"]:  # OPENs sent (held)
+            assert time.monotonic() < deadline and not first.done()
+            await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(dep.handoff("dup", TOKENS, timeout=TIMEOUT))
+        await asyncio.sleep(0)
+        second_parent = dep.parent("dup")
+        await gen.hold_frames.remote(Role.CTX.value, 0, False)
+        return await first, await second, first_parent, second_parent, await until_idle(dep)
+
+    first, second, first_parent, second_parent, settled = run(scenario())
+    assert first_parent != second_parent
+    assert second_parent.ctx_attempt > first_parent.ctx_attempt
+    assert first.outcome == "cancelled", first
+    assert first.bytes_verified == 0
+    assert second.outcome == "completed", second
+    assert second.bytes_verified == expected_bytes(TOKENS, 1)
+    assert_pools_whole(settled)
+
+
+def test_attempt_memory_is_bounded_and_attempt_ids_never_repeat(dep: Deployment) -> None:
+    dep._RECENT_IDS = 4  # type: ignore[misc]  # instance override: a small bound to reach
+
+    async def scenario() -> tuple[list[Any], list[HandoffResult]]:
+        parents, results = [], []
+        for request_id in [f"many-{i}" for i in range(10)] + ["many-0", "many-1"]:
+            results.append(await dep.handoff(request_id, 16, timeout=TIMEOUT))
+            parents.append(dep.parent(request_id))
+        return parents, results
+
+    try:
+        parents, results = run(scenario())
+    finally:
+        del dep._RECENT_IDS  # type: ignore[misc]
+    assert len(dep._recent) <= 4 and not dep._live
+    attempts = [p.ctx_attempt for p in parents]
+    assert len(set(attempts)) == len(attempts), attempts  # "many-0" again: a new id, never reused
+    assert all(r.outcome == "completed" for r in results), results
+
+
+# -- 13: a dead rank is an outcome, and "completed" never lies -----------------------------
+
+
+def test_gen_rank_killed_under_load_gives_outcomes_not_exceptions(ray_cluster: Any) -> None:
+    import ray
+
+    async def scenario() -> tuple[list[Any], HandoffResult, dict]:
+        dep = await Deployment.launch(
+            ctx_tp=1, gen_tp=2, pool_blocks=256, round_timeout_s=2.0, transfer_timeout_s=4.0
+        )
+        try:
+            gen = await dep.ranks(Role.GEN)
+            calls = [asyncio.ensure_future(dep.handoff(f"load-{i}", TOKENS, timeout=TIMEOUT)) for i in range(24)]
+            deadline = time.monotonic() + TIMEOUT
+            while (await gen[0].stats.remote())["leased"] == 0:  # handoffs in flight on it
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.005)
+            ray.kill(gen[0])
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            fresh = await until_completed(dep, "after-gen-death")
+            return results, fresh, await until_idle(dep)
+        finally:
+            await dep.shutdown()
+
+    results, fresh, settled = run(scenario())
+    raised = [r for r in results if isinstance(r, BaseException)]
+    assert raised == [], raised
+    assert {r.outcome for r in results} <= OUTCOMES
+    assert any(r.outcome != "completed" for r in results)  # the kill landed mid-load
+    for r in results:
+        assert r.outcome != "completed" or r.bytes_verified == expected_bytes(TOKENS, 2), r
+    assert fresh.outcome == "completed" and fresh.bytes_verified == expected_bytes(TOKENS, 2), fresh
+    for s in settled["ranks"]:
+        assert "error" not in s and s["leased"] == 0, s
+
+
+# -- 11, 15: a dead coordinator; stats and shutdown -----------------------------------------
+
+
+def test_dead_coordinator_fails_handoffs_cleanly_and_stats_still_work(ray_cluster: Any) -> None:
+    """With the CTX coordinator (and so its ranks) dead, each handoff returns
+    "failed" and the GEN side's admission is cancelled (no GEN block stays
+    leased); stats() reports the dead coordinator and the live GEN rank; after
+    shutdown() every call raises DeploymentClosed, and shutdown() is idempotent."""
+    import ray
+
+    async def scenario() -> tuple[list[Any], dict, Deployment]:
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=64, round_timeout_s=ROUND_TIMEOUT)
+        try:
+            assert (await dep.handoff("before", TOKENS, timeout=TIMEOUT)).outcome == "completed"
+            coordinator = dep.coordinator(Role.CTX)
+            ray.kill(coordinator)
+            deadline = time.monotonic() + IDLE_BOUND
+            while True:  # dead before the handoffs start, not in the middle of one
+                try:
+                    await coordinator.stats.remote()
+                except ray.exceptions.RayActorError:
+                    break
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            results = await asyncio.gather(
+                *(dep.handoff(f"orphaned-{i}", TOKENS, timeout=TIMEOUT) for i in range(8)), return_exceptions=True
+            )
+            return results, await until_idle(dep), dep
+        finally:
+            await dep.shutdown()
+            await dep.shutdown()
+
+    results, stats, dep = run(scenario())
+    assert all(isinstance(r, HandoffResult) and r.outcome == "failed" for r in results), results
+    assert stats["coordinators"]["ctx"]["state"] == "unreachable"
+    assert stats["coordinators"]["gen"]["state"] == "running"
+    decided = stats["coordinators"]["gen"]["decided"]
+    # GEN did admit them (its coordinator is alive), and each ended again
+    # (cancelled by the client, or failed by a GEN rank's own intent first).
+    assert decided.get("admitted", 0) >= 1 + len(results), decided
+    assert stats["coordinators"]["gen"]["in_flight"] == 0, stats["coordinators"]["gen"]
+    gen = [s for s in stats["ranks"] if s.get("role") == "gen"]
+    assert len(gen) == 1 and "error" not in gen[0] and gen[0]["leased"] == 0, gen
+    assert gen[0]["free"] == gen[0]["pool"]
+
+    async def after_shutdown() -> None:
+        for call in (dep.handoff("late", TOKENS), dep.cancel("late"), dep.stats()):
+            with pytest.raises(DeploymentClosed):
+                await call
+        await dep.shutdown()
+
+    run(after_shutdown())
+
+
+# -- 8, 14: launch --------------------------------------------------------------------------
+
+
+def _named(prefix: str) -> list[str]:
+    import ray
+
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+
+
+def _alive_ranks() -> int:
+    from ray._private import state
+
+    return sum(
+        1 for a in state.actors().values() if "RankCore" in a.get("ActorClassName", "") and a.get("State") == "ALIVE"
+    )
+
+
+async def _until(condition: Any, bound: float = IDLE_BOUND) -> None:
+    deadline = time.monotonic() + bound
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"ctx_tp": 3},  # 8 KV heads do not split over 3 ranks
+        {"ctx_tp": 16},  # more ranks than heads
+        {"gen_tp": 0},
+        {"ctx_tp": -1},
+        {"pool_blocks": 0},
+        {"pool_blocks": -5},
+        {"memory": "HBM"},
+        {"round_timeout_s": 0},
+        {"start_timeout_s": -1.0},
+    ],
+    ids=str,
+)
+def test_invalid_config_is_refused_before_any_actor_starts(ray_cluster: Any, bad: dict) -> None:
+    name = "kvh-badcfg"
+    started = time.monotonic()
+    with pytest.raises(InvalidConfig):
+        run(Deployment.launch(name=name, **bad))
+    assert time.monotonic() - started < 5.0  # no actor was waited for
+    assert _named(name) == []
+
+
+def test_vram_without_a_gpu_fails_at_once(ray_cluster: Any) -> None:
+    if ray_cluster.cluster_resources().get("GPU"):
+        pytest.skip("this cluster has a GPU")
+    with pytest.raises(InvalidConfig, match="no GPU"):
+        run(Deployment.launch(name="kvh-vram", memory="VRAM"))
+    assert _named("kvh-vram") == []
+
+
+def test_rank_that_dies_while_starting_fails_the_launch_at_once(ray_cluster: Any) -> None:
+    """A pool no host can allocate: every rank's constructor raises. The launch
+    fails with the rank and the cause, long before the start limit, and
+    leaves nothing behind."""
+    name = "kvh-dies"
+    started = time.monotonic()
+    with pytest.raises(LaunchFailed) as info:
+        run(Deployment.launch(name=name, ctx_tp=1, gen_tp=1, pool_blocks=2**31, start_timeout_s=600.0))
+    assert time.monotonic() - started < 120.0  # a death, not the 600 s limit
+    text = str(info.value)
+    assert "rank 0" in text and "died" in text, text
+    assert "allocate" in text.lower(), text  # the death cause itself
+    run(_until(lambda: _named(name) == []))
+
+
+def test_start_limit_names_the_ranks_and_kills_everything(ray_cluster: Any) -> None:
+    """`start_timeout_s` passes while the ranks are still starting: the error
+    names every rank that had not started and why, and every actor the launch
+    started (directory, coordinators, rank actors) is gone."""
+    name = "kvh-slow"
+    before = _alive_ranks()
+    with pytest.raises(LaunchFailed) as info:
+        run(Deployment.launch(name=name, ctx_tp=2, gen_tp=1, start_timeout_s=0.05))
+    failure = info.value
+    assert "did not start within" in str(failure), failure
+    assert failure.not_started, failure  # which ranks (or coordinators) and why
+    run(_until(lambda: _named(name) == [] and _alive_ranks() <= before))
+
+
+def test_launch_that_fails_after_starting_actors_kills_them(ray_cluster: Any) -> None:
+    """The GEN coordinator's name is taken: the directory and the CTX
+    coordinator were already started, and are killed again."""
+    import ray
+
+    name = "kvh-taken"
+
+    @ray.remote(num_cpus=0)
+    class Squatter:
+        def ping(self) -> int:
+            return 1
+
+    squatter = Squatter.options(name=f"{name}.coord.gen").remote()
+    ray.get(squatter.ping.remote())
+    try:
+        with pytest.raises(LaunchFailed):
+            run(Deployment.launch(name=name, ctx_tp=1, gen_tp=1))
+        run(_until(lambda: _named(name) == [f"{name}.coord.gen"]))
+    finally:
+        ray.kill(squatter)
