@@ -316,9 +316,11 @@ def test_stale_and_garbage_frames_change_nothing(deployment: Deployment) -> None
         ok = await dep.handoff("s3-victim", TOKENS, cancel_at=None, timeout=TIMEOUT)
         before = await dep.stats()
         stale_ctx = Endpoint(ns=endpoints[0].ns, epoch=endpoints[0].epoch + 1000)
+        victim = dep.parent("s3-victim")  # the real attempt: only the epoch is stale
         ticket = ContextTicket(
-            request_id="s3-victim", ctx_attempt=0, gen_attempt=0, ctx=stale_ctx, gen=gen_entry,
-            ctx_digest=b"\0" * 32, gen_digest=b"\0" * 32,
+            request_id="s3-victim", ctx_attempt=victim.ctx_attempt, gen_attempt=victim.gen_attempt,
+            ctx=stale_ctx, gen=gen_entry,
+            ctx_digest=topology_digest(dep.ctx_spec), gen_digest=topology_digest(dep.gen_spec),
         )
         stale = encode_frame(CancelMsg(ticket=ticket, reason=CancelReason.PEER))
         accepted = [await ctx.receive_frame.remote(stale), await ctx.receive_frame.remote(b"\x00garbage")]
@@ -459,9 +461,11 @@ def test_rank_killed_mid_handoff_restarts_with_new_epoch(ray_cluster) -> None:
                 await asyncio.sleep(0.2)
             ctx1 = (await dep.ranks(Role.CTX))[1]
             gen_ep = (await dep._directory.all_of.remote(Role.GEN.value))[0][0][0]
+            live = dep.parent("after-restart")  # the real attempt: only the epoch is old
             ticket = ContextTicket(
-                request_id="after-restart", ctx_attempt=0, gen_attempt=0, ctx=old[1], gen=gen_ep,
-                ctx_digest=b"\0" * 32, gen_digest=b"\0" * 32,
+                request_id="after-restart", ctx_attempt=live.ctx_attempt, gen_attempt=live.gen_attempt,
+                ctx=old[1], gen=gen_ep,
+                ctx_digest=topology_digest(dep.ctx_spec), gen_digest=topology_digest(dep.gen_spec),
             )
             stale_ok = await ctx1.receive_frame.remote(encode_frame(CancelMsg(ticket=ticket, reason=CancelReason.PEER)))
             proven = await wait_stats(
