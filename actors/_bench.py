@@ -1,4 +1,4 @@
-"""`kvhandoff bench`: the benchmarks of DESIGN.md "Performance targets", as ratios.
+"""`kvhandoff bench`: the benchmarks of docs/design.md "Performance targets", as ratios.
 
 Theory of operation
 -------------------
@@ -746,7 +746,7 @@ async def _wait_leased(dep: Deployment, baseline: list[int], timeout_s: float) -
 
 
 def _targets(out: dict[str, Any]) -> list[dict[str, Any]]:
-    """DESIGN.md "Performance targets", each with the measured value and whether it is met."""
+    """docs/design.md "Performance targets", each with the measured value and whether it is met."""
     targets: list[dict[str, Any]] = []
 
     def add(name: str, value: float, op: str, bound: float, note: str = "") -> None:
@@ -1003,7 +1003,7 @@ def render(out: dict[str, Any]) -> str:
         ]
         for t in out["targets"]
     ]
-    parts.append(_table("Targets (DESIGN.md)", ["target", "measured", "bound", "", "note"], rows))
+    parts.append(_table("Targets (docs/design.md)", ["target", "measured", "bound", "", "note"], rows))
     if out["notes"]:
         parts.append("\nnotes: " + "; ".join(out["notes"]))
     return "\n".join(parts)

@@ -1,7 +1,7 @@
 """The `Coordinator` actor: agreement rounds, their watchdog and the fail policy.
 
 One coordinator per topology (one instance: its TP ranks) drives the
-sans-IO `RoundLeader` over the rank actors (DESIGN.md "Agreement rounds";
+sans-IO `RoundLeader` over the rank actors (docs/design.md "Agreement rounds";
 docs/rounds.md). A rank actor takes part by composing a `RoundMember` and
 exposing its methods ``round_identity``, ``round_join``, ``round_vote`` and
 ``round_apply`` as actor methods.

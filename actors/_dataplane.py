@@ -1,6 +1,6 @@
 """The data plane: preallocated KV buffers and NIXL WRITEs in chunks.
 
-Theory of operation (DESIGN.md "Lifecycle", "Cancellation", "Data plane modes").
+Theory of operation (docs/design.md "Lifecycle", "Cancellation", "Data plane modes").
 
 A rank owns one `KVBuffer`: a single preallocated, NIXL-registered region of
 `num_blocks * block_bytes` bytes (a torch tensor on `cuda` when the rank has a

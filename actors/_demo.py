@@ -1,4 +1,4 @@
-"""`kvhandoff demo`: the embedded default (DESIGN.md "Public contract").
+"""`kvhandoff demo`: the embedded default (docs/design.md "Public contract").
 
 What it does, with no flags:
 
@@ -49,7 +49,7 @@ from typing import Any, TextIO
 
 __all__ = ["add_arguments", "run", "plan_workload", "Planned", "DemoReport"]
 
-#: The exact phases `Deployment.handoff(cancel_at=...)` knows (DESIGN.md "Lifecycle").
+#: The exact phases `Deployment.handoff(cancel_at=...)` knows (docs/design.md "Lifecycle").
 EXACT_PHASES = ("before_open", "before_ready", "mid_dma", "after_complete")
 #: A concurrent `cancel()` after a random delay: lands in whatever phase the
 #: request is in (admission, OPEN, READY, DMA, completion or after the end).

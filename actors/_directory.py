@@ -13,7 +13,7 @@ ran on this node, its process is gone), the peers hear `peer_dead`: the proof
 that lets a GEN rank reclaim blocks that the dead writer left quarantined
 (docs/design.md "Quarantine and reclaim"). Peers resolve an `Endpoint`
 through it and compare epochs: a message for an older incarnation is stale,
-never merely late (DESIGN.md "Identity"). The directory decides nothing else.
+never merely late (docs/design.md "Identity"). The directory decides nothing else.
 """
 
 from __future__ import annotations

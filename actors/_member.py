@@ -13,7 +13,7 @@ once) and two callbacks supplied by the rank actor:
   pools (commit tentative leases of admitted parents, return every other
   tentative lease, release / drain / quarantine settled parents).
 
-Lock and await ordering (DESIGN.md "Agreement rounds"; docs/rounds.md)
+Lock and await ordering (docs/design.md "Agreement rounds"; docs/rounds.md)
 --------------------------------------------------------------------------
 The rank actor is an asyncio actor: one thread, one event loop, so coroutines
 interleave only at ``await`` points. The rule that makes rounds and control

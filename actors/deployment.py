@@ -10,7 +10,7 @@ coordinator per instance, and a directory where ranks find each other:
 
 `SyncDeployment` wraps it for scripts (`Deployment.launch_sync(...)`).
 
-One handoff (DESIGN.md "Lifecycle"):
+One handoff (docs/design.md "Lifecycle"):
 1. CTX admission round: every CTX rank leases blocks and prefills them with the
    request's pattern (actors/_pattern.py); concurrently,
 2. GEN admission round: every GEN rank leases blocks. The round's apply phase

@@ -1,6 +1,6 @@
 """`RankActor`: one rank of one instance (CTX or GEN) as a Ray async actor.
 
-Theory of operation (DESIGN.md "Lifecycle", "Agreement rounds", STYLE.md 5)
+Theory of operation (docs/design.md "Lifecycle", "Agreement rounds", STYLE.md 5)
 ---------------------------------------------------------------------------
 The actor is an I/O shell around one sans-IO protocol object (`CtxRank` or
 `GenRank` from `kvhandoff.protocol`) and its `BlockPool`. It makes no protocol

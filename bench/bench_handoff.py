@@ -1,4 +1,4 @@
-"""Benchmark: the DESIGN.md performance targets as ratios (same as `kvhandoff bench`).
+"""Benchmark: the docs/design.md performance targets as ratios (same as `kvhandoff bench`).
 
 Not a test. A thin wrapper so the benchmark runs from a checkout without the
 console script; every flag is `kvhandoff bench`'s (actors/_bench.py):

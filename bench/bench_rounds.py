@@ -16,7 +16,7 @@ Two client styles: ``admit`` (one Ray call per request, ``batch`` of them in
 flight) and ``admit_many`` (one Ray call carrying the whole batch).
 
 The last line is a plain Ray actor round trip, for scale
-(DESIGN.md "Performance targets").
+(docs/design.md "Performance targets").
 
     python bench/bench_rounds.py [--seconds 1.5] [--ranks 1,2,4,8] [--batches 1,16,128]
 """

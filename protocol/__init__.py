@@ -1,4 +1,4 @@
-"""kvhandoff.protocol: the pure, sans-IO protocol layer (DESIGN.md).
+"""kvhandoff.protocol: the pure, sans-IO protocol layer (docs/design.md).
 
 No Ray, no NIXL, no asyncio, no clock reads: time is always an argument. The
 private modules hold the implementation; this package re-exports their public

@@ -1,7 +1,7 @@
 """The protocol layer's error types.
 
 Every error raised by `kvhandoff.protocol` for bad input is a `ProtocolError`
-subclass that carries the data explaining it (DESIGN.md "Messages": every
+subclass that carries the data explaining it (docs/design.md "Messages": every
 decoding failure raises one documented error type and mutates no state).
 `ProtocolError` itself is abstract: raise the subclass that says what went
 wrong, so callers can tell a malformed frame from a stale ticket.

@@ -1,4 +1,4 @@
-"""Control-plane messages (DESIGN.md "Messages").
+"""Control-plane messages (docs/design.md "Messages").
 
 Messages are data: frozen, keyword-only msgspec Structs that forbid unknown
 fields, each tagged with its kind so one union decoder types them. Every

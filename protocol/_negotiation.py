@@ -1,4 +1,4 @@
-"""Topology-wide protocol negotiation (DESIGN.md "Negotiation").
+"""Topology-wide protocol negotiation (docs/design.md "Negotiation").
 
 Theory of operation
 -------------------

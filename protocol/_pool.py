@@ -1,4 +1,4 @@
-"""Block pools, slot generations, leases and quarantine (DESIGN.md "Slots, leases, ownership").
+"""Block pools, slot generations, leases and quarantine (docs/design.md "Slots, leases, ownership").
 
 Theory of operation
 -------------------

@@ -1,4 +1,4 @@
-"""Default-deny session registries (DESIGN.md "Identity", "Slots, leases, ownership").
+"""Default-deny session registries (docs/design.md "Identity", "Slots, leases, ownership").
 
 Theory of operation
 -------------------

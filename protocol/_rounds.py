@@ -1,4 +1,4 @@
-"""Agreement rounds: the sans-IO logic (DESIGN.md "Agreement rounds").
+"""Agreement rounds: the sans-IO logic (docs/design.md "Agreement rounds").
 
 Theory of operation
 -------------------

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 This file holds every rule that decides what a rank may do with its KV blocks
-(DESIGN.md "Lifecycle", "Cancellation", "Slots, leases, ownership"). It is
+(docs/design.md "Lifecycle", "Cancellation", "Slots, leases, ownership"). It is
 sans-IO in the h11 sense: events go in (method calls, received messages, the
 current time `now` as an argument), typed actions come out; nothing here sends,
 polls, sleeps or reads a clock.
@@ -23,7 +23,7 @@ transition are carried out by this module right after the state changes
 behaviour, and docs/state-machines.md is rendered from it
 (`render_state_tables()`; a test compares the file with the rendering).
 
-Safety (DESIGN.md "Invariants"):
+Safety (docs/design.md "Invariants"):
 
 * S1 - a block is released only through a RELEASE effect, and RELEASE is only
   reachable once every edge of the parent is terminal with quiescence proven
@@ -36,7 +36,7 @@ Safety (DESIGN.md "Invariants"):
 * Cleanup-once - the parent machine reaches RELEASED/QUARANTINED once; later
   cleanup events there are reported no-ops (`CleanupSkipped`).
 
-Cancellation (DESIGN.md "Cancellation") is parent-scoped: cancelling through
+Cancellation (docs/design.md "Cancellation") is parent-scoped: cancelling through
 any edge cancels the parent, which fires CANCEL on every sibling edge. On CTX a
 cancelled edge with nothing posted becomes NOT_STARTED at once (we are the only
 writer from our blocks and we will never post); an edge with chunks posted
@@ -674,7 +674,7 @@ Action = Union[
 
 @dataclass(frozen=True, slots=True)
 class EdgeEvidence:
-    """What this rank has proven about one edge (DESIGN.md vocabulary "evidence")."""
+    """What this rank has proven about one edge (docs/design.md vocabulary "evidence")."""
 
     state: EdgeState
     posted: int
@@ -793,7 +793,7 @@ class _Rank:
                 f"{type(self).__name__} needs a {self._role.value} endpoint, got {our.ns.role.value}"
             )
         if not transfer_timeout > 0:
-            # DESIGN.md "Qualified scope": a positive transfer timeout is required.
+            # docs/design.md "Qualified scope": a positive transfer timeout is required.
             raise LeaseError(f"transfer_timeout must be positive, got {transfer_timeout}")
         self.our = our
         self.digest = digest

@@ -1,4 +1,4 @@
-"""Ticket identity: what names one transfer session (DESIGN.md "Identity").
+"""Ticket identity: what names one transfer session (docs/design.md "Identity").
 
 A `ContextTicket` names exactly one edge session of one parent attempt: the
 request, both attempts, both endpoints (rank namespace plus the endpoint epoch

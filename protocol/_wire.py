@@ -1,4 +1,4 @@
-"""Frames: the bytes that carry one control-plane message (DESIGN.md "Messages").
+"""Frames: the bytes that carry one control-plane message (docs/design.md "Messages").
 
 Theory of operation
 -------------------

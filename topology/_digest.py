@@ -1,4 +1,4 @@
-"""Canonical topology digests (DESIGN.md "Identity", "Vocabulary": topology).
+"""Canonical topology digests (docs/design.md "Identity", "Vocabulary": topology).
 
 Every `ContextTicket` carries the canonical digests of both sides' topologies,
 so the digest must be a function of the spec's *value* alone, identical in

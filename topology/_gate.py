@@ -1,4 +1,4 @@
-"""The qualified-scope gate (DESIGN.md "Qualified scope").
+"""The qualified-scope gate (docs/design.md "Qualified scope").
 
 The active protocol (in-flight cancel, early release, drain) runs only on the
 configurations it has been qualified for: NIXL over UCX, preallocated buffers,

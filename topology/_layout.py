@@ -16,7 +16,7 @@ consecutive slabs, so any contiguous head range of one (layer, kv) is one
 contiguous byte range: a heterogeneous-TP edge needs only one segment per
 (layer, kv) (`topology/_shard.py`), i.e. few NIXL descriptors.
 
-PP and CP are outside the qualified scope (DESIGN.md "Qualified scope"), so a
+PP and CP are outside the qualified scope (docs/design.md "Qualified scope"), so a
 block always holds every layer. TP larger than the number of KV heads (head
 replication) is rejected rather than half-supported.
 """

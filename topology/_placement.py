@@ -1,6 +1,6 @@
 """Placement: which device each rank of a topology uses, and what to ask Ray for.
 
-One Ray actor per rank (DESIGN.md intro). A VRAM topology needs one GPU per
+One Ray actor per rank (docs/design.md intro). A VRAM topology needs one GPU per
 rank: either the ranks named in `spec.devices`, or, when that is empty, GPU
 `i` for rank `i`. A DRAM topology needs no GPU and asks Ray for no CPU either:
 rank actors mostly wait on the control plane and on NIXL, and a 2-core

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 A request's KV cache is the same logical tensor on both sides; only the split
 across ranks differs when the CTX and GEN instances use different TP
-(DESIGN.md "Vocabulary": edge). The layout (`topology/_layout.py`) fixes:
+(docs/design.md "Vocabulary": edge). The layout (`topology/_layout.py`) fixes:
 
 * heads are split contiguously: with `H` KV heads, CTX rank `c` holds global
   heads `[c*Hc, (c+1)*Hc)` with `Hc = H/ctx_tp`, GEN rank `g` holds

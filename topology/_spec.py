@@ -1,4 +1,4 @@
-"""Topology specs: the layout of one instance (DESIGN.md "Vocabulary": topology).
+"""Topology specs: the layout of one instance (docs/design.md "Vocabulary": topology).
 
 A `TopologySpec` says everything about one engine instance that the handoff
 protocol must agree on: its role, its parallelism (tp × pp × cp ranks), the
@@ -91,7 +91,7 @@ class TopologySpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """The layout of one instance (one engine of one role).
 
     Every field except `instance_id`, `role` and `tp` has a default that
-    describes the qualified configuration (DESIGN.md "Qualified scope"), so
+    describes the qualified configuration (docs/design.md "Qualified scope"), so
     `TopologySpec(instance_id="ctx0", role=Role.CTX, tp=2)` is qualified.
 
     Fields:

@@ -27,7 +27,7 @@ from kvhandoff.actors._demo import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-# The fields the public contract (DESIGN.md) and the brief promise in `--json`.
+# The fields the public contract (docs/design.md) and the brief promise in `--json`.
 JSON_FIELDS = {
     "requests": int,
     "completed": int,

@@ -1,4 +1,4 @@
-"""The actors layer's public surface (DESIGN.md "Public contract")."""
+"""The actors layer's public surface (docs/design.md "Public contract")."""
 
 import asyncio
 import inspect

@@ -1,4 +1,4 @@
-"""Cancellation at every phase (DESIGN.md "Cancellation"), and lease expiry.
+"""Cancellation at every phase (docs/design.md "Cancellation"), and lease expiry.
 
 Each test stops a handoff at one phase, cancels, and asserts exactly what each
 side released, drained or quarantined, and the TERMINAL evidence.

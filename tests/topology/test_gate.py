@@ -1,4 +1,4 @@
-"""The qualified-scope gate: qualified iff every DESIGN.md condition holds, one reason per failure."""
+"""The qualified-scope gate: qualified iff every docs/design.md condition holds, one reason per failure."""
 
 from __future__ import annotations
 
