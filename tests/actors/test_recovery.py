@@ -421,3 +421,41 @@ def test_decode_ready_kv_nobody_frees_is_returned_at_the_consumer_deadline(ray_c
     assert next(s for s in held["ranks"] if s["role"] == "gen")["leased"] == BLOCKS  # decode-ready: held
     assert late == 0
     assert_clean(stats)
+
+
+# ---- S2: the verification itself can fail -------------------------------------------------
+
+
+def test_foreign_bytes_are_caught_and_never_reported_completed(ray_cluster) -> None:
+    """The S2 check is live: one byte of the CTX's prefilled KV is changed before
+    the DMA, the GEN rank's verification flags it (a violation naming the
+    request), the request fails instead of completing, and nothing leaks."""
+
+    async def scenario():
+        dep = await launch(ctx_tp=1, gen_tp=1)
+        try:
+            parent = key("tampered")
+            assert await admit_both(dep, parent) == [True, True]
+            ctx = (await dep.ranks(Role.CTX))[0]
+
+            def tamper(self: Any) -> None:
+                block = self.pool.lease_of(parent)[0].block
+                view = self.buffer.block_view(block)
+                view[0] = view[0] ^ 0xFF  # flip every bit of one byte
+
+            await inside(ctx, tamper)
+            gen = (await dep.ranks(Role.GEN))[0]
+            await gen.send_opens.remote(parent, await dep.ctx_endpoints())
+            outcome = await gen.wait.remote(parent, TIMEOUT)
+            during = await dep.stats()
+            await asyncio.gather(*(c.cancel.remote(parent) for c in (dep.coordinator(Role.CTX), dep.coordinator(Role.GEN))))
+            return outcome, during, await settled_stats(dep, TIMEOUT)
+        finally:
+            await dep.shutdown()
+
+    outcome, during, stats = run(scenario())
+    assert outcome == "failed", outcome
+    gen = next(s for s in during["ranks"] if s["role"] == "gen")
+    assert any("S2" in v and "tampered" in v for v in gen["violations"]), gen["violations"]
+    for s in stats["ranks"]:
+        assert s["leased"] == 0 and s["free"] + s["quarantined"] == s["pool"], s
