@@ -409,7 +409,6 @@ class RankCore(RoundParticipant):
             if parent in parents:
                 self._perform(self.side.completed(parent, now))
         self._wake.set()
-        self._maybe_request_restart()
 
     # -- the control plane ------------------------------------------------------------
 
@@ -649,7 +648,9 @@ class RankCore(RoundParticipant):
         """Past the quarantine limit, with nothing but quarantined requests left:
         ask the coordinator for a restart, once per incarnation. The new
         incarnation has a new process, buffer and NIXL registration (a fresh,
-        fully free pool); the old one's quarantined memory dies with it."""
+        fully free pool); the old one's quarantined memory dies with it. A
+        request the coordinator does not grant (it is recovering) is asked
+        again later: the poll loop performs `expire` every 50 ms."""
         if self._restart_requested or not self.side.wants_restart():
             return  # live requests first finish (admission is stopped meanwhile)
         if self._coordinator is None and not self._find_coordinator():
@@ -658,7 +659,18 @@ class RankCore(RoundParticipant):
         quarantined = self.pool.counts().quarantined
         self.counters["restart_requested"] += 1
         log.warning("rank %s: %d blocks quarantined, asking for a restart", self.ns, quarantined)
-        self._own(self._coordinator.request_restart.remote(self.config.rank, self.our.epoch, quarantined))
+        request = self._coordinator.request_restart.remote(self.config.rank, self.our.epoch, quarantined)
+
+        async def ask() -> None:
+            try:
+                granted = await request
+            except Exception as exc:
+                log.warning("rank %s: restart request failed: %r", self.ns, exc)
+                granted = False
+            if not granted:
+                self._restart_requested = False
+
+        self._own(ask())
 
     async def _perform_awaiting(self, actions: list[Action]) -> list[Any]:
         refs = self._perform(actions)

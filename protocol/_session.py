@@ -1112,12 +1112,11 @@ class _Rank:
 
     def _reclaim_if_proven(self, record: _Parent) -> list[Action]:
         """A quarantined parent whose every edge is terminal with quiescence
-        proven (none UNKNOWN any more, nothing of ours in flight) is reclaimed
-        in place: the proof is the evidence that replaced each UNKNOWN."""
+        proven (none UNKNOWN any more; a proven terminal state has nothing in
+        flight) is reclaimed in place: the proof is the evidence that replaced
+        each UNKNOWN."""
         edges = record.edges.values()
         if not edges or any(e.state not in _TERMINAL_EDGE_STATES or e.state is _ES.UNKNOWN for e in edges):
-            return []
-        if any(e.in_flight for e in edges):
             return []
         return self._fire_parent(
             record.key, _PE.RECLAIM, "every UNKNOWN edge later proven quiescent"
