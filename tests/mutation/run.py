@@ -160,7 +160,7 @@ def expand(scratch: pathlib.Path, selection: str) -> list[str]:
     return args
 
 
-_FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)(?: - (.*))?$", re.MULTILINE)
+_FAILED = re.compile(r"^(?:FAILED|ERROR) (.+?)(?: - (.*))?$", re.MULTILINE)
 
 
 def run_tests(

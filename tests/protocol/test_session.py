@@ -683,3 +683,43 @@ def test_bad_chunk_reports_and_proofless_reclaim_change_nothing() -> None:
     assert pair.ctx.snapshot() == before
     pair.ctx.reclaim(P, proof="agent of ctx epoch 1 torn down")
     assert pair.ctx.pool.counts().quarantined == 0
+
+
+def test_install_refuses_a_buffer_of_another_incarnation() -> None:
+    """The GEN buffer info must name our own endpoint epoch: a buffer built by a
+    previous incarnation (its agent and registrations are gone) is refused
+    before any session is recorded, even when the ticket itself is right."""
+    pair = Pair()
+    pair.admit(P)
+    gen = pair.gens[0]
+    ticket = pair.tickets(P)[0]
+    old = buffer_for(gen.lease(P), gen.our.epoch - 1)
+    before = gen.snapshot()
+    with pytest.raises(StaleError) as info:
+        gen.install(
+            P, [GenEdgeSpec(ticket=ticket, buffer=old, num_tokens=1, expected_bytes=1)], 0.0
+        )
+    assert "epoch" in str(info.value)
+    assert gen.snapshot() == before
+
+
+def test_a_failed_chunk_while_draining_waits_for_the_others() -> None:
+    """S1: an ERR chunk is quiescent, but the edge's other posted chunks may still
+    write; the edge stays DRAINING (its lease held) until every one reported."""
+    pair = Pair(chunk_window=2)
+    pair.admit(P, chunks=2)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    ticket = pair.tickets(P)[0]
+    first, second = sorted(pair.in_flight, key=lambda k: k[1])
+    pair.finish_chunk(first, ok=False)
+    assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
+    assert pair.ctx.evidence(ticket).in_flight == (second[1],)
+    pair.run_rounds()  # the cancel is decided: release as soon as nothing can write
+    pair.check_s1()  # ... which is not yet: the lease is still held under the chunk
+    assert pair.ctx.parent_state(P) is ParentState.CANCELLING
+    pair.finish_chunk(second, ok=False)
+    assert pair.ctx.parent_state(P) is ParentState.RELEASED  # drained, then released
