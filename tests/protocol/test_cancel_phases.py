@@ -20,12 +20,15 @@ from kvhandoff.protocol import (
     DecodeReady,
     Drain,
     EdgeState,
+    Endpoint,
     LeaseError,
     ParentState,
     PostChunk,
     Quarantine,
+    RankNamespace,
     Ready,
     Release,
+    Role,
     SendMessage,
     StopPosting,
     Terminal,
@@ -573,3 +576,29 @@ def test_quarantine_limit_stops_admission_and_asks_for_a_restart_when_idle() -> 
     pair.finish_chunk((ticket, 0))
     pair.finish_chunk((ticket, 1))  # the proof after all: reclaimed, admission resumes
     assert not pair.ctx.admission_stopped() and not pair.ctx.wants_restart()
+
+
+def test_peer_dead_proves_only_the_dead_writers_edges() -> None:
+    """A CTX rank killed with DMA in flight: GEN quarantines (UNKNOWN). The death
+    of another CTX rank, or of a newer incarnation's namespace twin in another
+    instance, proves nothing about this writer: nothing changes. The dead
+    writer's own confirmed death is the proof: GEN reclaims every block."""
+    pair = Pair(chunk_window=1)
+    _to_prepared(pair, chunks=2)
+    pair.decide(P)
+    pair.deliver_all()
+    writer = pair.ctx.our
+    pair.restart_ctx()  # GEN: the writer is gone with a chunk unproven -> UNKNOWN
+    gen = pair.gens[0]
+    assert gen.parent_state(P) is ParentState.QUARANTINED
+    before = gen.snapshot()
+    other_rank = ctx_endpoint(epoch=writer.epoch, rank=1)
+    other_instance = Endpoint(
+        ns=RankNamespace(instance_id="ctx9", role=Role.CTX, rank=0), epoch=writer.epoch
+    )
+    for stranger in (other_rank, other_instance):
+        assert gen.peer_dead(stranger, pair.now) == []
+    assert gen.snapshot() == before
+    pair.perform(gen.peer_dead(writer, pair.now))
+    assert gen.parent_state(P) is ParentState.RELEASED
+    assert gen.pool.counts().quarantined == 0 and gen.pool.counts().free == gen.pool.num_blocks
