@@ -459,3 +459,72 @@ def test_foreign_bytes_are_caught_and_never_reported_completed(ray_cluster) -> N
     assert any("S2" in v and "tampered" in v for v in gen["violations"]), gen["violations"]
     for s in stats["ranks"]:
         assert s["leased"] == 0 and s["free"] + s["quarantined"] == s["pool"], s
+
+
+# ---- rank decision points the mutation check found untested ---------------------------------
+
+
+def test_open_refused_by_the_ctx_ends_the_gen_side_at_once(ray_cluster) -> None:
+    """The CTX's lease expired (the round released it) before the GEN's OPEN
+    came: the CTX refuses the OPEN with a REJECT for the exact session, which
+    is NOT_STARTED evidence, so the GEN request ends and its blocks return
+    right away, not after a transfer timeout (60 s here) and a quarantine."""
+
+    async def scenario():
+        dep = await launch(ctx_tp=1, gen_tp=1, transfer_timeout_s=60.0)
+        try:
+            ctx = (await dep.ranks(Role.CTX))[0]
+            gen = (await dep.ranks(Role.GEN))[0]
+            await inside(ctx, lambda self: setattr(self, "config", msgspec.structs.replace(self.config, lease_timeout_s=0.2)))
+            parent = key("late-open")
+            assert await admit_both(dep, parent) == [True, True]
+            ctx_outcome = await ctx.wait.remote(parent, TIMEOUT)
+            await gen.send_opens.remote(parent, await dep.ctx_endpoints())
+            gen_outcome = await gen.wait.remote(parent, TIMEOUT)
+            return ctx_outcome, gen_outcome, await settled_stats(dep, TIMEOUT)
+        finally:
+            await dep.shutdown()
+
+    ctx_outcome, gen_outcome, stats = run(scenario())
+    assert ctx_outcome in ("cancelled", "released"), ctx_outcome
+    assert gen_outcome in ("cancelled", "released"), gen_outcome  # not "timeout", not quarantined
+    ctx = next(s for s in stats["ranks"] if s["role"] == "ctx")
+    assert sum(n for k, n in ctx["counters"].items() if k.startswith("refused_")) == 1, ctx["counters"]
+    assert_clean(stats)
+
+
+def test_ctx_is_not_prepared_until_every_edge_of_its_parent_is(ray_cluster) -> None:
+    """CTX tp=1 -> GEN tp=2: the CTX rank has two edges per request. With one
+    GEN rank's OPEN held back, a round (forced now) must not decide the
+    parent: nothing is published or posted on the half-prepared parent. Once
+    the second OPEN arrives the handoff completes."""
+
+    async def scenario():
+        dep = await launch(ctx_tp=1, gen_tp=2)
+        try:
+            ctx = (await dep.ranks(Role.CTX))[0]
+            gens = await dep.ranks(Role.GEN)
+            parent = key("half")
+            assert await admit_both(dep, parent) == [True, True]
+            await gens[1].hold_frames.remote(Role.CTX.value, 0, True)
+            endpoints = await dep.ctx_endpoints()
+            await asyncio.gather(*(g.send_opens.remote(parent, endpoints) for g in gens))
+            deadline = time.monotonic() + TIMEOUT
+            while (await ctx.phase.remote(parent))["edges"] != ["prepared"]:
+                assert time.monotonic() < deadline, "the first OPEN never arrived"
+                await asyncio.sleep(0.01)
+            decision = await dep.coordinator(Role.CTX).run_round.remote()
+            half = await ctx.phase.remote(parent)
+            await gens[1].hold_frames.remote(Role.CTX.value, 0, False)
+            outcomes = await asyncio.gather(*(g.wait.remote(parent, TIMEOUT) for g in gens))
+            verified = sum(await asyncio.gather(*(g.free.remote(parent) for g in gens)))
+            return decision, half, outcomes, verified, await settled_stats(dep, TIMEOUT)
+        finally:
+            await dep.shutdown()
+
+    decision, half, outcomes, verified, stats = run(scenario())
+    assert decision.decided == (), decision  # the half-prepared parent is not decided
+    assert half["state"] == "resident" and half["posted"] == 0, half
+    assert outcomes == ["completed", "completed"], outcomes
+    assert verified == gen_bytes(TOKENS, 2)
+    assert_clean(stats)
