@@ -567,9 +567,9 @@ class RankCore(RoundParticipant):
             actions = self.side.free(parent)
         except ProtocolError:
             return 0
-        # Bytes are reported by the free that released them, never by a late one
-        # (after the consumer deadline returned the KV, free() is a no-op).
-        verified = self._verified.get(parent, 0) if any(isinstance(a, Release) for a in actions) else 0
+        # Read before performing: the Release drops the bookkeeping. A late free
+        # (the consumer deadline returned the KV already) finds none: 0 bytes.
+        verified = self._verified.get(parent, 0)
         self._perform(actions)
         return verified
 
