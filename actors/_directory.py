@@ -63,7 +63,7 @@ class DirectoryCore:
             # incarnation is gone (its sessions can never finish), rather than
             # through a transfer timeout. Fire-and-forget: a rank that misses
             # it still has that timeout.
-            self._tell_peers(role, entry[0])
+            self._tell_peers(role, "peer_restarted", entry[0])
 
     async def retire(self, role: str, rank: int, epoch: int, confirm_timeout_s: float = 120.0) -> int:
         """Incarnation `epoch` of (`role`, `rank`) was killed by its coordinator:
@@ -75,18 +75,12 @@ class DirectoryCore:
             return 0
         ns = found[0][0].ns
         if found[0][0].epoch <= epoch:  # not replaced yet: the replacement's register tells too
-            self._tell_peers(role, Endpoint(ns=ns, epoch=epoch + 1))
+            self._tell_peers(role, "peer_restarted", Endpoint(ns=ns, epoch=epoch + 1))
         handle = found[1] if found[0][0].epoch == epoch else None  # None: already replaced
         if not await self._confirm_dead(role, rank, epoch, handle, confirm_timeout_s):
             return 0
         self.deaths_confirmed += 1
-        dead = Endpoint(ns=ns, epoch=epoch)
-        told = 0
-        for (other, _), (_, peer) in self._entries.items():
-            if other != role:
-                peer.peer_dead.remote(dead)
-                told += 1
-        return told
+        return self._tell_peers(role, "peer_dead", Endpoint(ns=ns, epoch=epoch))
 
     async def _confirm_dead(self, role: str, rank: int, epoch: int, handle: Any, bound: float) -> bool:
         """Wait until incarnation `epoch` is gone: Ray answers a call to it with
@@ -117,13 +111,15 @@ class DirectoryCore:
             await asyncio.sleep(0.02)
         return True
 
-    def _tell_peers(self, role: str, newer: Endpoint) -> int:
-        # `newer` stands for "an incarnation newer than any you have sessions
-        # with"; ranks end their sessions with every older epoch.
+    def _tell_peers(self, role: str, notice: str, endpoint: Endpoint) -> int:
+        """Send `notice` about `endpoint` to every rank of the other role
+        (fire-and-forget). `peer_restarted(newer)`: an incarnation newer than
+        any you have sessions with, end those with every older epoch;
+        `peer_dead(dead)`: that incarnation is confirmed dead."""
         told = 0
         for (other, _), (_, peer) in self._entries.items():
             if other != role:
-                peer.peer_restarted.remote(newer)
+                getattr(peer, notice).remote(endpoint)
                 told += 1
         return told
 

@@ -292,17 +292,24 @@ class RankCore(RoundParticipant):
         their blocks quarantined; the rest are cancelled); returns the number
         of actions it produced. A notice that is not about a peer rank of ours,
         or about an epoch we already know, changes nothing."""
-        peer_role = Role.GEN if self.role is Role.CTX else Role.CTX
-        peer_instance = self.config.peer_spec.instance_id
-        if their.ns.role is not peer_role or their.ns.instance_id != peer_instance:
-            self.counters["refused_peer_restarted"] += 1
+        if not self._about_a_peer(their, "peer_restarted"):
             return 0
         key = (their.ns.role.value, their.ns.rank)
         cached = self._peer_handles.get(key)
         if cached is not None and cached[0].epoch < their.epoch:
             del self._peer_handles[key]  # the next send resolves the new incarnation
-        actions = self.side.peer_restarted(their, time.monotonic())
-        self.counters["peer_restarts_seen"] += 1
+        return self._perform_notice(self.side.peer_restarted(their, time.monotonic()), "peer_restarts_seen")
+
+    def _about_a_peer(self, endpoint: Endpoint, notice: str) -> bool:
+        """A notice names a rank of our peer instance, or it is refused (counted)."""
+        peer_role = Role.GEN if self.role is Role.CTX else Role.CTX
+        if endpoint.ns.role is peer_role and endpoint.ns.instance_id == self.config.peer_spec.instance_id:
+            return True
+        self.counters[f"refused_{notice}"] += 1
+        return False
+
+    def _perform_notice(self, actions: list[Action], seen: str) -> int:
+        self.counters[seen] += 1
         self._perform(actions)
         self._ensure_polling()
         return len(actions)
@@ -322,15 +329,9 @@ class RankCore(RoundParticipant):
         the proof that nothing it posted can still land: its edges, UNKNOWN ones
         included, are quiescent, and quarantined requests that waited only on
         it are reclaimed. Refused like `peer_restarted` when not about a peer."""
-        peer_role = Role.GEN if self.role is Role.CTX else Role.CTX
-        if dead.ns.role is not peer_role or dead.ns.instance_id != self.config.peer_spec.instance_id:
-            self.counters["refused_peer_dead"] += 1
+        if not self._about_a_peer(dead, "peer_dead"):
             return 0
-        actions = self.side.peer_dead(dead, time.monotonic())
-        self.counters["peer_deaths_seen"] += 1
-        self._perform(actions)
-        self._ensure_polling()
-        return len(actions)
+        return self._perform_notice(self.side.peer_dead(dead, time.monotonic()), "peer_deaths_seen")
 
     def _nudge(self) -> None:
         """Tell our coordinator we have news (fire-and-forget: ranks never await rounds)."""
