@@ -8,7 +8,6 @@ client API (used by the CLI, the Ray job and the notebook) and the CLI.
 from ._coordinator import AdmissionStopped, Coordinator, RoundTimeout, TopologyFailed
 from ._dataplane import FaultPlan
 from .deployment import (
-    CANCEL_PHASES,
     DEFAULT_LAYOUT,
     Deployment,
     DeploymentClosed,
@@ -25,7 +24,6 @@ __all__ = [
     "Deployment",
     "SyncDeployment",
     "HandoffResult",
-    "CANCEL_PHASES",
     "DEFAULT_LAYOUT",
     "DeploymentError",
     "InvalidRequest",

@@ -60,6 +60,7 @@ from kvhandoff.protocol import (
     MAX_ROUND_ITEMS,
     AdmissionRequest,
     ParentKey,
+    RankReport,
     RoundDecision,
     RoundError,
     RoundLeader,
@@ -169,6 +170,7 @@ class CoordinatorCore:
         restart_timeout: float = 30.0,
         topology_digest: bytes | None = None,
         first_epoch: int = 1,
+        peer: str | None = None,
     ) -> None:
         if ranks is None and (rank_factory is None or not tp):
             raise ValueError("give the rank handles, or a rank_factory and tp")
@@ -187,13 +189,21 @@ class CoordinatorCore:
         self._max_batch = max_batch
         self._restart_timeout = restart_timeout
         self._digest = topology_digest
+        self._peer_name = peer
+        self._peer: Any = None
         self._next_epoch = first_epoch
         self._epochs: list[int] = []
         self._leader: RoundLeader | None = None
         self.state = TopologyState.STARTING
         self._failure_reason = ""
         # Pending client work, taken in arrival order by the next round.
-        self._pending_admits: dict[ParentKey, tuple[int, asyncio.Future[bool]]] = {}
+        self._pending_admits: dict[ParentKey, tuple[int, asyncio.Future[bool], bool]] = {}
+        # Submitted handoffs (`submit`): their outcome, resolved by the decision
+        # that ends them; and the admissions the peer instance must admit too.
+        self._submitted: dict[ParentKey, asyncio.Future[str]] = {}
+        self._owned: set[asyncio.Task[Any]] = set()
+        # A nudge (news not pushed as a report) makes the next round ask for votes.
+        self._want_votes = False
         self._pending_cancels: dict[ParentKey, list[asyncio.Future[str | None]]] = {}
         self._pending_failures: set[ParentKey] = set()
         # Asyncio primitives bind to the running loop on first use (3.10+).
@@ -215,6 +225,9 @@ class CoordinatorCore:
         self._outcomes: collections.OrderedDict[ParentKey, str] = collections.OrderedDict()
         self._timeouts: list[RoundTimeout] = []
         self._start_status: dict[int, str] = {}  # rank -> how its start went (start_status)
+        # Ray calls this coordinator made (per kind) and reports it took: the
+        # bench divides them by the handoffs to print calls per handoff.
+        self.calls: collections.Counter[str] = collections.Counter()
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -315,6 +328,8 @@ class CoordinatorCore:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._fail_pending(TopologyFailed(self.topology, self._failure_reason))
+        for owned in list(self._owned):
+            owned.cancel()
         if kill_owned_ranks and self._owns_ranks:
             for handle in self._handles:
                 _kill(handle)
@@ -357,18 +372,89 @@ class CoordinatorCore:
         ):
             raise RoundError(f"parent {parent!r} is already pending or in flight")
 
-    def _queue_admission(self, parent: ParentKey, num_tokens: int) -> asyncio.Future[bool]:
+    def _queue_admission(
+        self, parent: ParentKey, num_tokens: int, release_when_ready: bool = False
+    ) -> asyncio.Future[bool]:
         _check_request(parent, num_tokens)
         self._check_admissible(parent)
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._pending_admits[parent] = (num_tokens, future)
+        self._pending_admits[parent] = (num_tokens, future, release_when_ready)
         return future
+
+    async def submit(self, parent: ParentKey, num_tokens: int, release_when_ready: bool = False) -> str:
+        """One handoff, driven by the ranks from here on; returns its outcome.
+
+        For the coordinator of the GEN instance (constructed with ``peer``, the
+        CTX coordinator's actor name). The admission joins the next round; the
+        peer instance admits it in the same round's time (`admit_many`, one
+        call per batch), and the round admits it only if both instances do
+        (else it is cancelled where it was admitted). Then the ranks drive it:
+        each GEN rank sends its OPENs when it applies the admission, the CTX
+        rounds decide and publish, the GEN completion round makes it
+        decode-ready. The answer is the decision that ends it here:
+        "completed" (decode-ready on every GEN rank, every byte verified),
+        "cancelled", "failed" or "rejected" (a side refused, or is
+        restarting). The caller may go away at any point: nothing depends on
+        it (with ``release_when_ready`` the GEN ranks return the blocks once
+        verified; else the consumer frees them, or their consumer deadline
+        does). Raises `TopologyFailed` once the topology failed and
+        `RoundError` for a parent already pending or in flight."""
+        await self._ensure_started()
+        if self._peer_name is None:
+            raise CoordinatorError("submit needs a peer coordinator (constructed with peer=...)")
+        if self.state is TopologyState.RECOVERING:
+            return "rejected"
+        self._queue_admission(parent, num_tokens, release_when_ready)
+        outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._submitted[parent] = outcome
+        self._wakeup.set()
+        return await outcome
+
+    def _peer_coordinator(self) -> Any:
+        if self._peer is None:
+            assert self._peer_name is not None
+            self._peer = ray.get_actor(self._peer_name)
+        return self._peer
+
+    async def cancel_many(self, parents: Sequence[ParentKey]) -> list[str | None]:
+        """`cancel` for many parents in one call (one Ray hop, one round)."""
+        await self._ensure_started()
+        loop = asyncio.get_running_loop()
+        futures = []
+        for parent in parents:
+            future: asyncio.Future[str | None] = loop.create_future()
+            self._pending_cancels.setdefault(parent, []).append(future)
+            futures.append(future)
+        self._wakeup.set()
+        return list(await asyncio.gather(*futures))
+
+    async def report(self, report: RankReport) -> bool:
+        """A rank pushes its news (one way; `RankReport`): the next round
+        decides on it without asking that rank for a vote. A report of another
+        incarnation raises `VoteRejected` and changes nothing."""
+        await self._ensure_started()
+        assert self._leader is not None
+        self.calls["reports_received"] += 1
+        fresh = self._leader.report(report)
+        if fresh:
+            self._wakeup.set()
+        return fresh
+
+    def _own(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._owned.add(task)
+        task.add_done_callback(self._owned.discard)
 
     async def cancel(self, parent: ParentKey) -> str | None:
         """Cancel ``parent`` in the next round; returns its outcome in that
         round's decision ("cancelled", "failed", ...) or None if the
         coordinator does not know the parent."""
         await self._ensure_started()
+        if self._peer_name is not None:
+            # We admit in the peer instance too: cancel there as well. Sent
+            # after any admission we asked it for (tasks start in creation
+            # order), so it can never overtake that admission.
+            self._own(self._peer_cancel([parent]))
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._pending_cancels.setdefault(parent, []).append(future)
         self._wakeup.set()
@@ -383,12 +469,14 @@ class CoordinatorCore:
                 raise RoundError(f"nudge from unknown rank {rank}")
             if epoch is not None and epoch != self._epochs[rank]:
                 raise StaleEpochError(epoch, self._epochs[rank])
+        self._want_votes = True  # its news was not pushed: ask every rank for a vote
         self._wakeup.set()
 
     async def run_round(self) -> RoundDecision:
         """Run one round now, with or without news; returns its decision or
         raises `RoundTimeout` (after the fail policy ran)."""
         await self._ensure_started()
+        self._want_votes = True
         return await self._run_round()
 
     async def outcome(self, parent: ParentKey) -> str | None:
@@ -427,6 +515,8 @@ class CoordinatorCore:
             "in_flight": len(self._leader.in_flight) if self._leader else 0,
             "pending_admits": len(self._pending_admits),
             "pending_cancels": len(self._pending_cancels),
+            "submitted": len(self._submitted),
+            "calls": dict(self.calls),
             "decided": dict(self._counts),
             "rejected_votes": dict(self._rejected_votes),
             "round_s_mean": sum(seconds) / len(seconds) if seconds else None,
@@ -447,14 +537,28 @@ class CoordinatorCore:
             # Clear before taking the batch: anything queued from now on sets
             # the event again and gets the next round.
             self._wakeup.clear()
+            if not self._work_pending():
+                continue  # e.g. the first reports of an intersection: wait for the rest
             try:
                 await self._run_round()
             except RoundTimeout:
                 pass  # the fail policy ran; keep serving
             except TopologyFailed:
                 return
-            if self._pending_admits or self._pending_cancels or self._pending_failures:
+            if self._work_pending():
                 self._wakeup.set()
+
+    def _work_pending(self) -> bool:
+        """Is there anything a round could decide now?"""
+        leader = self._leader
+        assert leader is not None
+        return bool(
+            self._pending_admits
+            or self._pending_cancels
+            or self._pending_failures
+            or self._want_votes
+            or leader.reports_decide()
+        )
 
     async def _run_round(self) -> RoundDecision:
         async with self._round_lock:
@@ -463,10 +567,12 @@ class CoordinatorCore:
             assert leader is not None
             loop = asyncio.get_running_loop()
             admissions: list[AdmissionRequest] = []
-            for parent, (num_tokens, _) in self._pending_admits.items():
+            for parent, (num_tokens, _, release) in self._pending_admits.items():
                 if len(admissions) >= self._max_batch:
                     break
-                admissions.append(AdmissionRequest(parent=parent, num_tokens=num_tokens))
+                admissions.append(
+                    AdmissionRequest(parent=parent, num_tokens=num_tokens, release_when_ready=release)
+                )
             cancels = list(self._pending_cancels)[:MAX_ROUND_ITEMS]
             failures = sorted(self._pending_failures & leader.in_flight, key=_key)
             failures = failures[:MAX_ROUND_ITEMS]
@@ -482,8 +588,21 @@ class CoordinatorCore:
             taken_admits = {a.parent: self._pending_admits.pop(a.parent)[1] for a in admissions}
             taken_cancels = {p: self._pending_cancels.pop(p) for p in cancels}
             self._pending_failures.clear()
+            # Submitted handoffs need the peer instance to admit them too: ask
+            # it now, in one call, while our ranks vote.
+            paired = [a for a in admissions if a.parent in self._submitted]
+            peer_answer = (
+                asyncio.ensure_future(self._peer_admit(paired)) if paired else None
+            )
 
-            outcome = await self._vote_phase(proposal)
+            want_votes, self._want_votes = self._want_votes, False
+            if admissions or want_votes:
+                outcome = await self._vote_phase(proposal, peer_answer)
+            else:
+                # No lease to ask for: decide on the news the ranks pushed.
+                leader.votes_from_reports(loop.time())
+                outcome = leader.close(loop.time())
+                self.calls["rounds_without_votes"] += 1
             if isinstance(outcome, RoundTimedOut):
                 decision = outcome.decision
                 bad = set(outcome.missing_ranks)
@@ -492,6 +611,13 @@ class CoordinatorCore:
             else:
                 decision = outcome
                 bad = await self._apply_phase(decision, range(self._tp))
+            if peer_answer is not None:
+                # The peer admitted what we did not: take it back there.
+                peer_ok = await peer_answer
+                ours = set(decision.admitted)
+                undo = [p for p in peer_ok if p not in ours]
+                if undo:
+                    self._own(self._peer_cancel(undo))
             self._record(decision, taken_admits, taken_cancels, time.perf_counter() - started)
             if bad:
                 if not decision.timed_out:
@@ -508,13 +634,39 @@ class CoordinatorCore:
                 raise timeout
             return decision
 
-    async def _vote_phase(self, proposal: RoundProposal) -> RoundDecision | RoundTimedOut:
+    async def _peer_admit(self, admissions: list[AdmissionRequest]) -> set[ParentKey]:
+        """The parents the peer instance admitted (none if it refused, is
+        restarting, failed or did not answer within the round bound)."""
+        self.calls["peer_admit_calls"] += 1
+        try:
+            async with asyncio.timeout(self._round_timeout * 2):
+                answers = await self._peer_coordinator().admit_many.remote(
+                    [(a.parent, a.num_tokens) for a in admissions]
+                )
+        except Exception as exc:
+            self._rank_errors.append(f"peer admission: {exc!r}"[:500])
+            # It may still admit them later (a slow answer): cancel there.
+            self._own(self._peer_cancel([a.parent for a in admissions]))
+            return set()
+        return {a.parent for a, ok in zip(admissions, answers) if ok}
+
+    async def _peer_cancel(self, parents: list[ParentKey]) -> None:
+        self.calls["peer_cancel_calls"] += 1
+        try:
+            await self._peer_coordinator().cancel_many.remote(parents)
+        except Exception as exc:
+            self._rank_errors.append(f"peer cancel: {exc!r}"[:500])
+
+    async def _vote_phase(
+        self, proposal: RoundProposal, peer_answer: asyncio.Future[set[ParentKey]] | None = None
+    ) -> RoundDecision | RoundTimedOut:
         leader = self._leader
         assert leader is not None
         loop = asyncio.get_running_loop()
         bad: set[int] = set()
 
         async def ask(rank: int) -> bool:
+            self.calls["rank_vote_calls"] += 1
             try:
                 vote: RoundVote = await self._handles[rank].round_vote.remote(
                     proposal, self._epochs[rank]
@@ -539,7 +691,11 @@ class CoordinatorCore:
         # missed the deadline are blamed.
         await self._fan_out(ask, range(self._tp))
         if not bad and not leader.missing():
-            return leader.close(loop.time())
+            vetoed: set[ParentKey] = set()
+            if peer_answer is not None:
+                paired = {a.parent for a in proposal.admissions if a.parent in self._submitted}
+                vetoed = paired - await peer_answer
+            return leader.close(loop.time(), vetoed=vetoed)
         return leader.abort(bad, loop.time())
 
     async def _apply_phase(self, decision: RoundDecision, ranks: Sequence[int]) -> set[int]:
@@ -548,6 +704,7 @@ class CoordinatorCore:
         done: set[int] = set()
 
         async def tell(rank: int) -> bool:
+            self.calls["rank_apply_calls"] += 1
             try:
                 await self._handles[rank].round_apply.remote(decision, self._epochs[rank])
             except Exception as exc:
@@ -598,6 +755,12 @@ class CoordinatorCore:
         for parent, future in taken_admits.items():
             if not future.done():
                 future.set_result(parent in admitted)
+        for parent, name in outcomes.items():
+            if name == "admitted":
+                continue
+            submitted = self._submitted.pop(parent, None)
+            if submitted is not None and not submitted.done():
+                submitted.set_result(name)
         for parent, waiters in taken_cancels.items():
             for waiter in waiters:
                 if not waiter.done():
@@ -699,12 +862,22 @@ class CoordinatorCore:
 
     def _fail_admits(self, error: Exception) -> None:
         admits, self._pending_admits = self._pending_admits, {}
-        for _, future in admits.values():
+        for parent, (_, future, _) in admits.items():
             if not future.done():
                 future.set_exception(error)
+            submitted = self._submitted.pop(parent, None)
+            if submitted is not None and not submitted.done():
+                if isinstance(error, AdmissionStopped):
+                    submitted.set_result("rejected")
+                else:
+                    submitted.set_exception(error)
 
     def _fail_pending(self, error: Exception) -> None:
         self._fail_admits(error)
+        submitted, self._submitted = self._submitted, {}
+        for future in submitted.values():
+            if not future.done():
+                future.set_exception(error)
         cancels, self._pending_cancels = self._pending_cancels, {}
         for futures in cancels.values():
             for future in futures:

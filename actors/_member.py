@@ -56,6 +56,7 @@ import msgspec
 
 from kvhandoff.protocol import (
     ParentKey,
+    RankReport,
     RoundDecision,
     RoundError,
     RoundFollower,
@@ -68,13 +69,10 @@ __all__ = ["VoteNews", "RoundMember", "MemberBroken", "RoundParticipant"]
 
 
 class VoteNews(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``vote_fn`` returns: the admissions this rank can take and any
-    news it wants to add to the recorded intents."""
+    """What ``vote_fn`` returns: the admissions this rank can take (its other
+    news is recorded in the follower between rounds)."""
 
     admit_ok: tuple[ParentKey, ...] = ()
-    cancels: tuple[ParentKey, ...] = ()
-    completions: tuple[ParentKey, ...] = ()
-    failures: tuple[ParentKey, ...] = ()
 
 
 class MemberBroken(RoundError):
@@ -125,19 +123,7 @@ class RoundMember:
         )
         self._vote_fn = vote_fn
         self._apply_fn = apply_fn
-        self._cancels: set[ParentKey] = set()
-        self._completions: set[ParentKey] = set()
-        self._failures: set[ParentKey] = set()
-        self._prepared: set[ParentKey] = set()
         self._broken: MemberBroken | None = None
-        # (round, cancels, failures) this rank reported in its latest vote:
-        # only those are cleared by that round's decision, never intents that
-        # were recorded after the vote left.
-        self._reported: tuple[int, frozenset[ParentKey], frozenset[ParentKey]] = (
-            0,
-            frozenset(),
-            frozenset(),
-        )
         self.rounds_voted = 0
         self.rounds_applied = 0
 
@@ -150,26 +136,30 @@ class RoundMember:
         return self.follower.our_epoch
 
     # -- intents: await-free, callable from control handlers, timeouts, polls --
+    # The bookkeeping itself is the follower's (protocol/_rounds.py).
 
     def record_cancel(self, parent: ParentKey) -> None:
-        """Queue a cancel intent for the next vote (never frees anything)."""
-        self._cancels.add(parent)
+        """Queue a cancel intent for the next vote or report (never frees anything)."""
+        self.follower.record_cancel(parent)
 
     def record_completion(self, parent: ParentKey) -> None:
-        """Report ``parent`` complete on this rank in every vote until settled."""
-        self._completions.add(parent)
+        """Report ``parent`` complete on this rank until settled."""
+        self.follower.record_completion(parent)
 
     def record_failure(self, parent: ParentKey) -> None:
-        """Queue a failure (e.g. evidence UNKNOWN) for the next vote."""
-        self._failures.add(parent)
+        """Queue a failure (e.g. evidence UNKNOWN) for the next vote or report."""
+        self.follower.record_failure(parent)
 
     def record_prepared(self, parent: ParentKey) -> None:
-        """Report every local edge of ``parent`` prepared, in every vote until
-        a decision decides or settles it (an intersection, like completions)."""
-        self._prepared.add(parent)
+        """Report every local edge of ``parent`` prepared until decided or settled."""
+        self.follower.record_prepared(parent)
 
     def has_news(self) -> bool:
-        return bool(self._cancels or self._completions or self._failures or self._prepared)
+        return self.follower.has_news()
+
+    def report(self) -> RankReport:
+        """The news to push to the coordinator now (one way; see `RankReport`)."""
+        return self.follower.report()
 
     # -- the actor methods (await-free bodies; see the module docstring) ------
 
@@ -187,14 +177,7 @@ class RoundMember:
         """Join at ``next_round`` (a fresh incarnation only): the coordinator
         calls this on a restarted rank so its first round is the leader's next."""
         self._check(epoch)
-        if self.follower.last_applied != 0 or self.follower.last_voted != 0:
-            raise RoundError(f"rank {self.our_rank} already took part in rounds; cannot rejoin")
-        self.follower = RoundFollower(
-            self.our_rank,
-            self.our_epoch,
-            first_round=next_round,
-            topology_digest=self.follower.topology_digest,
-        )
+        self.follower.join(next_round)
         return next_round
 
     async def round_vote(self, proposal: RoundProposal, epoch: int | None = None) -> RoundVote:
@@ -208,15 +191,7 @@ class RoundMember:
             if inspect.iscoroutine(news):
                 news.close()
             raise TypeError("vote_fn must be a plain function, not a coroutine")
-        vote = self.follower.vote(
-            proposal,
-            admit_ok=news.admit_ok,
-            cancels=(*self._cancels, *news.cancels),
-            completions=(*self._completions, *news.completions),
-            failures=(*self._failures, *news.failures),
-            prepared=tuple(self._prepared),
-        )
-        self._reported = (vote.round_no, frozenset(vote.cancels), frozenset(vote.failures))
+        vote = self.follower.vote_with_news(proposal, admit_ok=news.admit_ok)
         self.rounds_voted += 1
         return vote
 
@@ -242,19 +217,6 @@ class RoundMember:
             self._broken = MemberBroken(self.our_rank, decision.round_no, exc)
             raise self._broken from exc
         self.rounds_applied += 1
-        settled = decision.settled()
-        self._prepared -= settled
-        self._prepared.difference_update(decision.decided)
-        self._completions -= settled
-        self._cancels -= settled
-        self._failures -= settled
-        reported_round, reported_cancels, reported_failures = self._reported
-        if reported_round == decision.round_no and not decision.timed_out:
-            # Union news we reported reached a full decision (which saw every
-            # vote, ours included): done. A timed-out round may not have seen
-            # our vote, so its news stays queued for the next round.
-            self._cancels -= reported_cancels
-            self._failures -= reported_failures
         return decision.round_no
 
 

@@ -66,13 +66,13 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import msgspec
 import ray
 
-from kvhandoff.actors._coordinator import AdmissionStopped, Coordinator
+from kvhandoff.actors._coordinator import Coordinator
 from kvhandoff.actors._dataplane import FaultPlan
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors.rank import RankActor, RankConfig
@@ -99,7 +99,6 @@ __all__ = [
     "SyncDeployment",
     "HandoffResult",
     "DEFAULT_LAYOUT",
-    "CANCEL_PHASES",
     "DeploymentError",
     "InvalidRequest",
     "InvalidConfig",
@@ -108,10 +107,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvhandoff.deployment")
-
-#: Phases at which `handoff(cancel_at=...)` injects a cancel (None: no cancel).
-CANCEL_PHASES = (None, "before_open", "before_ready", "mid_dma", "after_complete")
-_ENDED = ("released", "quarantined", "decode_ready", "settled", "completed", "cancelled")
 
 #: Attempt ids are U32 on the wire (ParentKey.ctx_attempt / gen_attempt).
 _MAX_ATTEMPT = 2**32 - 1
@@ -205,7 +200,7 @@ class _Attempt:
         self.parent = parent
         self.num_tokens = num_tokens
         self.task: asyncio.Task[HandoffResult] | None = None
-        self.admission: asyncio.Task[str] | None = None  # "admitted" | "refused" | "broken"
+        self.admission: asyncio.Task[str] | None = None  # the submission's outcome, or "broken"
         self.cancel_requested = False  # a client cancel(): a refusal is then "cancelled"
         self.abandoned = False  # superseded, or its caller stopped waiting
 
@@ -243,6 +238,8 @@ class Deployment:
         # critical path (concurrently with the admission rounds).
         self._view_epochs: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self._view: tuple[dict[Role, list[Any]], list[Endpoint]] | None = None
+        #: Ray calls this client made, per kind (the bench prints them per handoff).
+        self.calls: collections.Counter[str] = collections.Counter()
 
     # -- launch ---------------------------------------------------------------------
 
@@ -409,6 +406,9 @@ class Deployment:
         deadline = loop.time() + start_timeout_s
         self._directory = Directory.options(name=f"{self.name}.directory").remote()
         for spec, configs, resources in plans:
+            # The GEN coordinator drives each handoff: it admits in both
+            # instances (the CTX coordinator is its peer) and answers `submit`.
+            peer = f"{self.name}.coord.{Role.CTX.value}" if spec.role is Role.GEN else None
             self._coords[spec.role] = Coordinator.options(name=f"{self.name}.coord.{spec.role.value}").remote(
                 spec.instance_id,
                 rank_factory=_RankFactory(configs, resources),
@@ -417,6 +417,7 @@ class Deployment:
                 max_restarts=max_restarts,
                 restart_timeout=start_timeout_s,
                 topology_digest=topology_digest(spec),
+                peer=peer,
             )
         # `epochs` answers once every rank of that instance answered its identity
         # (constructed); a rank that died while starting makes it raise at once
@@ -583,51 +584,6 @@ class Deployment:
         assert self._view is not None
         return list(self._view[1])
 
-    async def _admit(self, parent: ParentKey, num_tokens: int) -> str:
-        """Both admission rounds, concurrently (CTX leases and prefills, GEN leases).
-
-        They are independent: no OPEN is sent before both are admitted, so running
-        them side by side takes one round off the critical path. Unless both
-        admit, every side that may hold the parent is cancelled (nothing was
-        exposed yet): one that admitted, and one whose call raised (it died, its
-        topology failed: whether it admitted is unknown). Returns "admitted",
-        "refused" (a side said no, or is restarting) or "broken" (a side raised)."""
-
-        async def one(role: Role) -> bool | None:
-            try:
-                return bool(await self._coords[role].admit.remote(parent, num_tokens))
-            except AdmissionStopped:  # a rank is restarting: refused, retry later
-                return False
-            except Exception as exc:
-                log.warning("%s: %s admission of %s raised: %r", self.name, role.value, parent, exc)
-                return None
-
-        ctx_ok, gen_ok = await asyncio.gather(one(Role.CTX), one(Role.GEN))
-        if ctx_ok and gen_ok:
-            return "admitted"
-        holders = [role for role, ok in ((Role.CTX, ctx_ok), (Role.GEN, gen_ok)) if ok is not False]
-        await asyncio.gather(*(self._coords[role].cancel.remote(parent) for role in holders), return_exceptions=True)
-        return "broken" if None in (ctx_ok, gen_ok) else "refused"
-
-    async def send_opens(self, request_id: str, gen_ranks: list[int] | None = None) -> int:
-        """Each (or the listed) GEN rank installs the session and sends its OPENs."""
-        self._check_open()
-        return await self._send_opens(self.parent(request_id), gen_ranks)
-
-    async def _send_opens(self, parent: ParentKey, gen_ranks: list[int] | None = None) -> int:
-        if self._view is None:
-            await self.refresh_view()
-        assert self._view is not None
-        endpoints = self._view[1]
-        handles = self._cached_ranks(Role.GEN)
-        chosen = range(len(handles)) if gen_ranks is None else gen_ranks
-        # A dead GEN rank sends nothing; its parent fails through its coordinator
-        # (the watchdog) and the waits below report it.
-        sent = await asyncio.gather(
-            *(handles[g].send_opens.remote(parent, endpoints) for g in chosen), return_exceptions=True
-        )
-        return sum(n for n in sent if isinstance(n, int))
-
     async def wait(self, request_id: str, role: Role, timeout: float) -> list[str]:
         """Every rank's local outcome of the current attempt of `request_id`
         ("died" for a rank that could not answer), waiting at most `timeout`."""
@@ -640,35 +596,28 @@ class Deployment:
         # A rank that died mid-request is an outcome (the request failed), not an error.
         return [o if isinstance(o, str) else "died" for o in found]
 
-    async def handoff(
-        self, request_id: str, num_tokens: int, *, timeout: float = 60.0, cancel_at: str | None = None
-    ) -> HandoffResult:
+    async def handoff(self, request_id: str, num_tokens: int, *, timeout: float = 60.0) -> HandoffResult:
         """Run one request end to end; returns its outcome.
 
-        Outcomes: "completed" (every GEN rank verified and reported its shard;
-        `bytes_verified` is the request's whole KV size), "cancelled" (a
-        `cancel()`, or a newer `handoff` of the same request id superseded this
-        one), "rejected" (admission refused: no blocks, or a rank restarting),
-        "failed" (a rank or coordinator died, bytes did not verify), "timeout"
-        (`timeout` seconds passed). Whatever the attempt still held is handed
-        back by a task the deployment owns (module docstring), also when the
-        caller is cancelled while waiting here.
+        One submission and one await: the GEN coordinator admits the request
+        in both instances, the ranks drive it (OPEN, decide, READY, DMA,
+        TERMINAL, verify, decode-ready) and the decision that ends it answers
+        this call; nothing is polled. Every GEN rank returns the blocks once
+        it verified them (nobody else consumes them here).
+
+        Outcomes: "completed" (every GEN rank verified its shard; the
+        completion round needs every one of them, and `bytes_verified` is the
+        request's whole KV size), "cancelled" (a `cancel()`, or a newer
+        `handoff` of the same request id superseded this one), "rejected"
+        (admission refused: no blocks, or a rank restarting), "failed" (a
+        rank or coordinator died, bytes did not verify), "timeout" (`timeout`
+        seconds passed). Whatever the attempt still held is handed back by a
+        task the deployment owns (module docstring), also when the caller is
+        cancelled while waiting here.
 
         Raises only `InvalidRequest` (bad arguments: nothing was sent) and
-        `DeploymentClosed` (after `shutdown()`).
-
-        `cancel_at` injects a cancel at one exact phase (tests, demo, benchmarks):
-        - "before_open": both admissions done, no OPEN sent yet;
-        - "before_ready": OPENs sent but the OPEN to the last CTX rank is held
-          back (so no CTX round can decide the parent), cancel, then deliver it;
-        - "mid_dma": cancel once a CTX rank has posted a chunk of this request
-          (with a FaultPlan that defers completions, DMA is genuinely in flight);
-        - "after_complete": cancel after the GEN side is decode-ready (a no-op:
-          the KV stays valid until freed).
-        """
+        `DeploymentClosed` (after `shutdown()`)."""
         self._check_open()
-        if cancel_at not in CANCEL_PHASES:
-            raise InvalidRequest(f"cancel_at must be one of {CANCEL_PHASES}, got {_short(cancel_at)}")
         if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
             raise InvalidRequest(f"timeout must be a positive number of seconds, got {_short(timeout)}")
         self._checked(request_id, num_tokens)
@@ -680,10 +629,10 @@ class Deployment:
             older.task.cancel()
         attempt = _Attempt(self._new_attempt(request_id), num_tokens)
         self._live[request_id] = attempt
-        # Admission starts now, in its own task: whoever hands the attempt back
-        # waits for its answer first (see the module docstring).
-        attempt.admission = self._spawn(self._admit(attempt.parent, num_tokens))
-        attempt.task = self._spawn(self._run(attempt, float(timeout), cancel_at))
+        # The submission starts now, in its own task: whoever hands the attempt
+        # back waits for it to be sent first (see the module docstring).
+        attempt.admission = self._spawn(self._submit(attempt))
+        attempt.task = self._spawn(self._run(attempt, float(timeout)))
         try:
             return await asyncio.shield(attempt.task)
         except asyncio.CancelledError:
@@ -694,7 +643,19 @@ class Deployment:
             attempt.task.cancel()
             raise
 
-    async def _run(self, attempt: _Attempt, timeout: float, cancel_at: str | None) -> HandoffResult:
+    async def _submit(self, attempt: _Attempt) -> str:
+        """The one submission: the GEN coordinator's answer, or "broken" when
+        it could not be asked (it died)."""
+        self.calls["submit"] += 1
+        try:
+            return str(
+                await self._coords[Role.GEN].submit.remote(attempt.parent, attempt.num_tokens, True)
+            )
+        except Exception as exc:
+            log.warning("%s: submitting %s raised: %r", self.name, attempt.parent, exc)
+            return "broken"
+
+    async def _run(self, attempt: _Attempt, timeout: float) -> HandoffResult:
         """Drive one attempt under its `timeout`; whatever way it ends, an
         attempt that did not end cleanly is handed to `_reclaim`."""
         parent = attempt.parent
@@ -703,7 +664,7 @@ class Deployment:
         clean = False
         try:
             async with asyncio.timeout(timeout):
-                result, clean = await self._drive(attempt, timeout, cancel_at, start)
+                result, clean = await self._drive(attempt, timeout, start)
         except TimeoutError:
             pass
         except asyncio.CancelledError:
@@ -723,64 +684,48 @@ class Deployment:
             self._spawn(self._reclaim(attempt))
         return result
 
-    async def _drive(
-        self, attempt: _Attempt, timeout: float, cancel_at: str | None, start: float
-    ) -> tuple[HandoffResult, bool]:
-        """The handoff itself; returns its result and whether it ended cleanly
-        (nothing left for `_reclaim` to hand back)."""
+    async def _drive(self, attempt: _Attempt, timeout: float, start: float) -> tuple[HandoffResult, bool]:
+        """Await the submission's outcome; returns the result and whether it
+        ended cleanly (nothing left for `_reclaim` to hand back)."""
         parent = attempt.parent
         request_id = parent.request_id
         assert attempt.admission is not None
-        admitted, _ = await asyncio.gather(asyncio.shield(attempt.admission), self.refresh_view())
-        if admitted != "admitted":
-            # A client cancel that won the admission round is a cancel, not a refusal.
-            outcome = "failed" if admitted == "broken" else "cancelled" if attempt.cancel_requested else "rejected"
-            result = HandoffResult(request_id=request_id, outcome=outcome, latency_s=time.perf_counter() - start)
-            return result, True  # `_admit` already cancelled any side that may hold it
-        if cancel_at == "before_open":
-            await self._cancel(attempt)
-        elif cancel_at == "before_ready":
-            gen_ranks = self._cached_ranks(Role.GEN)
-            last_ctx = self.ctx_spec.tp - 1
-            await asyncio.gather(*(g.hold_frames.remote(Role.CTX.value, last_ctx, True) for g in gen_ranks))
-            await self._send_opens(parent)
-            await self._cancel(attempt)
-            await asyncio.gather(*(g.hold_frames.remote(Role.CTX.value, last_ctx, False) for g in gen_ranks))
-        elif cancel_at == "mid_dma":
-            await self._send_opens(parent)
-            await self._until_posted_parent(lambda: parent, timeout)
-            await self._cancel(attempt)
-        else:
-            await self._send_opens(parent)
+        decided = await asyncio.shield(attempt.admission)
+        latency = time.perf_counter() - start
+        gen_tp = self.gen_spec.tp
+        if decided == "completed":
+            verified = self._expected_bytes(attempt.num_tokens) if self.synthetic else 0
+            result = HandoffResult(
+                request_id=request_id,
+                outcome="completed",
+                bytes_verified=verified,
+                latency_s=latency,
+                gen_outcomes=("completed",) * gen_tp,
+            )
+            return result, True
+        if decided == "rejected":
+            outcome = "cancelled" if attempt.cancel_requested else "rejected"
+            return HandoffResult(request_id=request_id, outcome=outcome, latency_s=latency), True
+        if decided == "broken":
+            return HandoffResult(request_id=request_id, outcome="failed", latency_s=latency), False
+        # Cancelled or failed: what each rank made of it (released, drained,
+        # quarantined) is the outcome's detail; wait for it within the bound.
+        await self.refresh_view()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout - (time.perf_counter() - start)
-        gen = await self._wait(parent, Role.GEN, max(deadline - loop.time(), 0.0))
-        latency = time.perf_counter() - start
-        if cancel_at == "after_complete":
-            await self._cancel(attempt)
-        # Free every GEN rank that is decode-ready, also when a sibling failed:
-        # nobody else would ever free it.
-        ready = [g for g, o in enumerate(gen) if o == "completed"]
-        freed = await self._free(parent, ready)
-        ctx = await self._wait(parent, Role.CTX, max(deadline - loop.time(), 0.0))
-        verified = sum(n for n in freed if isinstance(n, int))
-        expected = self._expected_bytes(attempt.num_tokens) if self.synthetic else 0
-        if any(not isinstance(n, int) for n in freed):
-            outcome = "failed"  # a rank died after it was decode-ready: its bytes are gone
-        elif len(ready) == len(gen):
-            # Decode-ready everywhere; "completed" only if the verified bytes add up.
-            outcome = "completed" if verified == expected else "failed"
-        else:
-            outcome = _overall(gen, ctx)
+        gen, ctx = await asyncio.gather(
+            self._wait(parent, Role.GEN, max(deadline - loop.time(), 0.0)),
+            self._wait(parent, Role.CTX, max(deadline - loop.time(), 0.0)),
+        )
+        outcome = _overall(gen, ctx) if decided == "cancelled" else "failed"
         result = HandoffResult(
             request_id=request_id,
             outcome=outcome,
-            bytes_verified=verified if outcome == "completed" else 0,
             latency_s=latency,
             ctx_outcomes=tuple(ctx),
             gen_outcomes=tuple(gen),
         )
-        return result, outcome in ("completed", "cancelled", "rejected")
+        return result, outcome in ("cancelled", "rejected")
 
     def _expected_bytes(self, num_tokens: int) -> int:
         """The request's whole KV on the GEN side: every GEN rank's shard."""
@@ -800,11 +745,9 @@ class Deployment:
         parent = attempt.parent
         try:
             async with asyncio.timeout(self._reclaim_timeout_s):
-                assert attempt.admission is not None
-                admitted = await asyncio.shield(attempt.admission)
-                if admitted != "admitted":
-                    return  # `_admit` already cancelled any side that may hold it
-                await asyncio.gather(*(c.cancel.remote(parent) for c in self._coords.values()), return_exceptions=True)
+                # The cancel goes after the submission (same caller, same
+                # coordinator: Ray keeps their order), so it cannot overtake it.
+                await self._cancel_parent(parent)
                 with contextlib.suppress(Exception):  # a restart: free the current incarnations
                     await self.refresh_view()
                 if self._view is not None:
@@ -813,21 +756,6 @@ class Deployment:
             log.warning("%s: handing back %s took over %gs", self.name, parent, self._reclaim_timeout_s)
         except Exception as exc:
             log.warning("%s: handing back %s failed: %r", self.name, parent, exc)
-
-    async def _until_posted(self, request_id: str, timeout: float) -> None:
-        """Until a CTX rank posted a chunk of the current attempt of `request_id`
-        (or it ended). The attempt is re-read at every poll: a `handoff` task
-        created just before this call may not have begun its attempt yet."""
-        await self._until_posted_parent(lambda: self.parent(request_id), timeout)
-
-    async def _until_posted_parent(self, parent: Callable[[], ParentKey], timeout: float) -> None:
-        ctx_ranks = await self.ranks(Role.CTX)
-        deadline = time.perf_counter() + timeout
-        while time.perf_counter() < deadline:
-            phases = await asyncio.gather(*(h.phase.remote(parent()) for h in ctx_ranks))
-            if any(p["posted"] > 0 for p in phases) or any(p["state"] in _ENDED for p in phases):
-                return
-            await asyncio.sleep(0.001)
 
     async def _free(self, parent: ParentKey, gen_ranks: Any) -> list[int | BaseException]:
         """Free `parent` on the listed GEN ranks: per rank, the bytes it verified
@@ -850,7 +778,11 @@ class Deployment:
         await self._cancel_parent(attempt.parent)
 
     async def _cancel_parent(self, parent: ParentKey) -> None:
-        await asyncio.gather(*(c.cancel.remote(parent) for c in self._coords.values()), return_exceptions=True)
+        # The GEN coordinator cancels in both instances (it forwards to the CTX
+        # coordinator after any admission it asked there: in order).
+        self.calls["cancel"] += 1
+        with contextlib.suppress(Exception):
+            await self._coords[Role.GEN].cancel.remote(parent)
 
     async def stats(self) -> dict[str, Any]:
         """Per-rank pool counts and counters, and each coordinator's stats.

@@ -224,8 +224,15 @@ class RankCore(RoundParticipant):
         self._peer_agent: dict[ContextTicket, str] = {}
         self._prepared_reported: set[ParentKey] = set()
         self._verified: dict[ParentKey, int] = {}
-        # Control-plane fault injection: frames to a held peer wait here, in order.
-        self._held: dict[tuple[str, int], list[tuple[Endpoint, bytes]]] = {}
+        # Fault injection (tests/actors harness, the chaos demo; set through
+        # Ray's __ray_call__, never a method of this actor): frames of request
+        # id R to peer (role, rank) wait under (R, role, rank), in order.
+        self._held: dict[tuple[str, str, int], list[tuple[Endpoint, bytes]]] = {}
+        # Fault injection likewise: GEN installs of these request ids wait here.
+        self._defer_open: dict[str, list[ParentKey]] = {}
+        # GEN: admitted parents whose blocks go back once decode-ready and verified.
+        self._release_when_ready: set[ParentKey] = set()
+        self._report_due = False
         # CTX data phase per parent: [first post, last DONE, bytes] (perf_counter), bounded.
         self._xfer: collections.OrderedDict[ParentKey, list[float]] = collections.OrderedDict()
         self._tokens: dict[ParentKey, int] = {}
@@ -334,9 +341,24 @@ class RankCore(RoundParticipant):
         return self._perform_notice(self.side.peer_dead(dead, time.monotonic()), "peer_deaths_seen")
 
     def _nudge(self) -> None:
-        """Tell our coordinator we have news (fire-and-forget: ranks never await rounds)."""
-        if self._find_coordinator():
-            self._own(self._coordinator.nudge.remote(self.config.rank, self.our.epoch))
+        """Push our news to the coordinator (one way: ranks never await rounds).
+
+        Coalesced: every intent recorded in this turn of the event loop goes
+        out in one `RankReport`, sent when the turn ends."""
+        if self._report_due:
+            return
+        self._report_due = True
+        if _loop_running():
+            asyncio.get_running_loop().call_soon(self._push_report)
+        else:
+            self._push_report()
+
+    def _push_report(self) -> None:
+        self._report_due = False
+        if not self._find_coordinator():
+            return  # not up yet: the next vote carries the news anyway
+        self.counters["reports_sent"] += 1
+        self._own(self._coordinator.report.remote(self.member.report()))
 
     def _own(self, awaitable: Any) -> None:
         """Keep a reference to a fire-and-forget call; log if it fails."""
@@ -380,6 +402,8 @@ class RankCore(RoundParticipant):
                 log.warning("rank %s: admission of %s refused: %r", self.ns, request.parent, exc)
                 continue
             self._tokens[request.parent] = request.num_tokens
+            if request.release_when_ready and self.role is Role.GEN:
+                self._release_when_ready.add(request.parent)
             ok.append(request.parent)
         return VoteNews(admit_ok=tuple(ok))
 
@@ -393,10 +417,18 @@ class RankCore(RoundParticipant):
                 self._outcome[parent] = "rejected"
                 self._perform(self.side.withdraw(parent))
         for parent in decision.admitted:
-            if parent in parents and isinstance(self.side, CtxRank):
+            if parent not in parents:
+                continue
+            if isinstance(self.side, CtxRank):
                 if self.config.synthetic:
                     self._prefill(parent)
                 self._perform(self.side.prefilled(parent))
+            else:
+                # Admitted by both instances (the CTX ranks applied theirs
+                # before this decision was made): install and send OPENs now.
+                # No READY can come before every GEN rank did: a CTX rank is
+                # prepared only with an OPEN from each of its edges' GEN ranks.
+                self._open(parent, now)
         for parent in getattr(decision, "decided", ()):
             if isinstance(self.side, CtxRank) and parent in parents:
                 self._perform(self.side.decided(parent, now))
@@ -409,6 +441,8 @@ class RankCore(RoundParticipant):
         for parent in decision.completed:
             if parent in parents:
                 self._perform(self.side.completed(parent, now))
+        alive = self.side.parents()
+        self.member.follower.forget(alive.__contains__)
         self._wake.set()
 
     # -- the control plane ------------------------------------------------------------
@@ -517,13 +551,29 @@ class RankCore(RoundParticipant):
             self.member.record_prepared(parent)
             self._nudge()
 
-    async def send_opens(self, parent: ParentKey, ctx_endpoints: list[Endpoint]) -> int:
-        """GEN: after the admission round (every GEN rank leased: the installation
-        barrier), install the session and send OPEN on each of our edges."""
+    def _ctx_endpoints(self) -> list[Endpoint] | None:
+        """GEN: the current endpoint of every CTX rank, or None if one is unknown."""
+        found = [self._peer_handles.get((Role.CTX.value, r)) for r in range(self.config.peer_spec.tp)]
+        if any(f is None for f in found):
+            return None
+        return [f[0] for f in found if f is not None]
+
+    def _open(self, parent: ParentKey, now: float) -> None:
+        """GEN: install `parent`'s session and send OPEN on each of our edges
+        (await-free: called while applying the admission). A CTX endpoint we
+        do not know yet (a CTX rank restarted) is looked up first."""
         assert isinstance(self.side, GenRank)
-        now = time.monotonic()
         if self.side.parents().get(parent) is not ParentState.ADMITTED:
-            return 0  # cancelled (and released) between admission and OPEN: nothing to open
+            return  # cancelled (and released) meanwhile: nothing to open
+        if self._defer_open:
+            deferred = self._defer_open.get(parent.request_id)
+            if deferred is not None:
+                deferred.append(parent)
+                return
+        endpoints = self._ctx_endpoints()
+        if endpoints is None:
+            self._own(self._open_later(parent))
+            return
         lease = self.pool.lease_of(parent)
         gen_bytes = self.block_bytes
         blocks = [
@@ -543,7 +593,7 @@ class RankCore(RoundParticipant):
                 request_id=parent.request_id,
                 ctx_attempt=parent.ctx_attempt,
                 gen_attempt=parent.gen_attempt,
-                ctx=ctx_endpoints[edge[0]],
+                ctx=endpoints[edge[0]],
                 gen=self.our,
                 ctx_digest=self.ctx_digest,
                 gen_digest=self.gen_digest,
@@ -556,9 +606,22 @@ class RankCore(RoundParticipant):
             actions = self.side.install(parent, specs, now)
         except ProtocolError as exc:
             self.counters[f"refused_{type(exc).__name__}"] += 1
-            return 0
-        refs = await self._perform_awaiting(actions)
-        return len(refs)
+            return
+        self._perform(actions)
+
+    async def _open_later(self, parent: ParentKey) -> None:
+        try:
+            await self.connect()
+        except Exception as exc:
+            log.warning("rank %s: cannot learn the CTX endpoints: %r", self.ns, exc)
+        if self._ctx_endpoints() is None:
+            # No CTX rank to open to: the parent cannot proceed here.
+            self.counters["open_no_endpoint"] += 1
+            self.member.record_failure(parent)
+            self._nudge()
+            return
+        self._open(parent, time.monotonic())
+        self._ensure_polling()
 
     async def free(self, parent: ParentKey) -> int:
         """GEN: the client is done with a decode-ready request's KV. Returns the
@@ -573,18 +636,6 @@ class RankCore(RoundParticipant):
         verified = self._verified.get(parent, 0)
         self._perform(actions)
         return verified
-
-    async def hold_frames(self, role: str, rank: int, hold: bool, drop: bool = False) -> int:
-        """Fault injection: delay (hold=True) every frame to peer (role, rank);
-        hold=False sends the held frames in order, or drops them if `drop`."""
-        key = (role, rank)
-        if hold:
-            self._held.setdefault(key, [])
-            return 0
-        frames = self._held.pop(key, [])
-        if not drop:
-            await asyncio.gather(*[r for r in (self._send(to, f) for to, f in frames) if r is not None], return_exceptions=True)
-        return len(frames)
 
     async def phase(self, parent: ParentKey) -> dict[str, Any]:
         """The parent's local state and its edges' states (for tests and the demo)."""
@@ -605,7 +656,8 @@ class RankCore(RoundParticipant):
         for action in actions:
             match action:
                 case SendMessage(to=to, message=message):
-                    refs.append(self._send(to, encode_frame(message)))
+                    self.counters[f"frames_{type(message).__name__.lower()}"] += 1
+                    refs.append(self._send(to, encode_frame(message), message.ticket.request_id))
                 case PostChunk(ticket=ticket, index=index):
                     self._post(ticket, index, now)
                 case StopPosting() | Drain():
@@ -636,8 +688,12 @@ class RankCore(RoundParticipant):
                 case ParentSettled(parent=parent, cancelled=cancelled, evidence=evidence):
                     self._settled(parent, cancelled, evidence)
                 case DecodeReady(parent=parent):
+                    release = parent in self._release_when_ready
                     self._outcome[parent] = "completed"
                     self._finish(parent, "completed")
+                    if release and isinstance(self.side, GenRank):
+                        # Nobody consumes it (the submission said so): verified, return it.
+                        refs += self._perform(self.side.free(parent))
                 case CleanupSkipped():
                     self.counters["cleanup_skipped"] += 1
                 case CancelDeferred():
@@ -679,11 +735,13 @@ class RankCore(RoundParticipant):
             await asyncio.gather(*refs, return_exceptions=True)
         return refs
 
-    def _send(self, to: Endpoint, frame: bytes) -> Any:
-        held = self._held.get((to.ns.role.value, to.ns.rank))
-        if held is not None:  # fault injection: the frame is delayed, in order
-            held.append((to, frame))
-            return None
+    def _send(self, to: Endpoint, frame: bytes, request_id: str = "") -> Any:
+        if self._held:
+            held = self._held.get((request_id, to.ns.role.value, to.ns.rank))
+            if held is not None:  # fault injection: the frame is delayed, in order
+                held.append((to, frame))
+                return None
+        self.counters["frames_sent"] += 1
         cached = self._peer_handles.get((to.ns.role.value, to.ns.rank))
         if cached is not None and cached[0] == to:
             ref = cached[1].receive_frame.remote(frame)
@@ -842,6 +900,7 @@ class RankCore(RoundParticipant):
             if not future.done():
                 future.set_result(self._outcome[parent])
         self._tokens.pop(parent, None)
+        self._release_when_ready.discard(parent)
         self._prepared_reported.discard(parent)
         for ticket in [t for t in self._chunks if t.parent == parent]:
             del self._chunks[ticket]
@@ -892,6 +951,7 @@ class RankCore(RoundParticipant):
             "leaked_handles": len(self.transport.leaked),
             # Per-request bookkeeping of requests still in progress: empty when idle.
             "tracking": len(self._tokens) + len(self._chunks) + len(self._peer_agent)
+            + len(self._release_when_ready)
             + len(self._prepared_reported) + len(self._waiters) + len(self._verified),
             "counters": dict(self.counters),
             "violations": list(self.violations),

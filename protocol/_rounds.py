@@ -61,7 +61,7 @@ No clocks here: every time is the ``now`` argument.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Annotated
 
 import msgspec
@@ -75,6 +75,7 @@ __all__ = [
     "AdmissionRequest",
     "RoundProposal",
     "RoundVote",
+    "RankReport",
     "RoundDecision",
     "RoundTimedOut",
     "VoteRejectReason",
@@ -116,6 +117,10 @@ class AdmissionRequest(_Frozen, frozen=True):
 
     parent: ParentKey
     num_tokens: _Tokens
+    #: GEN: return the blocks as soon as the request is decode-ready and its
+    #: bytes are verified (nobody consumes them: demos, benchmarks, a driver
+    #: that only moves KV). False keeps them for the consumer's ``free``.
+    release_when_ready: bool = False
 
 
 class RoundProposal(_Frozen, frozen=True, tag="round_proposal"):
@@ -144,6 +149,26 @@ class RoundVote(_Frozen, frozen=True, tag="round_vote"):
     completions: _Parents = ()
     failures: _Parents = ()
     #: parents whose every local edge is prepared on this rank (CTX: ready to decide)
+    prepared: _Parents = ()
+
+
+class RankReport(_Frozen, frozen=True, tag="rank_report"):
+    """News a rank pushes to its leader between rounds (one way, no reply).
+
+    The same sets a vote carries, minus ``admit_ok`` (only a proposal can ask
+    for a lease): the leader decides a round without admissions from the
+    latest report of every rank instead of asking for votes, which takes one
+    fan-out off every such round. ``seq`` orders the reports of one
+    incarnation (a report older than the stored one is ignored); a report of
+    another incarnation is refused like a vote.
+    """
+
+    rank: _Rank
+    epoch: _U63
+    seq: _U63
+    cancels: _Parents = ()
+    completions: _Parents = ()
+    failures: _Parents = ()
     prepared: _Parents = ()
 
 
@@ -324,6 +349,8 @@ class RoundLeader:
         self.in_flight: set[ParentKey] = set()
         #: in-flight parents already decided (the `prepared` channel decides once)
         self.decided: set[ParentKey] = set()
+        #: the latest `RankReport` of each rank's current incarnation
+        self._reports: dict[int, RankReport] = {}
 
     # -- queries ------------------------------------------------------------
 
@@ -368,6 +395,76 @@ class RoundLeader:
         if epoch <= old:
             raise StaleError("endpoint epoch", epoch, old)
         self._epochs[rank] = epoch
+        self._reports.pop(rank, None)  # the old incarnation's news is void
+
+    def report(self, report: RankReport) -> bool:
+        """Store ``report`` as its rank's latest news; returns False (and keeps
+        the stored one) for an older ``seq``. Raises `VoteRejected` for an
+        unknown rank or another incarnation's epoch, changing nothing."""
+        probe = RoundVote(round_no=self.next_round, rank=report.rank, epoch=report.epoch)
+        if report.rank not in self._epochs:
+            raise VoteRejected(VoteRejectReason.UNKNOWN_RANK, probe)
+        ours = self._epochs[report.rank]
+        if report.epoch != ours:
+            reason = VoteRejectReason.STALE_EPOCH if report.epoch < ours else VoteRejectReason.UNKNOWN_EPOCH
+            raise VoteRejected(reason, probe, f"current epoch {ours}")
+        stored = self._reports.get(report.rank)
+        if stored is not None and stored.seq >= report.seq:
+            return False
+        self._reports[report.rank] = report
+        return True
+
+    def reports_decide(self) -> bool:
+        """Would a round without admissions decide anything from the stored
+        reports alone (a cancel, failure, completion or decided parent)?
+        Lets the caller skip a round that could only end empty: with TP ranks
+        reporting one after the other, the first reports of an intersection
+        decide nothing until the last one is in."""
+        votes = [
+            RoundVote(
+                round_no=self.next_round,
+                rank=rank,
+                epoch=self._epochs[rank],
+                cancels=got.cancels,
+                completions=got.completions,
+                failures=got.failures,
+                prepared=got.prepared,
+            )
+            if (got := self._reports.get(rank)) is not None
+            else RoundVote(round_no=self.next_round, rank=rank, epoch=self._epochs[rank])
+            for rank in self.ranks
+        ]
+        probe = RoundProposal(round_no=self.next_round)
+        decision = self._decide(probe, votes, complete=True)
+        return bool(decision.settled() or decision.decided)
+
+    def votes_from_reports(self, now: float) -> bool:
+        """Vote in the open round on every rank's behalf from its latest
+        report (a rank without one has no news: an empty vote). Only for a
+        round without admissions (a lease needs the rank's own vote: else
+        `RoundError`). Returns True (every vote is in: `close` it)."""
+        proposal = self._proposal
+        if proposal is None:
+            raise RoundPhaseError(self.phase, "votes_from_reports")
+        if proposal.admissions:
+            raise RoundError("a round with admissions needs every rank's own vote")
+        for rank in self.ranks:
+            if rank in self._votes:
+                continue
+            got = self._reports.get(rank)
+            self.receive_vote(
+                RoundVote(
+                    round_no=proposal.round_no,
+                    rank=rank,
+                    epoch=self._epochs[rank],
+                    cancels=got.cancels if got else (),
+                    completions=got.completions if got else (),
+                    failures=got.failures if got else (),
+                    prepared=got.prepared if got else (),
+                ),
+                now,
+            )
+        return True
 
     def open_round(
         self,
@@ -452,14 +549,19 @@ class RoundLeader:
         self._votes[vote.rank] = vote
         return len(self._votes) == len(self.ranks)
 
-    def close(self, now: float | None = None) -> RoundDecision:
-        """Decide the open round; every vote must be in (else `RoundError`)."""
+    def close(self, now: float | None = None, *, vetoed: Iterable[ParentKey] = ()) -> RoundDecision:
+        """Decide the open round; every vote must be in (else `RoundError`).
+
+        ``vetoed`` admissions are rejected whatever the votes say: the peer
+        instance refused them (a handoff needs both instances to admit)."""
         self._fire("close")
         missing = self.missing()
         if missing:
             raise RoundError(f"round {self.next_round - 1} still misses ranks {missing}")
         assert self._proposal is not None
-        decision = self._decide(self._proposal, list(self._votes.values()), complete=True)
+        decision = self._decide(
+            self._proposal, list(self._votes.values()), complete=True, vetoed=frozenset(vetoed)
+        )
         self._finish(decision)
         return decision
 
@@ -509,7 +611,12 @@ class RoundLeader:
         self._votes = {}
 
     def _decide(
-        self, proposal: RoundProposal, votes: list[RoundVote], *, complete: bool
+        self,
+        proposal: RoundProposal,
+        votes: list[RoundVote],
+        *,
+        complete: bool,
+        vetoed: frozenset[ParentKey] = frozenset(),
     ) -> RoundDecision:
         proposed = {a.parent for a in proposal.admissions}
         # Default-deny: news only counts for parents this leader knows about.
@@ -538,7 +645,7 @@ class RoundLeader:
         failed &= known
         cancelled = (cancelled & known) - failed
         completed = completed - failed - cancelled
-        admitted = admit_ok - failed - cancelled
+        admitted = admit_ok - failed - cancelled - vetoed
         rejected = proposed - admitted - failed - cancelled
         decided = prepared - failed - cancelled - completed
         return RoundDecision(
@@ -580,10 +687,93 @@ class RoundFollower:
         self.last_applied = first_round - 1
         #: the last round this rank voted in
         self.last_voted = first_round - 1
+        # Intents recorded between rounds (see `record_cancel` & co.). Unions
+        # (cancels, failures) are cleared by the decision that saw them;
+        # intersections (completions, prepared) are reported until settled.
+        self._cancels: set[ParentKey] = set()
+        self._completions: set[ParentKey] = set()
+        self._failures: set[ParentKey] = set()
+        self._prepared: set[ParentKey] = set()
+        # (round, cancels, failures) of our latest vote: only those are cleared
+        # by that round's decision, never intents recorded after it left.
+        self._reported: tuple[int, frozenset[ParentKey], frozenset[ParentKey]] = (
+            0,
+            frozenset(),
+            frozenset(),
+        )
+        self._report_seq = 0
+
+    # -- intents: recorded between rounds, carried by the next vote or report --
+
+    def record_cancel(self, parent: ParentKey) -> None:
+        """Queue a cancel intent (a union: one rank's report suffices)."""
+        self._cancels.add(parent)
+
+    def record_failure(self, parent: ParentKey) -> None:
+        """Queue a failure (e.g. evidence UNKNOWN; a union)."""
+        self._failures.add(parent)
+
+    def record_completion(self, parent: ParentKey) -> None:
+        """Report ``parent`` complete here until a decision settles it (an
+        intersection: every rank must report it in the same round)."""
+        self._completions.add(parent)
+
+    def record_prepared(self, parent: ParentKey) -> None:
+        """Report every local edge of ``parent`` prepared until a decision
+        decides or settles it (an intersection, like completions)."""
+        self._prepared.add(parent)
+
+    def has_news(self) -> bool:
+        return bool(self._cancels or self._completions or self._failures or self._prepared)
+
+    def forget(self, alive: Callable[[ParentKey], bool]) -> None:
+        """Drop union intents about parents this rank no longer holds (nothing
+        is left to cancel or fail; a leader that never knew them drops them
+        anyway, and they must not ride in every report forever)."""
+        self._cancels = {p for p in self._cancels if alive(p)}
+        self._failures = {p for p in self._failures if alive(p)}
+
+    def report(self) -> RankReport:
+        """This rank's current news as a `RankReport` (pushed between rounds)."""
+        self._report_seq += 1
+        return RankReport(
+            rank=self.our_rank,
+            epoch=self.our_epoch,
+            seq=self._report_seq,
+            cancels=_sorted(self._cancels),
+            completions=_sorted(self._completions),
+            failures=_sorted(self._failures),
+            prepared=_sorted(self._prepared),
+        )
+
+    def vote_with_news(
+        self, proposal: RoundProposal, admit_ok: Iterable[ParentKey] = ()
+    ) -> RoundVote:
+        """`vote` carrying every recorded intent."""
+        vote = self.vote(
+            proposal,
+            admit_ok=admit_ok,
+            cancels=self._cancels,
+            completions=self._completions,
+            failures=self._failures,
+            prepared=self._prepared,
+        )
+        self._reported = (vote.round_no, frozenset(vote.cancels), frozenset(vote.failures))
+        return vote
 
     @property
     def next_round(self) -> int:
         return self.last_applied + 1
+
+    def join(self, next_round: int) -> None:
+        """Start at ``next_round`` (a fresh incarnation joining a running
+        leader); intents recorded meanwhile are kept. Raises `RoundError`
+        once this follower took part in a round."""
+        if self.last_applied != 0 or self.last_voted != 0:
+            raise RoundError(f"rank {self.our_rank} already took part in rounds; cannot rejoin")
+        if next_round < 1:
+            raise RoundError(f"next_round must be >= 1, got {next_round}")
+        self.last_applied = self.last_voted = next_round - 1
 
     def _check_digest(self, what: str, digest: bytes | None) -> None:
         if self.topology_digest is not None and digest != self.topology_digest:
@@ -643,3 +833,16 @@ class RoundFollower:
         # A rank that never voted (its proposal was lost or late) still applies
         # the decision; its vote on that round would now be stale.
         self.last_voted = max(self.last_voted, decision.round_no)
+        settled = decision.settled()
+        self._prepared -= settled
+        self._prepared.difference_update(decision.decided)
+        self._completions -= settled
+        self._cancels -= settled
+        self._failures -= settled
+        reported_round, reported_cancels, reported_failures = self._reported
+        if reported_round == decision.round_no and not decision.timed_out:
+            # Union news we voted reached a full decision (which saw every
+            # vote, ours included): done. A timed-out round may not have seen
+            # our vote, so its news stays queued for the next round.
+            self._cancels -= reported_cancels
+            self._failures -= reported_failures

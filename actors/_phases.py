@@ -1,0 +1,165 @@
+"""Cancel a handoff at one exact phase: the harness of the tests, the chaos
+demo and the benchmarks (not part of the public API).
+
+`Deployment.handoff` is one submission the ranks drive on their own, so there
+is no client step to cancel "between". To reach a phase exactly, this harness
+arranges the real rank actors' internals through Ray's ``__ray_call__`` (no
+hook in any public signature), submits, waits on an observable condition, and
+cancels:
+
+- "before_open": both instances admitted, no OPEN sent yet. Every GEN rank
+  defers installing this request (its `_open`), the cancel is decided in both
+  instances, then the deferred installs run and find nothing to open;
+- "before_ready": OPENs sent, but the OPENs to the last CTX rank are held on
+  every GEN rank, so no CTX round can decide the request; cancel in both
+  instances, then deliver the held frames (in order);
+- "mid_dma": cancel once a CTX rank posted a chunk of the request (with a
+  `FaultPlan` that defers completions, DMA is genuinely in flight);
+- "after_complete": cancel after the handoff completed (a no-op).
+
+Waits poll one observable condition (1 ms between polls), never a guessed
+duration; every wait is bounded by the handoff's own timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvhandoff.protocol import ParentKey, Role
+
+__all__ = ["CANCEL_PHASES", "handoff_cancel_at", "hold_frames", "release_frames", "held_frames"]
+
+#: The exact phases `handoff_cancel_at` knows (None: no cancel).
+CANCEL_PHASES = (None, "before_open", "before_ready", "mid_dma", "after_complete")
+_ENDED = ("released", "quarantined", "decode_ready", "settled", "completed", "cancelled", "rejected", "failed")
+
+
+# -- functions that run inside a rank actor (``handle.__ray_call__.remote(fn, ...)``) --
+
+
+def _hold(core: Any, request_id: str, role: str, rank: int) -> int:
+    core._held.setdefault((request_id, role, rank), [])
+    return 0
+
+
+def _count(core: Any, request_id: str, role: str, rank: int) -> int:
+    return len(core._held.get((request_id, role, rank), ()))
+
+
+def _release(core: Any, request_id: str, role: str, rank: int, drop: bool) -> int:
+    frames = core._held.pop((request_id, role, rank), [])
+    if not drop:
+        for to, frame in frames:
+            core._send(to, frame, request_id)
+    return len(frames)
+
+
+def _defer_opens(core: Any, request_id: str) -> int:
+    core._defer_open[request_id] = []
+    return 0
+
+
+def _deferred(core: Any, request_id: str) -> int:
+    return len(core._defer_open.get(request_id, ()))
+
+
+def _run_deferred(core: Any, request_id: str) -> int:
+    parents = core._defer_open.pop(request_id, [])
+    for parent in parents:
+        core._open(parent, time.monotonic())
+    return len(parents)
+
+
+# -- the harness ------------------------------------------------------------------------
+
+
+async def hold_frames(rank: Any, request_id: str, role: Role, peer_rank: int) -> None:
+    """From now on, frames of `request_id` from `rank` to peer (`role`, `peer_rank`) wait."""
+    await rank.__ray_call__.remote(_hold, request_id, role.value, peer_rank)
+
+
+async def held_frames(rank: Any, request_id: str, role: Role, peer_rank: int) -> int:
+    return int(await rank.__ray_call__.remote(_count, request_id, role.value, peer_rank))
+
+
+async def release_frames(rank: Any, request_id: str, role: Role, peer_rank: int, drop: bool = False) -> int:
+    """Send the held frames in order (or drop them); later frames flow again."""
+    return int(await rank.__ray_call__.remote(_release, request_id, role.value, peer_rank, drop))
+
+
+async def _until(condition: Callable[[], Any], done: asyncio.Task[Any], deadline: float) -> None:
+    while time.perf_counter() < deadline and not done.done():
+        if await condition():
+            return
+        await asyncio.sleep(0.001)
+
+
+async def _cancel_both(dep: Any, request_id: str) -> None:
+    """Cancel in both instances and wait until both rounds decided it."""
+    parent: ParentKey = dep.parent(request_id)
+    await dep.cancel(request_id)
+    await dep.coordinator(Role.CTX).cancel.remote(parent)
+
+
+async def handoff_cancel_at(
+    dep: Any, request_id: str, num_tokens: int, phase: str | None, *, timeout: float = 60.0
+) -> Any:
+    """`dep.handoff(request_id, num_tokens)` with a cancel at exactly `phase`."""
+    if phase not in CANCEL_PHASES:
+        raise ValueError(f"phase must be one of {CANCEL_PHASES}, got {phase!r}")
+    if phase is None:
+        return await dep.handoff(request_id, num_tokens, timeout=timeout)
+    if phase == "after_complete":
+        result = await dep.handoff(request_id, num_tokens, timeout=timeout)
+        await dep.cancel(request_id)
+        return result
+    deadline = time.perf_counter() + timeout
+    gens = await dep.ranks(Role.GEN)
+    ctxs = await dep.ranks(Role.CTX)
+    last_ctx = len(ctxs) - 1
+    if phase == "before_open":
+        await asyncio.gather(*(g.__ray_call__.remote(_defer_opens, request_id) for g in gens))
+    elif phase == "before_ready":
+        await asyncio.gather(*(hold_frames(g, request_id, Role.CTX, last_ctx) for g in gens))
+    task = asyncio.ensure_future(dep.handoff(request_id, num_tokens, timeout=timeout))
+    try:
+        if phase == "before_open":
+
+            async def admitted() -> bool:
+                counts = await asyncio.gather(*(g.__ray_call__.remote(_deferred, request_id) for g in gens))
+                return all(counts)
+
+            await _until(admitted, task, deadline)
+            await _cancel_both(dep, request_id)
+            await asyncio.gather(*(g.__ray_call__.remote(_run_deferred, request_id) for g in gens))
+        elif phase == "before_ready":
+
+            async def opened() -> bool:
+                counts = await asyncio.gather(*(held_frames(g, request_id, Role.CTX, last_ctx) for g in gens))
+                return all(counts)
+
+            await _until(opened, task, deadline)
+            await _cancel_both(dep, request_id)
+            await asyncio.gather(*(release_frames(g, request_id, Role.CTX, last_ctx) for g in gens))
+        else:  # mid_dma
+
+            async def posted() -> bool:
+                phases = await asyncio.gather(*(h.phase.remote(dep.parent(request_id)) for h in ctxs))
+                return any(p["posted"] > 0 for p in phases) or any(p["state"] in _ENDED for p in phases)
+
+            await _until(posted, task, deadline)
+            await dep.cancel(request_id)
+    finally:
+        # Whatever happened, leave no hold behind on the ranks.
+        if phase == "before_open":
+            await asyncio.gather(
+                *(g.__ray_call__.remote(_run_deferred, request_id) for g in gens), return_exceptions=True
+            )
+        elif phase == "before_ready":
+            await asyncio.gather(
+                *(release_frames(g, request_id, Role.CTX, last_ctx) for g in gens), return_exceptions=True
+            )
+    return await task
