@@ -492,6 +492,7 @@ class _Bench:
 
         latencies: list[float] = []
         pings: list[float] = []
+        calls_before = await _call_counts(dep)
         for i in range(a.small_n):
             for variant in _rotated(("handoff", "ping"), i):
                 if variant == "handoff":
@@ -501,6 +502,7 @@ class _Bench:
                 else:
                     pings.extend([await ping() for _ in range(3)])
 
+        calls = _per_handoff(calls_before, await _call_counts(dep), a.small_n, dep)
         rates: list[float] = [await pipelined()]
         sustained = []
         for k in a.concurrency:
@@ -522,6 +524,8 @@ class _Bench:
             },
             "ping": {"n": len(pings), "p50_s": _pct(pings, 0.5), "p99_s": _pct(pings, 0.99)},
             "latency_over_ping_p50": _pct(latencies, 0.5) / _pct(pings, 0.5) if pings else math.nan,
+            "latency_over_ping_p99": _pct(latencies, 0.99) / _pct(pings, 0.5) if pings else math.nan,
+            "per_handoff": calls,
             "ray_pipelined_calls_per_s": {"best": ray_rate, "samples": rates},
             "sustained": sustained,
             "sustained_over_pipelined_best": best / ray_rate,
@@ -723,6 +727,56 @@ async def _handoff(
         )
 
 
+async def _call_counts(dep: Deployment) -> dict[str, int]:
+    """Every Ray call and control frame the deployment made so far, per kind:
+    the client's, each coordinator's (to its ranks and to its peer), each
+    rank's reports and frames (a frame is a one-way actor call)."""
+    stats = await dep.stats()
+    counts: collections.Counter[str] = collections.Counter()
+    for kind, n in dep.calls.items():
+        counts[f"client_{kind}"] += n
+    for role, c in stats["coordinators"].items():
+        for kind, n in (c.get("calls") or {}).items():
+            if kind.endswith("_calls"):
+                counts[f"{role}_coord_{kind[: -len('_calls')]}"] += n
+    for r in stats["ranks"]:
+        for kind, n in r.get("counters", {}).items():
+            if kind == "reports_sent":
+                counts[f"{r['role']}_reports"] += n
+            elif kind == "frame_calls":
+                counts[f"{r['role']}_frame_calls"] += n
+            elif kind.startswith("frames_") and kind != "frames_sent":
+                counts[f"frame_{kind[len('frames_'):]}"] += n
+    return dict(counts)
+
+
+def _per_handoff(before: dict[str, int], after: dict[str, int], n: int, dep: Deployment) -> dict[str, Any]:
+    """Calls and frames per small handoff over `n` sequential ones, and what
+    the design before this one needed (the client stepped each handoff: two
+    admissions, two epoch reads, then per GEN rank send_opens, wait and free,
+    per CTX rank a wait; every round asked every rank for a vote and then
+    for the apply; every intent was a nudge followed by such a round)."""
+    kinds = sorted(set(before) | set(after))
+    delta = {k: (after.get(k, 0) - before.get(k, 0)) / n for k in kinds if after.get(k, 0) != before.get(k, 0)}
+    frames = sum(v for k, v in delta.items() if k.startswith("frame_"))
+    # Frames travel grouped: one one-way call per peer and event-loop turn.
+    calls = sum(v for k, v in delta.items() if not k.startswith("frame_"))
+    ctx, gen = dep.ctx_spec.tp, dep.gen_spec.tp
+    edges = len(shard_map(dep.layout, ctx, gen).edges())
+    # Before: rounds CTX admission, decided, completion and GEN admission,
+    # completion (the fewest; each 2 calls per rank), nudges for prepared
+    # (per CTX rank), completions (every rank), 4 frames per edge.
+    before_frames = 4 * edges
+    before_calls = (4 + 3 * gen + ctx) + 3 * 2 * ctx + 2 * 2 * gen + (2 * ctx + gen) + before_frames
+    return {
+        "handoffs": n,
+        "ray_calls": calls,
+        "frames": frames,
+        "by_kind": delta,
+        "before_redesign": {"ray_calls_at_least": before_calls, "frames": before_frames},
+    }
+
+
 async def _leased(dep: Deployment) -> list[int]:
     """Leased + quarantined blocks per rank (-1 for a rank that did not answer)."""
     stats = await dep.stats()
@@ -781,6 +835,8 @@ def _targets(out: dict[str, Any]) -> list[dict[str, Any]]:
     control = out.get("control")
     if control:
         add("small handoff p50 / ping p50", control["latency_over_ping_p50"], "<=", 4.0)
+        if "latency_over_ping_p99" in control:
+            add("small handoff p99 / ping p50", control["latency_over_ping_p99"], "<=", 8.0)
         add(
             "sustained handoffs/s / pipelined Ray calls/s",
             control["sustained_over_pipelined_best"],

@@ -202,6 +202,8 @@ class CoordinatorCore:
         # that ends them; and the admissions the peer instance must admit too.
         self._submitted: dict[ParentKey, asyncio.Future[str]] = {}
         self._owned: set[asyncio.Task[Any]] = set()
+        # Submitted parents the peer failed to admit (it raised): "failed", not "rejected".
+        self._peer_failed: set[ParentKey] = set()
         # A nudge (news not pushed as a report) makes the next round ask for votes.
         self._want_votes = False
         self._pending_cancels: dict[ParentKey, list[asyncio.Future[str | None]]] = {}
@@ -531,7 +533,21 @@ class CoordinatorCore:
 
     async def _round_loop(self) -> None:
         while True:
-            await self._wakeup.wait()
+            if self._leader is not None and self._leader.in_flight:
+                # Requests in flight and nothing to decide: if nothing happens
+                # for a round bound, probe every rank with a vote round. A rank
+                # that died holding a share of an intersection (its completion
+                # or prepared report never comes) is found by it and restarted,
+                # instead of holding the others' reports hostage; a slow but
+                # live rank just votes.
+                try:
+                    async with asyncio.timeout(self._round_timeout):
+                        await self._wakeup.wait()
+                except TimeoutError:
+                    self._want_votes = True
+                    self.calls["probe_rounds"] += 1
+            else:
+                await self._wakeup.wait()
             if self._batch_window > 0:
                 await asyncio.sleep(self._batch_window)
             # Clear before taking the batch: anything queued from now on sets
@@ -645,6 +661,11 @@ class CoordinatorCore:
                 )
         except Exception as exc:
             self._rank_errors.append(f"peer admission: {exc!r}"[:500])
+            if not isinstance(exc, AdmissionStopped):
+                # Not a refusal (it is restarting: retry later) but a failure:
+                # the peer died, failed, or did not answer in time.
+                for a in admissions:
+                    self._peer_failed.add(a.parent)
             # It may still admit them later (a slow answer): cancel there.
             self._own(self._peer_cancel([a.parent for a in admissions]))
             return set()
@@ -759,6 +780,10 @@ class CoordinatorCore:
             if name == "admitted":
                 continue
             submitted = self._submitted.pop(parent, None)
+            if parent in self._peer_failed:
+                self._peer_failed.discard(parent)
+                if name == "rejected":
+                    name = "failed"
             if submitted is not None and not submitted.done():
                 submitted.set_result(name)
         for parent, waiters in taken_cancels.items():

@@ -8,7 +8,7 @@ What it does, with no flags:
    host memory, with NIXL over UCX (`Deployment.launch`);
 3. runs a mixed workload: a few hundred requests of log-uniform sizes, a
    bounded number in flight, and about a third of them cancelled. The cancels
-   are spread over every phase: half at an exact phase (`handoff(cancel_at=...)`:
+   are spread over every phase: half at an exact phase (the harness in actors/_phases.py:
    before OPEN, before READY, mid-DMA, after completion) and half by a
    concurrent `cancel()` after a random delay, which lands wherever the
    request happens to be (admission included);
@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import collections
 import contextlib
-import inspect
 import json
 import logging
 import math
@@ -49,7 +48,7 @@ from typing import Any, TextIO
 
 __all__ = ["add_arguments", "run", "plan_workload", "Planned", "DemoReport"]
 
-#: The exact phases `Deployment.handoff(cancel_at=...)` knows (docs/design.md "Lifecycle").
+#: The exact phases the harness (actors/_phases.py) reaches (docs/design.md "Lifecycle").
 EXACT_PHASES = ("before_open", "before_ready", "mid_dma", "after_complete")
 #: A concurrent `cancel()` after a random delay: lands in whatever phase the
 #: request is in (admission, OPEN, READY, DMA, completion or after the end).
@@ -103,7 +102,7 @@ def plan_workload(
     """A deterministic workload for `seed`.
 
     About `cancel_rate` of the requests are cancelled. When `exact_phases` (the
-    deployment supports `handoff(cancel_at=...)`), the cancels alternate between
+    harness can drive the deployment's rank actors), the cancels alternate between
     an exact phase (round-robin over EXACT_PHASES, so every phase is exercised
     even in a short run) and a random delay; otherwise all use random delays.
     """
@@ -433,7 +432,7 @@ async def _run_async(args: argparse.Namespace, progress: _Progress) -> DemoRepor
         raise _LaunchFailed(f"{type(exc).__name__}: {exc}") from exc
     durations["launch_s"] = time.perf_counter() - t
     try:
-        exact = "cancel_at" in inspect.signature(dep.handoff).parameters
+        exact = isinstance(dep, Deployment)  # the harness drives the real rank actors
         plan = plan_workload(
             args.requests,
             args.cancel_rate,
@@ -527,11 +526,13 @@ async def run_workload(
 
 
 async def _handoff(dep: Any, planned: Planned, timeout: float) -> Any:
+    from kvhandoff.actors._phases import handoff_cancel_at
+
     if planned.cancel is None:
         return await dep.handoff(planned.request_id, planned.num_tokens, timeout=timeout)
     if planned.cancel in EXACT_PHASES:
-        return await dep.handoff(
-            planned.request_id, planned.num_tokens, timeout=timeout, cancel_at=planned.cancel
+        return await handoff_cancel_at(
+            dep, planned.request_id, planned.num_tokens, planned.cancel, timeout=timeout
         )
     # A concurrent cancel: both run on this loop; the handoff is owned and awaited.
     handoff = asyncio.ensure_future(

@@ -29,8 +29,19 @@ from collections.abc import Callable
 from typing import Any
 
 from kvhandoff.protocol import ParentKey, Role
+from kvhandoff.topology import shard_map
 
-__all__ = ["CANCEL_PHASES", "handoff_cancel_at", "hold_frames", "release_frames", "held_frames"]
+__all__ = [
+    "CANCEL_PHASES",
+    "handoff_cancel_at",
+    "until_posted",
+    "hold_frames",
+    "release_frames",
+    "held_frames",
+    "defer_opens",
+    "deferred_opens",
+    "run_deferred_opens",
+]
 
 #: The exact phases `handoff_cancel_at` knows (None: no cancel).
 CANCEL_PHASES = (None, "before_open", "before_ready", "mid_dma", "after_complete")
@@ -90,11 +101,41 @@ async def release_frames(rank: Any, request_id: str, role: Role, peer_rank: int,
     return int(await rank.__ray_call__.remote(_release, request_id, role.value, peer_rank, drop))
 
 
-async def _until(condition: Callable[[], Any], done: asyncio.Task[Any], deadline: float) -> None:
+async def defer_opens(rank: Any, request_id: str) -> None:
+    """GEN `rank` admits `request_id` but does not install or open it until
+    `run_deferred_opens` (a GEN that is slow to open)."""
+    await rank.__ray_call__.remote(_defer_opens, request_id)
+
+
+async def deferred_opens(rank: Any, request_id: str) -> int:
+    return int(await rank.__ray_call__.remote(_deferred, request_id))
+
+
+async def run_deferred_opens(rank: Any, request_id: str) -> int:
+    """Open what was deferred now (a parent no longer admitted opens nothing)."""
+    return int(await rank.__ray_call__.remote(_run_deferred, request_id))
+
+
+async def _until(condition: Callable[[], Any], done: asyncio.Future[Any], deadline: float) -> None:
     while time.perf_counter() < deadline and not done.done():
         if await condition():
             return
         await asyncio.sleep(0.001)
+
+
+async def until_posted(dep: Any, request_id: str, timeout: float, task: asyncio.Task[Any] | None = None) -> None:
+    """Until a CTX rank posted a chunk of the current attempt of `request_id`
+    or it ended there (or `task` ended, or `timeout` passed). The attempt is
+    re-read at every poll: a `handoff` task created just before this call may
+    not have begun its attempt yet."""
+    ctxs = await dep.ranks(Role.CTX)
+
+    async def posted() -> bool:
+        phases = await asyncio.gather(*(h.phase.remote(dep.parent(request_id)) for h in ctxs))
+        return any(p["posted"] > 0 for p in phases) or any(p["state"] in _ENDED for p in phases)
+
+    never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    await _until(posted, task if task is not None else never, time.perf_counter() + timeout)
 
 
 async def _cancel_both(dep: Any, request_id: str) -> None:
@@ -137,20 +178,20 @@ async def handoff_cancel_at(
             await asyncio.gather(*(g.__ray_call__.remote(_run_deferred, request_id) for g in gens))
         elif phase == "before_ready":
 
+            # The GEN ranks with an edge to the last CTX rank: each holds its OPEN.
+            to_last = {g for _, g in shard_map(dep.layout, len(ctxs), len(gens)).edges_for_ctx_rank(last_ctx)}
+
             async def opened() -> bool:
-                counts = await asyncio.gather(*(held_frames(g, request_id, Role.CTX, last_ctx) for g in gens))
+                counts = await asyncio.gather(
+                    *(held_frames(gens[g], request_id, Role.CTX, last_ctx) for g in sorted(to_last))
+                )
                 return all(counts)
 
             await _until(opened, task, deadline)
             await _cancel_both(dep, request_id)
             await asyncio.gather(*(release_frames(g, request_id, Role.CTX, last_ctx) for g in gens))
         else:  # mid_dma
-
-            async def posted() -> bool:
-                phases = await asyncio.gather(*(h.phase.remote(dep.parent(request_id)) for h in ctxs))
-                return any(p["posted"] > 0 for p in phases) or any(p["state"] in _ENDED for p in phases)
-
-            await _until(posted, task, deadline)
+            await until_posted(dep, request_id, deadline - time.perf_counter(), task)
             await dep.cancel(request_id)
     finally:
         # Whatever happened, leave no hold behind on the ranks.

@@ -10,20 +10,18 @@ coordinator per instance, and a directory where ranks find each other:
 
 `SyncDeployment` wraps it for scripts (`Deployment.launch_sync(...)`).
 
-One handoff (docs/design.md "Lifecycle"):
-1. CTX admission round: every CTX rank leases blocks and prefills them with the
-   request's pattern (actors/_pattern.py); concurrently,
-2. GEN admission round: every GEN rank leases blocks. The round's apply phase
-   finishing on every rank is the installation barrier.
-3. Each GEN rank installs the session and sends OPEN on each of its edges; a
-   CTX rank that has every edge of the parent prepared reports it, and the CTX
-   round that sees every rank prepared decides the parent: READY, then DMA in
-   chunks, then TERMINAL(COMPLETED); the GEN rank answers RECEIPT.
-4. Each GEN rank verifies every byte of its shard (S2); the GEN completion round
-   (intersection) makes the request decode-ready; the CTX completion round
-   releases the CTX blocks exactly once. The client then frees the GEN blocks.
-Cancellation enters as a cancel in both instances' next rounds; every rank then
-drains, proves NOT_STARTED, or quarantines (UNKNOWN), per the protocol layer.
+One handoff (docs/design.md "Lifecycle") is one submission and one await:
+`handoff` calls `submit` on the GEN coordinator, which admits the request in
+both instances in one round (the CTX coordinator is its peer) and answers with
+the decision that ends it. The ranks drive everything in between: each GEN
+rank sends its OPENs when it applies the admission, the CTX round that sees
+every edge prepared decides (READY, then DMA in chunks, TERMINAL, RECEIPT),
+each GEN rank verifies every byte of its shard (S2), and the GEN completion
+round (an intersection) makes the request decode-ready; the GEN ranks then
+return the blocks (nobody consumes them here) and the CTX completion round
+releases the CTX blocks exactly once. Cancellation goes to the GEN
+coordinator, which cancels in both instances; every rank then drains, proves
+NOT_STARTED, or quarantines (UNKNOWN), per the protocol layer.
 
 The client's own obligations (L1, L2)
 -------------------------------------
@@ -34,18 +32,18 @@ stopped caring about a request, so it must hand back what the attempt holds:
   before any actor call: a bad request never reaches a vote, a bad topology
   never starts an actor.
 - Each `handoff` runs as an *attempt* (a fresh `ParentKey`) in a task the
-  deployment owns. Its admission runs in a second owned task, shielded from
-  the caller, so that whoever hands the attempt back knows whether it was
-  admitted before cancelling it (a cancel that overtook its admission would
-  leave the admitted parent behind).
+  deployment owns. Its submission runs in a second owned task, shielded from
+  the caller, so that it is sent before any cancel of it: both go to the GEN
+  coordinator from this client, and Ray keeps their order (a cancel that
+  overtook its admission would leave the admitted parent behind).
 - An attempt that ends other than cleanly (its `timeout` passed, its caller
   was cancelled, a newer attempt of the same request id superseded it, a rank
   or coordinator died, or anything raised) is handed to an owned *reclaim*
-  task: it waits for the admission's answer, cancels the parent in both
-  instances (the cancel round is applied on every rank before the
-  coordinator answers, and a parent cancelled in a round can never complete
-  in a later one), then frees it on every GEN rank, which returns the blocks
-  of a parent that was already decode-ready. `handoff` returns without waiting
+  task: it cancels the parent in both instances (the cancel round is applied
+  on every rank before the coordinator answers, and a parent cancelled in a
+  round can never complete in a later one), then frees it on every GEN rank,
+  which returns the blocks of a parent that was decode-ready and not yet
+  returned. `handoff` returns without waiting
   for it (the caller asked for a bound); the reclaim itself is bounded
   (`_reclaim_timeout_s`), and `shutdown()` cancels and awaits what is left
   before it kills the actors.
@@ -590,9 +588,11 @@ class Deployment:
         self._check_open()
         return await self._wait(self.parent(request_id), role, timeout)
 
-    async def _wait(self, parent: ParentKey, role: Role, timeout: float) -> list[str]:
+    async def _wait(self, parent: ParentKey, role: Role, timeout: float, absent: str | None = None) -> list[str]:
         handles = self._cached_ranks(role) if self._view is not None else await self.ranks(role)
-        found = await asyncio.gather(*(h.wait.remote(parent, timeout) for h in handles), return_exceptions=True)
+        found = await asyncio.gather(
+            *(h.wait.remote(parent, timeout, absent) for h in handles), return_exceptions=True
+        )
         # A rank that died mid-request is an outcome (the request failed), not an error.
         return [o if isinstance(o, str) else "died" for o in found]
 
@@ -713,9 +713,11 @@ class Deployment:
         await self.refresh_view()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout - (time.perf_counter() - start)
+        # Both instances decided it by now (the GEN decision waited for the
+        # CTX admission's answer): a rank that never held it never will.
         gen, ctx = await asyncio.gather(
-            self._wait(parent, Role.GEN, max(deadline - loop.time(), 0.0)),
-            self._wait(parent, Role.CTX, max(deadline - loop.time(), 0.0)),
+            self._wait(parent, Role.GEN, max(deadline - loop.time(), 0.0), absent="none"),
+            self._wait(parent, Role.CTX, max(deadline - loop.time(), 0.0), absent="none"),
         )
         outcome = _overall(gen, ctx) if decided == "cancelled" else "failed"
         result = HandoffResult(
@@ -736,12 +738,12 @@ class Deployment:
         """Hand back everything an attempt that did not end cleanly may hold
         (bounded by `_reclaim_timeout_s`; owned, cancelled by shutdown()).
 
-        Order matters: first the admission's answer (a cancel that overtook its
-        admission would leave the admitted parent behind), then a cancel in both
-        instances (applied on every rank before the coordinator answers; once
-        cancelled, the parent can never complete later), then a free on every
-        GEN rank, which releases the parent if it was already decode-ready (and
-        is refused, changing nothing, if it was not)."""
+        Order matters: first a cancel in both instances (sent after the
+        submission, so it cannot overtake its admission; applied on every rank
+        before the coordinator answers; once cancelled, the parent can never
+        complete later), then a free on every GEN rank, which releases the
+        parent if it was already decode-ready (and is refused, changing
+        nothing, if it was not)."""
         parent = attempt.parent
         try:
             async with asyncio.timeout(self._reclaim_timeout_s):

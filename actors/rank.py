@@ -233,6 +233,9 @@ class RankCore(RoundParticipant):
         # GEN: admitted parents whose blocks go back once decode-ready and verified.
         self._release_when_ready: set[ParentKey] = set()
         self._report_due = False
+        # Frames produced in this event-loop turn, per peer endpoint (`_flush`).
+        self._outbox: dict[Endpoint, tuple[Any, list[bytes]]] = {}
+        self._flush_due = False
         # CTX data phase per parent: [first post, last DONE, bytes] (perf_counter), bounded.
         self._xfer: collections.OrderedDict[ParentKey, list[float]] = collections.OrderedDict()
         self._tokens: dict[ParentKey, int] = {}
@@ -446,6 +449,15 @@ class RankCore(RoundParticipant):
         self._wake.set()
 
     # -- the control plane ------------------------------------------------------------
+
+    async def receive_frames(self, frames: list[bytes]) -> int:
+        """Control frames from one peer rank, in the order it produced them
+        (one one-way call per peer and event-loop turn). Each is handled as
+        `receive_frame` handles it; returns how many were accepted."""
+        accepted = 0
+        for frame in frames:
+            accepted += bool(await self.receive_frame(frame))
+        return accepted
 
     async def receive_frame(self, frame: bytes) -> bool:
         """A control frame from a peer rank. Returns whether it was accepted."""
@@ -744,19 +756,39 @@ class RankCore(RoundParticipant):
         self.counters["frames_sent"] += 1
         cached = self._peer_handles.get((to.ns.role.value, to.ns.rank))
         if cached is not None and cached[0] == to:
-            ref = cached[1].receive_frame.remote(frame)
-            self._own(ref)
-            return ref
+            # Group the frames of this event-loop turn per peer: one one-way
+            # call carries them all, in the order they were produced.
+            box = self._outbox.get(to)
+            if box is None:
+                box = self._outbox[to] = (cached[1], [])
+                if _loop_running():
+                    if not self._flush_due:
+                        self._flush_due = True
+                        asyncio.get_running_loop().call_soon(self._flush)
+                    box[1].append(frame)
+                    return None
+            box[1].append(frame)
+            if not _loop_running():
+                self._flush()
+            return None
         # Unknown or restarted peer: resolve it, then send (a stale endpoint is dropped).
         async def resolve_and_send() -> None:
             handle = await self._peer(to)
             if handle is None:
                 self.counters["dropped_stale_sends"] += 1
                 return
-            await handle.receive_frame.remote(frame)
+            await handle.receive_frames.remote([frame])
 
         self._own(resolve_and_send())
         return None
+
+    def _flush(self) -> None:
+        """Send every peer's grouped frames: one one-way call per peer."""
+        self._flush_due = False
+        boxes, self._outbox = self._outbox, {}
+        for handle, frames in boxes.values():
+            self.counters["frame_calls"] += 1
+            self._own(handle.receive_frames.remote(frames))
 
     def _settled(self, parent: ParentKey, cancelled: bool, evidence: Any) -> None:
         """Every local edge of `parent` is terminal. A cancelled parent is released
@@ -906,13 +938,18 @@ class RankCore(RoundParticipant):
             del self._chunks[ticket]
             self._peer_agent.pop(ticket, None)
 
-    async def wait(self, parent: ParentKey, timeout: float) -> str:
+    async def wait(self, parent: ParentKey, timeout: float, absent: str | None = None) -> str:
         """Wait until `parent` reaches a local outcome (completed, cancelled, ...).
 
         A parent this rank has never heard of and has no outcome for waits too
-        (its admission or OPEN may still be on the way); `timeout` bounds it."""
+        (its admission or OPEN may still be on the way); `timeout` bounds it.
+        A caller that knows no admission is on the way any more (the decision
+        that ended it was applied here) passes `absent`: the answer for a
+        parent this rank never held."""
         self._ensure_polling()
         state = self.side.parents().get(parent)
+        if absent is not None and state is None and parent not in self._outcome:
+            return absent
         if parent in self._outcome and (
             state is None or state in (ParentState.RELEASED, ParentState.QUARANTINED, ParentState.DECODE_READY)
         ):

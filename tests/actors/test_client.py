@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import pytest
+import ray
 
 from kvhandoff.actors import (
     DEFAULT_LAYOUT,
@@ -28,8 +29,11 @@ from kvhandoff.actors import (
     InvalidRequest,
     LaunchFailed,
 )
-from kvhandoff.protocol import Role
+from kvhandoff.actors._phases import held_frames, hold_frames, release_frames
+from kvhandoff.protocol import ParentKey, Role
 from kvhandoff.topology import block_bytes
+
+from .helpers import inside
 
 pytestmark = pytest.mark.ray
 
@@ -175,7 +179,7 @@ def test_second_handoff_of_a_live_request_id_supersedes_it(dep: Deployment) -> N
 
     async def scenario() -> tuple[HandoffResult, HandoffResult, Any, Any, dict]:
         gen = (await dep.ranks(Role.GEN))[0]
-        await gen.hold_frames.remote(Role.CTX.value, 0, True)
+        await hold_frames(gen, "dup", Role.CTX, 0)
         first = asyncio.ensure_future(dep.handoff("dup", TOKENS, timeout=TIMEOUT))
         await asyncio.sleep(0)  # `handoff` registers its attempt before its first await
         first_parent = dep.parent("dup")
@@ -186,7 +190,7 @@ def test_second_handoff_of_a_live_request_id_supersedes_it(dep: Deployment) -> N
         second = asyncio.ensure_future(dep.handoff("dup", TOKENS, timeout=TIMEOUT))
         await asyncio.sleep(0)
         second_parent = dep.parent("dup")
-        await gen.hold_frames.remote(Role.CTX.value, 0, False)
+        await release_frames(gen, "dup", Role.CTX, 0)
         return await first, await second, first_parent, second_parent, await until_idle(dep)
 
     first, second, first_parent, second_parent, settled = run(scenario())
@@ -197,6 +201,54 @@ def test_second_handoff_of_a_live_request_id_supersedes_it(dep: Deployment) -> N
     assert second.outcome == "completed", second
     assert second.bytes_verified == expected_bytes(TOKENS, 1)
     assert_pools_whole(settled)
+
+
+@ray.remote(num_cpus=0)
+class _Driver:
+    """A driver in its own process: it submits a handoff and is killed."""
+
+    async def submit(self, coordinator: str, parent: ParentKey, tokens: int) -> str:
+        return str(await ray.get_actor(coordinator).submit.remote(parent, tokens, True))
+
+
+def test_a_driver_that_dies_after_submitting_strands_nothing(dep: Deployment) -> None:
+    """The ranks drive a handoff, not its client: a driver process submits,
+    its request is held mid-handoff (its OPEN waits at the GEN rank), the
+    driver is killed, the OPEN is let go. The handoff still completes (the GEN
+    coordinator decides it), the GEN ranks return its verified blocks, the
+    CTX ranks release theirs, and every pool is whole again."""
+
+    async def scenario() -> tuple[dict, dict, dict]:
+        gen = (await dep.ranks(Role.GEN))[0]
+        coordinator = dep.coordinator(Role.GEN)
+        before = await coordinator.stats.remote()
+        parent = ParentKey(request_id="orphaned", ctx_attempt=2**32 - 7, gen_attempt=2**32 - 7)
+        # Only the submission may return the GEN blocks here, not the consumer deadline.
+        consume = await inside(gen, lambda self: self.side.consume_timeout)
+        await inside(gen, lambda self: setattr(self.side, "consume_timeout", 3600.0))
+        await hold_frames(gen, "orphaned", Role.CTX, 0)
+        driver = _Driver.remote()
+        driver.submit.remote(f"{dep.name}.coord.gen", parent, TOKENS)
+        deadline = time.monotonic() + TIMEOUT
+        while not await held_frames(gen, "orphaned", Role.CTX, 0):  # admitted in both, OPEN held
+            assert time.monotonic() < deadline, "the submission never got admitted"
+            await asyncio.sleep(0.01)
+        ray.kill(driver)
+        await release_frames(gen, "orphaned", Role.CTX, 0)
+        while (await coordinator.stats.remote())["decided"].get("completed", 0) == before["decided"].get("completed", 0):
+            assert time.monotonic() < deadline, "the orphaned handoff never completed"
+            await asyncio.sleep(0.01)
+        try:
+            return before, await coordinator.stats.remote(), await until_idle(dep)
+        finally:
+            await inside(gen, lambda self: setattr(self.side, "consume_timeout", consume))
+
+    before, after, settled = run(scenario())
+    assert after["decided"]["completed"] == before["decided"].get("completed", 0) + 1
+    assert after["submitted"] == 0  # the answer went nowhere, and nothing waits for it
+    assert_pools_whole(settled)
+    gen = next(s for s in settled["ranks"] if s["role"] == "gen")
+    assert gen["quarantined"] == 0 and gen["counters"]["bytes_verified"] > 0
 
 
 def test_attempt_memory_is_bounded_and_attempt_ids_never_repeat(dep: Deployment) -> None:
@@ -260,8 +312,7 @@ def test_gen_rank_killed_under_load_gives_outcomes_not_exceptions(ray_cluster: A
 
 def test_dead_coordinator_fails_handoffs_cleanly_and_stats_still_work(ray_cluster: Any) -> None:
     """With the CTX coordinator (and so its ranks) dead, each handoff returns
-    "failed" and the GEN side's admission is cancelled (no GEN block stays
-    leased); stats() reports the dead coordinator and the live GEN rank; after
+    "failed" and the GEN side never admits it (no GEN block stays leased); stats() reports the dead coordinator and the live GEN rank; after
     shutdown() every call raises DeploymentClosed, and shutdown() is idempotent."""
     import ray
 
@@ -292,9 +343,10 @@ def test_dead_coordinator_fails_handoffs_cleanly_and_stats_still_work(ray_cluste
     assert stats["coordinators"]["ctx"]["state"] == "unreachable"
     assert stats["coordinators"]["gen"]["state"] == "running"
     decided = stats["coordinators"]["gen"]["decided"]
-    # GEN did admit them (its coordinator is alive), and each ended again
-    # (cancelled by the client, or failed by a GEN rank's own intent first).
-    assert decided.get("admitted", 0) >= 1 + len(results), decided
+    # GEN never admitted them: its round needs the CTX instance's admission
+    # too, and the dead CTX coordinator's is a failure (vetoed, "failed").
+    assert decided.get("admitted", 0) == 1, decided  # "before" only
+    assert decided.get("rejected", 0) == len(results), decided
     assert stats["coordinators"]["gen"]["in_flight"] == 0, stats["coordinators"]["gen"]
     gen = [s for s in stats["ranks"] if s.get("role") == "gen"]
     assert len(gen) == 1 and "error" not in gen[0] and gen[0]["leased"] == 0, gen

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from kvhandoff.actors._dataplane import FaultPlan
+from kvhandoff.actors._phases import handoff_cancel_at, until_posted
 from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment
 from kvhandoff.protocol import (
     BlockDescriptor,
@@ -77,7 +78,8 @@ def test_happy_path_moves_and_verifies_every_byte(deployment: Deployment) -> Non
     result = run(dep.handoff("happy", TOKENS, timeout=TIMEOUT))
     assert result.outcome == "completed", result
     assert result.bytes_verified == gen_bytes(TOKENS, dep.gen_spec.tp)
-    assert result.ctx_outcomes == ("released",) * dep.ctx_spec.tp  # CTX released exactly once each
+    # CTX released exactly once each (its completion round follows the receipts).
+    assert run(dep.wait("happy", Role.CTX, TIMEOUT)) == ["released"] * dep.ctx_spec.tp
     stats = run(settled_stats(dep))
     assert_clean(stats)
     for s in stats["ranks"]:
@@ -177,7 +179,7 @@ async def cancel_mid_dma(dep: Deployment, request_id: str) -> tuple[object, list
     real bytes land after the cancel, whatever the machine's speed. Returns the
     result and the CTX phases seen at the moment of release."""
     await set_hold(dep, True)
-    task = asyncio.create_task(dep.handoff(request_id, TOKENS, cancel_at="mid_dma", timeout=TIMEOUT))
+    task = asyncio.create_task(handoff_cancel_at(dep, request_id, TOKENS, "mid_dma", timeout=TIMEOUT))
     ctx = await dep.ranks(Role.CTX)
     deadline = time.monotonic() + TIMEOUT
     while True:
@@ -204,7 +206,7 @@ def test_cancel_at_each_phase_releases_everything(deployment: Deployment, phase:
         result, phases = run(cancel_mid_dma(dep, f"cancel-{phase}"))
         assert any("draining" in ph["edges"] for ph in phases), phases  # DMA was in flight
     else:
-        result = run(dep.handoff(f"cancel-{phase}", TOKENS, cancel_at=phase, timeout=TIMEOUT))
+        result = run(handoff_cancel_at(dep, f"cancel-{phase}", TOKENS, phase, timeout=TIMEOUT))
     assert result.outcome == "cancelled", result
     assert result.bytes_verified == 0
     stats = run(settled_stats(dep))
@@ -217,7 +219,7 @@ def test_cancel_at_each_phase_releases_everything(deployment: Deployment, phase:
 
 
 def test_cancel_after_completion_changes_nothing(deployment: Deployment) -> None:
-    result = run(deployment.handoff("late-cancel", TOKENS, cancel_at="after_complete", timeout=TIMEOUT))
+    result = run(handoff_cancel_at(deployment, "late-cancel", TOKENS, "after_complete", timeout=TIMEOUT))
     assert result.outcome == "completed"
     assert result.bytes_verified == gen_bytes(TOKENS, deployment.gen_spec.tp)
     assert_clean(run(settled_stats(deployment)))
@@ -267,7 +269,7 @@ def test_transfer_that_never_finishes_is_quarantined_not_reused(ray_cluster) -> 
         )
         try:
             start = time.monotonic()
-            result = await dep.handoff("stuck", TOKENS, cancel_at="mid_dma", timeout=TIMEOUT)
+            result = await handoff_cancel_at(dep, "stuck", TOKENS, "mid_dma", timeout=TIMEOUT)
             elapsed = time.monotonic() - start
             return result, elapsed, await settled_stats(dep)
         finally:
@@ -313,7 +315,7 @@ def test_stale_and_garbage_frames_change_nothing(deployment: Deployment) -> None
         ctx = (await dep.ranks(Role.CTX))[0]
         endpoints = await dep.ctx_endpoints()
         gen_entry = (await dep._directory.all_of.remote(Role.GEN.value))[0][0][0]
-        ok = await dep.handoff("s3-victim", TOKENS, cancel_at=None, timeout=TIMEOUT)
+        ok = await dep.handoff("s3-victim", TOKENS, timeout=TIMEOUT)
         before = await dep.stats()
         stale_ctx = Endpoint(ns=endpoints[0].ns, epoch=endpoints[0].epoch + 1000)
         victim = dep.parent("s3-victim")  # the real attempt: only the epoch is stale
@@ -442,7 +444,7 @@ def test_rank_killed_mid_handoff_restarts_with_new_epoch(ray_cluster) -> None:
             old = await dep.ctx_endpoints()
             victim = (await dep.ranks(Role.CTX))[1]
             task = asyncio.create_task(dep.handoff("doomed", TOKENS, timeout=TIMEOUT))
-            await dep._until_posted("doomed", TIMEOUT)
+            await until_posted(dep, "doomed", TIMEOUT)
             start = time.monotonic()
             ray.kill(victim)
             doomed = await task
@@ -552,7 +554,7 @@ def test_unqualified_topology_cancel_waits_for_the_transfer(ray_cluster) -> None
         )
         try:
             before = await dep.stats()
-            result = await dep.handoff("conservative", TOKENS, cancel_at="mid_dma", timeout=TIMEOUT)
+            result = await handoff_cancel_at(dep, "conservative", TOKENS, "mid_dma", timeout=TIMEOUT)
             return dep.qualified, dep.unqualified_reasons, before, result, await settled_stats(dep)
         finally:
             await dep.shutdown()

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kvhandoff.actors._dataplane import FaultPlan
+from kvhandoff.actors._phases import handoff_cancel_at
 from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment
 from tests.actors.test_e2e import assert_clean, gen_bytes, settled_stats
 
@@ -79,7 +80,7 @@ def test_vram_mid_dma_cancel_then_immediate_reuse_sees_no_stale_bytes(ray_cluste
         try:
             outcomes = []
             for i in range(3):
-                cancelled = await dep.handoff(f"gpu-c{i}", TOKENS, cancel_at="mid_dma", timeout=TIMEOUT)
+                cancelled = await handoff_cancel_at(dep, f"gpu-c{i}", TOKENS, "mid_dma", timeout=TIMEOUT)
                 fresh = await dep.handoff(f"gpu-f{i}", TOKENS, timeout=TIMEOUT)
                 outcomes.append((cancelled.outcome, fresh.outcome, fresh.bytes_verified))
             return outcomes, await settled_stats(dep)

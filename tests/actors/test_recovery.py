@@ -13,12 +13,21 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 import pytest
 
 from kvhandoff.actors._dataplane import FaultPlan
+from kvhandoff.actors._phases import (
+    defer_opens,
+    handoff_cancel_at,
+    held_frames,
+    hold_frames,
+    release_frames,
+    run_deferred_opens,
+)
 from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment
 from kvhandoff.protocol import Cancel as CancelMsg
 from kvhandoff.protocol import (
@@ -59,13 +68,16 @@ def key(request_id: str) -> ParentKey:
     return ParentKey(request_id=request_id, ctx_attempt=0, gen_attempt=0)
 
 
-async def admit_both(dep: Deployment, parent: ParentKey, tokens: int = TOKENS) -> list[bool]:
-    return list(
-        await asyncio.gather(
-            dep.coordinator(Role.CTX).admit.remote(parent, tokens),
-            dep.coordinator(Role.GEN).admit.remote(parent, tokens),
-        )
-    )
+async def admit_both(
+    dep: Deployment, parent: ParentKey, tokens: int = TOKENS, between: Callable[[], Awaitable[Any]] | None = None
+) -> list[bool]:
+    """Admit in CTX, then (after `between`) in GEN, whose ranks then install
+    the session and send their OPENs themselves (the KV is kept for free())."""
+    ctx_ok = await dep.coordinator(Role.CTX).admit.remote(parent, tokens)
+    if between is not None:
+        await between()
+    gen_ok = await dep.coordinator(Role.GEN).admit.remote(parent, tokens)
+    return [ctx_ok, gen_ok]
 
 
 async def until_posted(rank: Any, timeout: float = TIMEOUT) -> ParentKey:
@@ -181,16 +193,17 @@ def test_conservative_peer_cancel_at_one_rank_ends_everywhere(ray_cluster) -> No
             after = await inside(ctx[0], lambda self: self.side.snapshot())
             exact_ok = await ctx[0].receive_frame.remote(encode_frame(CancelMsg(ticket=ticket, reason=CancelReason.PEER)))
             result = await task
-            return dep.qualified, stale_ok, before == after, exact_ok, result, await settled_stats(dep, 30.0)
+            ctx_outcomes = await dep.wait("conservative", Role.CTX, TIMEOUT)
+            return dep.qualified, stale_ok, before == after, exact_ok, result, ctx_outcomes, await settled_stats(dep, 30.0)
         finally:
             await dep.shutdown()
 
-    qualified, stale_ok, unchanged, exact_ok, result, stats = run(scenario())
+    qualified, stale_ok, unchanged, exact_ok, result, ctx_outcomes, stats = run(scenario())
     assert not qualified
     assert stale_ok is False and unchanged  # S3
     assert exact_ok is True
     # Both CTX ranks applied the cancel the round decided from rank 0's intent.
-    assert result.ctx_outcomes == ("cancelled", "cancelled"), result
+    assert ctx_outcomes == ["cancelled", "cancelled"], (ctx_outcomes, result)
     # The GEN did not ask for it here: its transfer ran to the end and every
     # byte was verified, or the cancel reached it first; never a half result.
     assert result.outcome in ("completed", "cancelled"), result
@@ -290,12 +303,14 @@ def test_refused_open_does_not_cancel_the_live_request(ray_cluster, forgery: str
         dep = await launch(ctx_tp=1, gen_tp=1)
         try:
             parent = key("live")
-            assert await admit_both(dep, parent) == [True, True]
             gen = (await dep.ranks(Role.GEN))[0]
             ctx = (await dep.ranks(Role.CTX))[0]
-            endpoints = await dep.ctx_endpoints()
-            await gen.hold_frames.remote(Role.CTX.value, 0, True)  # the real OPEN waits
-            await gen.send_opens.remote(parent, endpoints)
+            await hold_frames(gen, "live", Role.CTX, 0)  # the real OPEN waits
+            assert await admit_both(dep, parent) == [True, True]
+            deadline = time.monotonic() + TIMEOUT
+            while not await held_frames(gen, "live", Role.CTX, 0):
+                assert time.monotonic() < deadline, "the GEN rank never opened"
+                await asyncio.sleep(0.01)
             real: Open = (await inside(gen, lambda self: [self.side.session_open(t) for t in self.side.edges(parent)]))[0]
             ctx_ep = real.ticket.ctx
             if forgery == "stale ctx epoch":
@@ -307,7 +322,7 @@ def test_refused_open_does_not_cancel_the_live_request(ray_cluster, forgery: str
             forged = msgspec.structs.replace(real, ticket=msgspec.structs.replace(real.ticket, ctx=fake_ctx))
             accepted = await ctx.receive_frame.remote(encode_frame(forged))
             gen_state = await gen.phase.remote(parent)
-            await gen.hold_frames.remote(Role.CTX.value, 0, False)
+            await release_frames(gen, "live", Role.CTX, 0)
             outcome = await gen.wait.remote(parent, TIMEOUT)
             verified = await gen.free.remote(parent)
             ctx_outcome = await ctx.wait.remote(parent, TIMEOUT)
@@ -338,7 +353,7 @@ def test_late_drain_reclaims_quarantine_in_place(ray_cluster) -> None:
     async def scenario():
         dep = await launch(ctx_tp=1, gen_tp=1, fault_plan=FaultPlan(defer_s=2.0), transfer_timeout_s=0.5)
         try:
-            doomed = await dep.handoff("late", TOKENS, cancel_at="mid_dma", timeout=TIMEOUT)
+            doomed = await handoff_cancel_at(dep, "late", TOKENS, "mid_dma", timeout=TIMEOUT)
             stats = await wait_stats(dep, lambda s: all(r["quarantined"] == 0 for r in s["ranks"]), TIMEOUT)
             await inside((await dep.ranks(Role.CTX))[0], lambda self: setattr(self.transport, "plan", FaultPlan()))
             reuse = await dep.handoff("reuse", TOKENS, timeout=TIMEOUT)
@@ -368,7 +383,7 @@ def test_quarantine_past_the_limit_stops_admission_and_restarts(ray_cluster) -> 
         dep = await launch(ctx_tp=1, gen_tp=1, fault_plan=FaultPlan(hold=True), transfer_timeout_s=0.5)
         try:
             first_epoch = (await dep.coordinator(Role.CTX).epochs.remote())[0]
-            stuck = [await dep.handoff(f"stuck-{i}", TOKENS, cancel_at="mid_dma", timeout=TIMEOUT) for i in range(2)]
+            stuck = [await handoff_cancel_at(dep, f"stuck-{i}", TOKENS, "mid_dma", timeout=TIMEOUT) for i in range(2)]
 
             def restarted(s: dict) -> bool:
                 ctx = next(r for r in s["ranks"] if r["role"] == "ctx")
@@ -407,7 +422,6 @@ def test_decode_ready_kv_nobody_frees_is_returned_at_the_consumer_deadline(ray_c
             await inside(gen, lambda self: setattr(self.side, "consume_timeout", 0.5))
             parent = key("never-freed")
             assert await admit_both(dep, parent) == [True, True]
-            await gen.send_opens.remote(parent, await dep.ctx_endpoints())
             outcome = await gen.wait.remote(parent, TIMEOUT)
             held = await dep.stats()
             stats = await settled_stats(dep, TIMEOUT)
@@ -435,7 +449,6 @@ def test_foreign_bytes_are_caught_and_never_reported_completed(ray_cluster) -> N
         dep = await launch(ctx_tp=1, gen_tp=1)
         try:
             parent = key("tampered")
-            assert await admit_both(dep, parent) == [True, True]
             ctx = (await dep.ranks(Role.CTX))[0]
 
             def tamper(self: Any) -> None:
@@ -443,9 +456,9 @@ def test_foreign_bytes_are_caught_and_never_reported_completed(ray_cluster) -> N
                 view = self.buffer.block_view(block)
                 view[0] = view[0] ^ 0xFF  # flip every bit of one byte
 
-            await inside(ctx, tamper)
+            # Prefilled at the CTX admission; changed before GEN admits and opens.
+            assert await admit_both(dep, parent, between=lambda: inside(ctx, tamper)) == [True, True]
             gen = (await dep.ranks(Role.GEN))[0]
-            await gen.send_opens.remote(parent, await dep.ctx_endpoints())
             outcome = await gen.wait.remote(parent, TIMEOUT)
             during = await dep.stats()
             await asyncio.gather(*(c.cancel.remote(parent) for c in (dep.coordinator(Role.CTX), dep.coordinator(Role.GEN))))
@@ -477,9 +490,10 @@ def test_open_refused_by_the_ctx_ends_the_gen_side_at_once(ray_cluster) -> None:
             gen = (await dep.ranks(Role.GEN))[0]
             await inside(ctx, lambda self: setattr(self, "config", msgspec.structs.replace(self.config, lease_timeout_s=0.2)))
             parent = key("late-open")
+            await defer_opens(gen, "late-open")  # a GEN slow to open
             assert await admit_both(dep, parent) == [True, True]
             ctx_outcome = await ctx.wait.remote(parent, TIMEOUT)
-            await gen.send_opens.remote(parent, await dep.ctx_endpoints())
+            assert await run_deferred_opens(gen, "late-open") == 1
             gen_outcome = await gen.wait.remote(parent, TIMEOUT)
             return ctx_outcome, gen_outcome, await settled_stats(dep, TIMEOUT)
         finally:
@@ -505,17 +519,15 @@ def test_ctx_is_not_prepared_until_every_edge_of_its_parent_is(ray_cluster) -> N
             ctx = (await dep.ranks(Role.CTX))[0]
             gens = await dep.ranks(Role.GEN)
             parent = key("half")
+            await hold_frames(gens[1], "half", Role.CTX, 0)
             assert await admit_both(dep, parent) == [True, True]
-            await gens[1].hold_frames.remote(Role.CTX.value, 0, True)
-            endpoints = await dep.ctx_endpoints()
-            await asyncio.gather(*(g.send_opens.remote(parent, endpoints) for g in gens))
             deadline = time.monotonic() + TIMEOUT
             while (await ctx.phase.remote(parent))["edges"] != ["prepared"]:
                 assert time.monotonic() < deadline, "the first OPEN never arrived"
                 await asyncio.sleep(0.01)
             decision = await dep.coordinator(Role.CTX).run_round.remote()
             half = await ctx.phase.remote(parent)
-            await gens[1].hold_frames.remote(Role.CTX.value, 0, False)
+            await release_frames(gens[1], "half", Role.CTX, 0)
             outcomes = await asyncio.gather(*(g.wait.remote(parent, TIMEOUT) for g in gens))
             verified = sum(await asyncio.gather(*(g.free.remote(parent) for g in gens)))
             return decision, half, outcomes, verified, await settled_stats(dep, TIMEOUT)
