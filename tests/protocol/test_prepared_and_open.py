@@ -163,7 +163,9 @@ def _bad_opens(good: Open) -> list[tuple[str, Open, dict[str, Any], type[Protoco
             {"block_bytes": CHUNK_BYTES, "peer": None},
             LeaseError,
         ),
-        ("another agent", _blocks(good, agent_name="gen-agent-9"), {}, StaleError),
+        # The GEN's registered buffer is not known yet (it restarted): the agent
+        # check alone refuses.
+        ("another agent", _blocks(good, agent_name="gen-agent-9"), {"peer": None}, StaleError),
         (
             "a descriptor not at its block's address",
             _blocks(good, blocks=[b[0], _descriptor(b[1], addr=b[1].addr + 64)]),
@@ -183,9 +185,11 @@ def _bad_opens(good: Open) -> list[tuple[str, Open, dict[str, Any], type[Protoco
             StaleError,
         ),
         (
+            # GEN-block-sized descriptors at the block addresses of a buffer
+            # registered with twice that block size: not whole blocks of it.
             "a registered buffer of another block size",
-            good,
-            {"block_bytes": None, "peer": PeerBuffer(AGENT, 0, 2 * CHUNK_BYTES, 16)},
+            _blocks(good, blocks=[_descriptor(d, addr=d.block * 2 * CHUNK_BYTES) for d in b]),
+            {"peer": PeerBuffer(AGENT, 0, 2 * CHUNK_BYTES, 16)},
             LeaseError,
         ),
     ]
