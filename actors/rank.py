@@ -87,18 +87,19 @@ from kvhandoff.protocol import (
     CtxRank,
     DecodeReady,
     Drain,
-    EdgeState,
     Endpoint,
     GenEdgeSpec,
     GenRank,
-    LeaseError,
+    LocalOutcome,
     MemoryKind,
     Open,
     ParentKey,
     ParentSettled,
     ParentState,
+    PeerBuffer,
     PoolError,
     PostChunk,
+    Prepared,
     ProtocolError,
     Quarantine,
     RankNamespace,
@@ -107,7 +108,6 @@ from kvhandoff.protocol import (
     RoundDecision,
     RoundProposal,
     SendMessage,
-    StaleError,
     StopPosting,
     UnknownSessionError,
     decode_frame,
@@ -200,6 +200,7 @@ class RankCore(RoundParticipant):
         if self.role is Role.CTX:
             self.side = CtxRank(
                 self.our, self.digest, self.pool, transfer_timeout=timeout,
+                edges_per_parent=len(self.shards.edges_for_ctx_rank(config.rank)),
                 conservative=config.conservative, quarantine_limit=config.quarantine_limit,
             )
         else:
@@ -222,7 +223,6 @@ class RankCore(RoundParticipant):
         self._pieces: dict[tuple[tuple[int, int], int], tuple[Piece, ...]] = {}
         self._in_flight: dict[tuple[ContextTicket, int], Chunk] = {}
         self._peer_agent: dict[ContextTicket, str] = {}
-        self._prepared_reported: set[ParentKey] = set()
         self._verified: dict[ParentKey, int] = {}
         # Fault injection (tests/actors harness, the chaos demo; set through
         # Ray's __ray_call__, never a method of this actor): frames of request
@@ -240,8 +240,8 @@ class RankCore(RoundParticipant):
         self._xfer: collections.OrderedDict[ParentKey, list[float]] = collections.OrderedDict()
         self._tokens: dict[ParentKey, int] = {}
         # Outcomes and waiters (for the client API).
-        self._outcome: collections.OrderedDict[ParentKey, str] = collections.OrderedDict()
-        self._waiters: dict[ParentKey, list[asyncio.Future[str]]] = collections.defaultdict(list)
+        self._outcome: collections.OrderedDict[ParentKey, LocalOutcome] = collections.OrderedDict()
+        self._waiters: dict[ParentKey, list[asyncio.Future[LocalOutcome]]] = collections.defaultdict(list)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._poll_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -417,7 +417,7 @@ class RankCore(RoundParticipant):
             # Leased tentatively in our vote, not admitted (another rank refused,
             # or the round timed out): nothing was exposed, give it back.
             if parent in parents:
-                self._outcome[parent] = "rejected"
+                self._outcome[parent] = LocalOutcome.REJECTED
                 self._perform(self.side.withdraw(parent))
         for parent in decision.admitted:
             if parent not in parents:
@@ -466,8 +466,25 @@ class RankCore(RoundParticipant):
         try:
             message = decode_frame(frame)
             if isinstance(message, Open) and isinstance(self.side, CtxRank):
-                chunks, geometry = self._plan_chunks(message)
-                actions = self.side.receive_open(message, now, num_chunks=len(chunks))
+                # The protocol checks the OPEN (lease size, block size, the
+                # sender's own agent, whole blocks of its registered buffer when
+                # the directory gave us that) before it records anything.
+                chunks = self._plan_chunks(message)
+                gen = message.ticket.gen
+                geometry = self._geometry.get(message.buffer.agent_name)
+                peer = None
+                if geometry is not None:
+                    peer = PeerBuffer(
+                        message.buffer.agent_name, geometry.base, geometry.block_bytes, geometry.num_blocks
+                    )
+                actions = self.side.receive_open(
+                    message,
+                    now,
+                    num_chunks=len(chunks),
+                    expected_agent=agent_name(self.config.deployment, gen.ns, gen.epoch),
+                    block_bytes=self.shards.gen_block_bytes,
+                    peer=peer,
+                )
                 self._chunks[message.ticket] = (chunks, geometry)
                 self._peer_agent[message.ticket] = message.buffer.agent_name
             else:
@@ -482,21 +499,23 @@ class RankCore(RoundParticipant):
                 else:
                     self.counters["refused_open_not_ours"] += 1
             return False
-        self._perform(actions)
-        if isinstance(message, Open):
-            # "Prepared" means able to post: an OPEN from an agent we do not know
-            # yet (the GEN, or we, restarted) is voted prepared only once the
-            # directory gave us that agent. Voting first let a fast decide round
-            # post to an unknown agent: the chunk failed and the request was
-            # cancelled. The session itself was installed above, before any
-            # await, so frames that follow (CANCEL) still find it.
-            if message.buffer.agent_name not in self.transport.peers:
-                try:
-                    await self._peer(message.ticket.gen)
-                except Exception as exc:  # unresolvable now: the post fails, typed, and ends it
-                    self.counters["peer_lookup_failed"] += 1
-                    log.warning("rank %s: cannot resolve %s: %r", self.ns, message.ticket.gen, exc)
-            self._check_prepared(message.ticket.parent)
+        prepared = [a for a in actions if isinstance(a, Prepared)]
+        self._perform([a for a in actions if not isinstance(a, Prepared)])
+        # "Prepared" means able to post: an OPEN from an agent we do not know
+        # yet (the GEN, or we, restarted) is voted prepared only once the
+        # directory gave us that agent. Voting first let a fast decide round
+        # post to an unknown agent: the chunk failed and the request was
+        # cancelled. The session itself was installed above, before any
+        # await, so frames that follow (CANCEL) still find it; the protocol's
+        # `Prepared` is performed after the await.
+        if isinstance(message, Open) and message.buffer.agent_name not in self.transport.peers:
+            try:
+                await self._peer(message.ticket.gen)
+            except Exception as exc:  # unresolvable now: the post fails, typed, and ends it
+                self.counters["peer_lookup_failed"] += 1
+                log.warning("rank %s: cannot resolve %s: %r", self.ns, message.ticket.gen, exc)
+        for action in prepared:
+            self._record_prepared(action.parent)
         return True
 
     def _edge_pieces(self, edge: tuple[int, int], chunk_bytes: int | None = None) -> tuple[Piece, ...]:
@@ -509,57 +528,26 @@ class RankCore(RoundParticipant):
             pieces = self._pieces[key] = edge_pieces(segments, size)
         return pieces
 
-    def _plan_chunks(self, message: Open) -> tuple[list[ChunkPlan], BufferGeometry | None]:
-        """The WRITE chunks of one edge (validated before anything is recorded).
-
-        When the GEN agent's registered buffer is known (it is from `connect`
-        on, and for a restarted GEN after its first OPEN), every block
-        descriptor must name a block of that buffer at its exact address: an
-        OPEN that points anywhere else is refused before any DMA. The geometry
-        returned is then the one the prepared lists may be built from."""
+    def _plan_chunks(self, message: Open) -> list[ChunkPlan]:
+        """The WRITE chunks of one edge: our lease's blocks paired, in order, with
+        the OPEN's GEN block addresses. Whether those may be written at all is the
+        protocol's check (`CtxRank.receive_open`, right after this); a plan for an
+        OPEN it refuses is dropped. An edge the shard map does not have is
+        refused here (`UnknownEdgeError`, typed)."""
         ticket = message.ticket
-        edge = ticket.edge
-        empty = ChunkPlan((), np.zeros(0, np.int32), np.zeros(0, np.int32), 0)
-        if not self.shards.has_edge(edge) or ticket.ctx != self.our:
-            return [empty], None  # the protocol rejects it with a precise error
-        lease = self.pool.lease_of(ticket.parent)
-        blocks = message.buffer.blocks
-        if len(blocks) != len(lease):
-            raise LeaseError(f"OPEN names {len(blocks)} blocks, our lease has {len(lease)}")
-        gen_bytes = self.shards.gen_block_bytes
-        if any(b.length != gen_bytes for b in blocks):
-            raise LeaseError(f"OPEN block length is not the GEN block size {gen_bytes}")
-        # The WRITE goes to the agent the OPEN names: it must be the sender's own
-        # (one agent per GEN endpoint epoch), never another rank's buffer.
-        own_agent = agent_name(self.config.deployment, ticket.gen.ns, ticket.gen.epoch)
-        if message.buffer.agent_name != own_agent:
-            raise StaleError("gen agent in buffer info", message.buffer.agent_name, own_agent)
-        geometry = self._geometry.get(message.buffer.agent_name)
-        if geometry is not None:
-            for b in blocks:
-                if not (
-                    b.block < geometry.num_blocks
-                    and geometry.block_bytes == gen_bytes
-                    and b.addr == geometry.base + b.block * geometry.block_bytes
-                ):
-                    raise LeaseError(
-                        f"OPEN block {b.block} at {b.addr:#x} is not a block of "
-                        f"{message.buffer.agent_name}'s registered buffer"
-                    )
+        if ticket.ctx != self.our or not self.pool.holds(ticket.parent):
+            # The protocol refuses it with a precise error (stale, unknown).
+            return [ChunkPlan((), np.zeros(0, np.int32), np.zeros(0, np.int32), 0)]
         pairs = [
             (ref.block, self.buffer.block_addr(ref.block), b.block, b.addr)
-            for ref, b in zip(lease, blocks)
+            for ref, b in zip(self.pool.lease_of(ticket.parent), message.buffer.blocks)
         ]
-        return plan_chunks(self._edge_pieces(edge), pairs, self.config.chunk_bytes), geometry
+        return plan_chunks(self._edge_pieces(ticket.edge), pairs, self.config.chunk_bytes)
 
-    def _check_prepared(self, parent: ParentKey) -> None:
-        if parent in self._prepared_reported or not isinstance(self.side, CtxRank):
-            return
-        expected = len(self.shards.edges_for_ctx_rank(self.config.rank))
-        edges = self.side.edges(parent)
-        prepared = [e for e in edges.values() if e.state is EdgeState.PREPARED]
-        if len(prepared) == expected:
-            self._prepared_reported.add(parent)
+    def _record_prepared(self, parent: ParentKey) -> None:
+        """Perform the protocol's `Prepared`: vote the parent prepared, unless it
+        stopped being prepared while we awaited its GEN agent (a CANCEL came)."""
+        if isinstance(self.side, CtxRank) and self.side.is_prepared(parent):
             self.member.record_prepared(parent)
             self._nudge()
 
@@ -685,11 +673,11 @@ class RankCore(RoundParticipant):
                     else:
                         self.counters["released"] += 1
                     self._verified.pop(parent, None)
-                    self._finish(parent, self._outcome.get(parent, "released"))
+                    self._finish(parent, action.outcome)
                 case Quarantine(parent=parent, reason=reason):
                     self.counters["quarantined"] += 1
                     log.warning("rank %s quarantined %s: %s", self.ns, parent, reason)
-                    self._finish(parent, "quarantined")
+                    self._finish(parent, action.outcome)
                 case AdmissionStop(parent=parent, reason=reason):
                     self.counters["admission_stop"] += 1
                     self.member.record_failure(parent)
@@ -701,11 +689,13 @@ class RankCore(RoundParticipant):
                     self._settled(parent, cancelled, evidence)
                 case DecodeReady(parent=parent):
                     release = parent in self._release_when_ready
-                    self._outcome[parent] = "completed"
-                    self._finish(parent, "completed")
+                    self._outcome[parent] = action.outcome
+                    self._finish(parent, action.outcome)
                     if release and isinstance(self.side, GenRank):
                         # Nobody consumes it (the submission said so): verified, return it.
                         refs += self._perform(self.side.free(parent))
+                case Prepared(parent=parent):
+                    self._record_prepared(parent)
                 case CleanupSkipped():
                     self.counters["cleanup_skipped"] += 1
                 case CancelDeferred():
@@ -795,11 +785,11 @@ class RankCore(RoundParticipant):
         by the protocol once its cancel is decided; a success feeds the completion
         round (GEN verifies every byte first: S2)."""
         if cancelled:
-            self._outcome.setdefault(parent, "cancelled")
+            self._outcome.setdefault(parent, LocalOutcome.CANCELLED)
             return
         if self.role is Role.GEN and self.config.synthetic and not self._verify(parent):
             self.member.record_failure(parent)
-            self._outcome[parent] = "failed"
+            self._outcome[parent] = LocalOutcome.FAILED
         else:
             self.member.record_completion(parent)
         self._nudge()
@@ -920,10 +910,12 @@ class RankCore(RoundParticipant):
 
     # -- outcomes, stats -------------------------------------------------------------------------
 
-    def _finish(self, parent: ParentKey, outcome: str) -> None:
+    def _finish(self, parent: ParentKey, outcome: LocalOutcome) -> None:
         """`parent` reached a local outcome: answer its waiters and drop the
         per-request bookkeeping (a long-running rank must not grow with traffic).
-        Outcomes themselves are remembered, boundedly, for late `wait` calls."""
+        The first outcome recorded wins (e.g. "failed" from byte verification over
+        the protocol's "cancelled" for the round's decided failure). Outcomes
+        themselves are remembered, boundedly, for late `wait` calls."""
         self._outcome.setdefault(parent, outcome)
         self._outcome.move_to_end(parent)
         while len(self._outcome) > _OUTCOME_MEMORY:
@@ -933,13 +925,13 @@ class RankCore(RoundParticipant):
                 future.set_result(self._outcome[parent])
         self._tokens.pop(parent, None)
         self._release_when_ready.discard(parent)
-        self._prepared_reported.discard(parent)
         for ticket in [t for t in self._chunks if t.parent == parent]:
             del self._chunks[ticket]
             self._peer_agent.pop(ticket, None)
 
-    async def wait(self, parent: ParentKey, timeout: float, absent: str | None = None) -> str:
-        """Wait until `parent` reaches a local outcome (completed, cancelled, ...).
+    async def wait(self, parent: ParentKey, timeout: float, absent: str | None = None) -> LocalOutcome | str:
+        """Wait until `parent` reaches a local outcome (a `LocalOutcome`: completed,
+        cancelled, ...; a str, so it compares with the plain strings), or "timeout".
 
         A parent this rank has never heard of and has no outcome for waits too
         (its admission or OPEN may still be on the way); `timeout` bounds it.
@@ -954,7 +946,7 @@ class RankCore(RoundParticipant):
             state is None or state in (ParentState.RELEASED, ParentState.QUARANTINED, ParentState.DECODE_READY)
         ):
             return self._outcome[parent]
-        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[LocalOutcome] = asyncio.get_running_loop().create_future()
         self._waiters[parent].append(future)
         try:
             return await asyncio.wait_for(future, timeout)
@@ -988,8 +980,7 @@ class RankCore(RoundParticipant):
             "leaked_handles": len(self.transport.leaked),
             # Per-request bookkeeping of requests still in progress: empty when idle.
             "tracking": len(self._tokens) + len(self._chunks) + len(self._peer_agent)
-            + len(self._release_when_ready)
-            + len(self._prepared_reported) + len(self._waiters) + len(self._verified),
+            + len(self._release_when_ready) + len(self._waiters) + len(self._verified),
             "counters": dict(self.counters),
             "violations": list(self.violations),
         }

@@ -63,9 +63,13 @@ answers with `reject_for(open, error)`.
 
 CTX rank (prefill)::
 
+    ctx = CtxRank(our, digest, pool, edges_per_parent=n)  # n: this rank's edges per request
     refs = ctx.admit(parent, n_blocks, now=now, lease_deadline=t)  # after admission round
     ctx.prefilled(parent)                          # KV resident, waiting for OPENs
-    ctx.receive_open(open, now, num_chunks=k)      # -> [] (edge PREPARED; a proposal only)
+    ctx.receive_open(open, now, num_chunks=k,      # edge PREPARED (a proposal only); the
+                     expected_agent=a,             #   OPEN is checked against the lease and
+                     block_bytes=b, peer=buf)      #   the GEN agent's buffer (PeerBuffer)
+        # -> Prepared(parent) once, when the n-th edge is PREPARED: vote it prepared
     ctx.decided(parent, now)                       # after the CTX round decided the parent
         # -> SendMessage(Ready) per edge, then PostChunk(ticket, i) up to the window
     ctx.chunk_done(ticket, i, nbytes, now)         # -> more PostChunk, or Terminal(COMPLETED)
@@ -104,9 +108,11 @@ the proof arrives (CTX: every chunk it posted polled to DONE/ERR; GEN: a
 non-UNKNOWN TERMINAL from the writer, or `peer_dead` for the writer), and a
 quarantined parent with no UNKNOWN edge left is reclaimed.
 
-`ParentSettled` (every local edge terminal) and `CancelIntent` are what the
-actor feeds into the next agreement round; `AdmissionStop` asks the
-coordinator to stop admitting and run the restart policy.
+`Prepared` (CTX: every edge of the parent prepared), `ParentSettled` (every
+local edge terminal) and `CancelIntent` are what the actor feeds into the next
+agreement round; `AdmissionStop` asks the coordinator to stop admitting and
+run the restart policy. `Release`, `Quarantine` and `DecodeReady` carry the
+parent's `LocalOutcome` on this rank (what the client's `wait` reports).
 """
 
 from __future__ import annotations
@@ -167,7 +173,10 @@ __all__ = [
     "DecodeReady",
     "CleanupSkipped",
     "CancelDeferred",
+    "Prepared",
     "Action",
+    "LocalOutcome",
+    "PeerBuffer",
     "EdgeEvidence",
     "GenEdgeSpec",
     "CtxRank",
@@ -223,6 +232,7 @@ class EdgeState(enum.Enum):
 class ParentEvent(enum.Enum):
     PREFILLED = "prefilled"  # CTX: prefill finished
     EDGE_PREPARED = "edge_prepared"  # CTX: a valid OPEN was recorded
+    ALL_PREPARED = "all_prepared"  # CTX: every expected edge of the parent is PREPARED
     INSTALLED = "installed"  # GEN: installation barrier passed; send OPENs
     DECIDED = "decided"  # CTX: agreement round decided the parent
     CANCEL = "cancel"  # cancelled (client, peer, sibling, timeout, failure)
@@ -267,6 +277,7 @@ class Effect(enum.Enum):
     SEND_RECEIPT = "send RECEIPT"  # GEN: acknowledge the bytes
     SEND_OPEN = "send OPEN"  # GEN: propose every edge
     SETTLED = "report settled"  # ParentSettled for the completion round
+    PREPARED = "report prepared"  # CTX: Prepared for the round that decides the parent
     RELEASE = "release lease"  # pool.release: blocks back to FREE
     QUARANTINE = "quarantine lease"  # pool.quarantine + AdmissionStop
     RECLAIM = "reclaim quarantine"  # pool.reclaim_quarantine
@@ -299,6 +310,8 @@ CTX_PARENT_TRANSITIONS: Mapping[tuple[ParentState, ParentEvent], Transition] = {
     # Leased in our vote, but the round did not admit: nothing was exposed.
     (_PS.ADMITTED, _PE.WITHDRAWN): _t(_PS.RELEASED, _FX.RELEASE),
     (_PS.RESIDENT, _PE.EDGE_PREPARED): _t(_PS.RESIDENT),
+    # Coupling: the last expected edge became PREPARED (receive_open), once.
+    (_PS.RESIDENT, _PE.ALL_PREPARED): _t(_PS.RESIDENT, _FX.PREPARED),
     (_PS.RESIDENT, _PE.DECIDED): _t(_PS.DECIDED),
     (_PS.RESIDENT, _PE.CANCEL): _t(_PS.CANCELLING),
     (_PS.DECIDED, _PE.CANCEL): _t(_PS.CANCELLING),
@@ -551,8 +564,37 @@ _STATE_DOCS: Mapping[enum.Enum, str] = {
 
 
 # ---------------------------------------------------------------------------
-# Actions
+# Outcomes, peer buffers, actions
 # ---------------------------------------------------------------------------
+
+
+class LocalOutcome(str, enum.Enum):
+    """How a parent ended on one rank (what the rank's client `wait` reports).
+
+    str-valued: it compares, hashes and encodes as its value, so callers that
+    compare with the plain strings keep working."""
+
+    COMPLETED = "completed"  # GEN: every byte arrived and was checked (decode-ready)
+    CANCELLED = "cancelled"  # cancelled (client, peer, timeout, round) before completion
+    REJECTED = "rejected"  # the admission round did not admit it; the tentative lease returned
+    FAILED = "failed"  # the rank found the request broken (e.g. bytes that do not verify)
+    RELEASED = "released"  # CTX: the transfer completed and the completion round released it
+    QUARANTINED = "quarantined"  # quiescence not proven: its blocks were quarantined
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerBuffer:
+    """A GEN rank's registered buffer, as plain data (its NIXL agent, where block 0
+    starts, the block size, how many blocks): every block descriptor of an OPEN
+    naming `agent_name` must be a whole block of it (`CtxRank.receive_open`)."""
+
+    agent_name: str
+    base: int
+    block_bytes: int
+    num_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -596,6 +638,7 @@ class Release:
     parent: ParentKey
     blocks: tuple[BlockRef, ...]
     reclaimed: bool = False
+    outcome: LocalOutcome = LocalOutcome.RELEASED
 
 
 @dataclass(frozen=True, slots=True)
@@ -605,6 +648,7 @@ class Quarantine:
     parent: ParentKey
     blocks: tuple[BlockRef, ...]
     reason: str
+    outcome: LocalOutcome = LocalOutcome.QUARANTINED
 
 
 @dataclass(frozen=True, slots=True)
@@ -637,6 +681,7 @@ class DecodeReady:
     """GEN: every byte arrived and was checked; the request may decode."""
 
     parent: ParentKey
+    outcome: LocalOutcome = LocalOutcome.COMPLETED
 
 
 @dataclass(frozen=True, slots=True)
@@ -656,6 +701,15 @@ class CancelDeferred:
     parent: ParentKey
 
 
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """CTX: every expected edge of `parent` on this rank is PREPARED (emitted once,
+    never after a cancel): report it prepared to the round that decides it. An
+    actor that performs it only after an await checks `CtxRank.is_prepared` first."""
+
+    parent: ParentKey
+
+
 Action = Union[
     SendMessage,
     PostChunk,
@@ -669,7 +723,20 @@ Action = Union[
     DecodeReady,
     CleanupSkipped,
     CancelDeferred,
+    Prepared,
 ]
+
+
+#: The local outcome a RELEASE (or RECLAIM) reports, by the event that fired it.
+_RELEASE_OUTCOME: Mapping[ParentEvent, LocalOutcome] = {
+    ParentEvent.WITHDRAWN: LocalOutcome.REJECTED,
+    ParentEvent.COMPLETE: LocalOutcome.RELEASED,
+    ParentEvent.COMPLETE_CANCELLED: LocalOutcome.CANCELLED,
+    ParentEvent.RELEASE_NOT_STARTED: LocalOutcome.CANCELLED,
+    ParentEvent.FREE: LocalOutcome.COMPLETED,
+    ParentEvent.CONSUMER_EXPIRED: LocalOutcome.COMPLETED,
+    ParentEvent.RECLAIM: LocalOutcome.QUARANTINED,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -1028,18 +1095,22 @@ class _Rank:
                 actions.append(CleanupSkipped(parent, state, event))
                 continue
             assert record is not None  # only SKIP rows start from a closed parent
-            actions.extend(self._parent_effect(record, effect, reason))
+            actions.extend(self._parent_effect(record, effect, event, reason))
         return actions
 
-    def _parent_effect(self, record: _Parent, effect: Effect, reason: str) -> list[Action]:
+    def _parent_effect(
+        self, record: _Parent, effect: Effect, event: ParentEvent, reason: str
+    ) -> list[Action]:
         if effect is _FX.RELEASE:
             self.pool.release(record.key)
             self._close(record, "released")
-            return [Release(record.key, record.refs)]
+            return [Release(record.key, record.refs, outcome=_RELEASE_OUTCOME[event])]
         if effect is _FX.RECLAIM:
             self.pool.reclaim_quarantine(record.key, proof=reason)
             self._close(record, "reclaimed")
-            return [Release(record.key, record.refs, reclaimed=True)]
+            return [
+                Release(record.key, record.refs, reclaimed=True, outcome=_RELEASE_OUTCOME[event])
+            ]
         if effect is _FX.QUARANTINE:
             self.pool.quarantine(record.key)
             why = reason or "quiescence not provable"
@@ -1049,6 +1120,8 @@ class _Rank:
             return [ParentSettled(record.key, record.cancel_reason is not None, evidence)]
         if effect is _FX.DECODE_READY:
             return [DecodeReady(record.key)]
+        if effect is _FX.PREPARED:
+            return [Prepared(record.key)]
         if effect is _FX.SEND_OPEN:
             return [SendMessage(e.ticket.ctx, e.open) for e in record.edges.values()]
         raise AssertionError(f"unhandled parent effect {effect}")  # pragma: no cover
@@ -1127,6 +1200,44 @@ class _Rank:
         return self._fire_edge(edge, _EE.QUIESCENCE_PROVEN)
 
 
+def _check_open_buffer(
+    message: Open,
+    lease_blocks: int,
+    *,
+    expected_agent: str | None,
+    block_bytes: int | None,
+    peer: PeerBuffer | None,
+) -> None:
+    """The buffer checks of an OPEN (pure; raises, never changes anything).
+
+    The WRITE of an edge goes to the agent and the addresses the OPEN names, so
+    the agent must be the sender's own and every descriptor a whole block of its
+    registered buffer; one descriptor per block of our lease (the chunks pair
+    them one to one)."""
+    buffer = message.buffer
+    blocks = buffer.blocks
+    if len(blocks) != lease_blocks:
+        raise LeaseError(f"OPEN names {len(blocks)} blocks, our lease has {lease_blocks}")
+    if block_bytes is not None and any(b.length != block_bytes for b in blocks):
+        raise LeaseError(f"OPEN block length is not the GEN block size {block_bytes}")
+    if expected_agent is not None and buffer.agent_name != expected_agent:
+        raise StaleError("gen agent in buffer info", buffer.agent_name, expected_agent)
+    if peer is None:
+        return
+    if peer.agent_name != buffer.agent_name:
+        raise StaleError("gen agent of the registered buffer", peer.agent_name, buffer.agent_name)
+    for b in blocks:
+        if not (
+            b.block < peer.num_blocks
+            and b.length == peer.block_bytes
+            and b.addr == peer.base + b.block * peer.block_bytes
+        ):
+            raise LeaseError(
+                f"OPEN block {b.block} at {b.addr:#x} is not a block of "
+                f"{buffer.agent_name}'s registered buffer"
+            )
+
+
 def _check_endpoint(what: str, got: Endpoint, ours: Endpoint) -> None:
     if got.ns != ours.ns:
         raise StaleError(f"{what} namespace", got.ns, ours.ns)
@@ -1152,13 +1263,18 @@ class CtxRank(_Rank):
         digest: bytes,
         pool: BlockPool,
         *,
+        edges_per_parent: int,
         transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
         chunk_window: int = DEFAULT_CHUNK_WINDOW,
         post_on_decide: bool = True,
         conservative: bool = False,
         quarantine_limit: float = DEFAULT_QUARANTINE_LIMIT,
     ) -> None:
-        """`post_on_decide=False` defers posting from `decided()` to `start_posting()`
+        """`edges_per_parent` is how many edges (GEN ranks) every parent has on this
+        CTX rank (from the shard map): the parent is `Prepared` once that many
+        OPENs are recorded, and an OPEN beyond it is refused.
+
+        `post_on_decide=False` defers posting from `decided()` to `start_posting()`
         (for an actor that must gather a staging slot first); the default posts at once.
 
         `conservative=True` is the path outside the qualified scope: a cancel
@@ -1170,6 +1286,9 @@ class CtxRank(_Rank):
         )
         if chunk_window < 1:
             raise LeaseError(f"chunk_window must be at least 1, got {chunk_window}")
+        if edges_per_parent < 1:
+            raise LeaseError(f"edges_per_parent must be at least 1, got {edges_per_parent}")
+        self.edges_per_parent = edges_per_parent
         self.chunk_window = chunk_window
         self.post_on_decide = post_on_decide
         self.conservative = conservative
@@ -1190,13 +1309,33 @@ class CtxRank(_Rank):
         """Prefill finished: the KV is resident and OPENs may be prepared."""
         return self._fire_parent(parent, _PE.PREFILLED)
 
-    def receive_open(self, message: Open, now: float, *, num_chunks: int = 1) -> list[Action]:
+    def receive_open(
+        self,
+        message: Open,
+        now: float,
+        *,
+        num_chunks: int = 1,
+        expected_agent: str | None = None,
+        block_bytes: int | None = None,
+        peer: PeerBuffer | None = None,
+    ) -> list[Action]:
         """Validate a GEN rank's OPEN (default-deny) and record the edge as PREPARED.
 
         The OPEN is a proposal: nothing is published or posted until
         `decided()`. `num_chunks` is how many WRITE chunks the actor will split
-        the edge into (from the shard mapping). Any failure raises and records
-        nothing; answer it with `reject_for(message, error)`.
+        the edge into (from the shard mapping). The OPEN must name exactly as
+        many blocks as our lease, at most `edges_per_parent` OPENs are recorded
+        per parent, and, when the caller knows them:
+
+        * `expected_agent`: the NIXL agent of the ticket's GEN endpoint (the
+          WRITE goes to the agent the OPEN names: never another rank's buffer);
+        * `block_bytes`: the GEN block size of the layout (every descriptor's length);
+        * `peer`: that agent's registered buffer: every descriptor must be a
+          whole block of it (`base + block * block_bytes`, `block < num_blocks`).
+
+        Any failure raises (`StaleError`, `LeaseError`, ...) and records
+        nothing; answer it with `reject_for(message, error)`. When the last
+        expected edge is recorded, the parent is `Prepared` (once).
         """
         ticket = message.ticket
         _check_endpoint("ctx", ticket.ctx, self.our)
@@ -1218,10 +1357,36 @@ class CtxRank(_Rank):
         _fire(
             self._machine("parent"), self._parent_table, record.state, _PE.EDGE_PREPARED
         )  # validate
+        if len(record.edges) >= self.edges_per_parent:
+            raise LeaseError(
+                f"OPEN for edge {ticket.edge} of {ticket.parent.request_id!r}: the parent has"
+                f" {self.edges_per_parent} edge(s) here, all recorded"
+            )
+        _check_open_buffer(
+            message,
+            len(record.refs),
+            expected_agent=expected_agent,
+            block_bytes=block_bytes,
+            peer=peer,
+        )
         edge = _Edge(ticket=ticket, state=_ES.PREPARED, open=message, num_chunks=num_chunks)
         self._sessions.install(ticket, edge)
         record.edges[ticket] = edge
-        return self._fire_parent(record.key, _PE.EDGE_PREPARED)
+        actions = self._fire_parent(record.key, _PE.EDGE_PREPARED)
+        if self.is_prepared(record.key):
+            actions += self._fire_parent(record.key, _PE.ALL_PREPARED)
+        return actions
+
+    def is_prepared(self, parent: ParentKey) -> bool:
+        """Every expected edge of `parent` is recorded and still PREPARED, and the
+        parent is RESIDENT (not decided, not cancelled): what `Prepared` reports."""
+        record = self._parents.get(parent)
+        return (
+            record is not None
+            and record.state is _PS.RESIDENT
+            and len(record.edges) == self.edges_per_parent
+            and all(e.state is _ES.PREPARED for e in record.edges.values())
+        )
 
     def decided(self, parent: ParentKey, now: float) -> list[Action]:
         """The CTX round decided `parent`: publish READY on every edge and start posting."""

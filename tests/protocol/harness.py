@@ -34,6 +34,7 @@ from kvhandoff.protocol import (
     ContextTicket,
     CtxRank,
     DecodeReady,
+    EdgeState,
     Endpoint,
     GenEdgeSpec,
     GenRank,
@@ -43,6 +44,7 @@ from kvhandoff.protocol import (
     ParentSettled,
     ParentState,
     PostChunk,
+    Prepared,
     ProtocolError,
     Quarantine,
     RankNamespace,
@@ -164,6 +166,7 @@ class Pair:
         self.post_on_decide = post_on_decide
         self.ctx_blocks = ctx_blocks
         self.gen_blocks = gen_blocks
+        self.n_gen = n_gen
         self.ctx = self._new_ctx(1)
         self.gens = [self._new_gen(1, r) for r in range(n_gen)]
         self.queue: list[Envelope] = []
@@ -174,6 +177,9 @@ class Pair:
         self.errors: list[ProtocolError] = []
         self.admission_stopped = False
         self.decode_ready: set[ParentKey] = set()
+        # (CTX epoch, parent) for every Prepared the CTX reported: the round's
+        # `prepared` channel. A parent is decided only once it is here.
+        self.prepared: set[tuple[int, ParentKey]] = set()
 
     # ---- construction --------------------------------------------------
 
@@ -182,6 +188,7 @@ class Pair:
             ctx_endpoint(epoch),
             CTX_DIGEST,
             BlockPool(self.ctx_blocks),
+            edges_per_parent=self.n_gen,
             transfer_timeout=self.timeout,
             chunk_window=self.chunk_window,
             conservative=self.conservative,
@@ -237,10 +244,12 @@ class Pair:
         self._act("S3", f"decided({parent!r})", lambda: self.ctx.decided(parent, self.now))
 
     def all_prepared(self, parent: ParentKey) -> bool:
-        edges = self.ctx.edges(parent)
+        """The CTX reported the parent `Prepared` and it is still RESIDENT (the
+        round decides only prepared parents that nobody cancelled)."""
         return (
-            len(edges) == len(self.gens) and self.ctx.parent_state(parent) is ParentState.RESIDENT
-        )
+            self.ctx.our.epoch,
+            parent,
+        ) in self.prepared and self.ctx.parent_state(parent) is ParentState.RESIDENT
 
     def run_rounds(self) -> None:
         """One batch of rounds: cancels (union), completions (intersection), verdicts."""
@@ -400,6 +409,14 @@ class Pair:
                     self.admission_stopped = True
                 case DecodeReady(parent=parent):
                     self.decode_ready.add(parent)
+                case Prepared(parent=parent):
+                    key = (self.ctx.our.epoch, parent)
+                    assert key not in self.prepared, f"Prepared({parent!r}) reported twice"
+                    edges = self.ctx.edges(parent)
+                    assert len(edges) == len(self.gens) and all(
+                        e.state is EdgeState.PREPARED for e in edges.values()
+                    ), f"Prepared({parent!r}) with edges {[e.state for e in edges.values()]}"
+                    self.prepared.add(key)
                 case Release() | Quarantine() | ParentSettled():
                     pass
                 case _:

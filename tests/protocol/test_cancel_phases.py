@@ -151,6 +151,7 @@ def test_cancel_after_ready_before_post() -> None:
         ctx_endpoint(),
         CTX_DIGEST,
         pair.ctx.pool,
+        edges_per_parent=1,
         transfer_timeout=pair.timeout,
         post_on_decide=False,
     )

@@ -414,9 +414,11 @@ def test_unknown_parent_and_bad_construction() -> None:
     with pytest.raises(StaleError):
         pair.ctx.cancel(parent_key(1, ctx_attempt=1), CancelReason.CLIENT, 0.0)
     with pytest.raises(LeaseError):
-        CtxRank(gen_endpoint(), CTX_DIGEST, pair.ctx.pool)
+        CtxRank(gen_endpoint(), CTX_DIGEST, pair.ctx.pool, edges_per_parent=1)
     with pytest.raises(LeaseError):
-        CtxRank(ctx_endpoint(), CTX_DIGEST, pair.ctx.pool, transfer_timeout=0)
+        CtxRank(ctx_endpoint(), CTX_DIGEST, pair.ctx.pool, edges_per_parent=1, transfer_timeout=0)
+    with pytest.raises(LeaseError):
+        CtxRank(ctx_endpoint(), CTX_DIGEST, pair.ctx.pool, edges_per_parent=0)
 
 
 def test_decode_ready_action_only_on_success() -> None:

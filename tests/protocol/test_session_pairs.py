@@ -58,6 +58,7 @@ from kvhandoff.protocol import (
     Open,
     ParentEvent,
     ParentState,
+    PeerBuffer,
     ProtocolError,
     Ready,
     Receipt,
@@ -393,14 +394,37 @@ def _receive(sit: Situation, message: SessionMessage) -> list[Any]:
     return sit.rank.receive(_frame(message), sit.pair.now)
 
 
-def _fresh_open(sit: Situation) -> Open:
-    # An OPEN for a new edge of P, from a GEN rank that has none yet.
+def _fresh_open(sit: Situation, blocks: int = 2) -> Open:
+    # An OPEN for a new edge of P, from a GEN rank that has none yet; one block
+    # descriptor per block of the CTX lease (every scenario leases 2).
     gen = gen_endpoint(rank=7)
     return Open(
         ticket=make_ticket(P, sit.pair.ctx.our, gen),
-        buffer=buffer_for([BlockRef(0, 1)], gen.epoch),
+        buffer=buffer_for([BlockRef(b, 1) for b in range(blocks)], gen.epoch),
         num_tokens=16,
     )
+
+
+# What the actor knows about the fresh OPEN's GEN agent (harness.buffer_for lays
+# block b at b * CHUNK_BYTES of agent "gen-agent-<epoch>").
+_AGENT = "gen-agent-1"
+_PEER = PeerBuffer(agent_name=_AGENT, base=0, block_bytes=CHUNK_BYTES, num_blocks=16)
+
+
+def _open_checked(sit: Situation, message: Open, **checks: Any) -> list[Any]:
+    """receive_open with the actor's expectations (agent, block size, buffer),
+    `checks` overriding one of them."""
+    kw: dict[str, Any] = {"expected_agent": _AGENT, "block_bytes": CHUNK_BYTES, "peer": _PEER}
+    kw.update(checks)
+    return sit.pair.ctx.receive_open(_frame(message), sit.pair.now, num_chunks=2, **kw)
+
+
+def _open_event(machine: str, sit: Situation) -> Expected:
+    # A valid OPEN is recorded while the parent has room for another edge; the
+    # one past `edges_per_parent` is refused (LeaseError) like an illegal one.
+    if sit.parent_live and len(sit.rank.edges(P)) >= sit.pair.ctx.edges_per_parent:
+        return REFUSED
+    return _PE.EDGE_PREPARED
 
 
 def _in_flight_index(sit: Situation) -> int:
@@ -585,8 +609,49 @@ CTX_ENTRIES: list[Entry] = [
         "ctx",
         lambda sit: sit.pair.ctx.receive(_frame(_fresh_open(sit)), sit.pair.now, num_chunks=2),
         {"ctx-parent": _events(_PE.EDGE_PREPARED)},
-        lambda machine, sit: _PE.EDGE_PREPARED,
+        _open_event,
     ),
+    Entry(
+        "receive(Open, checked against the GEN agent's buffer)",
+        "ctx",
+        lambda sit: _open_checked(sit, _fresh_open(sit)),
+        {"ctx-parent": _events(_PE.EDGE_PREPARED)},
+        _open_event,
+    ),
+    # OPENs the buffer checks refuse, in every state: a typed error, nothing changes.
+    *[
+        Entry(
+            f"receive(Open, {name})",
+            "ctx",
+            call,
+            {"ctx-parent": frozenset()},
+            lambda machine, sit: REFUSED,
+        )
+        for name, call in (
+            ("fewer blocks than the lease", lambda sit: _open_checked(sit, _fresh_open(sit, 1))),
+            ("more blocks than the lease", lambda sit: _open_checked(sit, _fresh_open(sit, 3))),
+            (
+                "another agent",
+                lambda sit: _open_checked(sit, _fresh_open(sit), expected_agent="gen-agent-9"),
+            ),
+            (
+                "another block size",
+                lambda sit: _open_checked(sit, _fresh_open(sit), block_bytes=2 * CHUNK_BYTES),
+            ),
+            (
+                "outside the registered buffer",
+                lambda sit: _open_checked(
+                    sit, _fresh_open(sit), peer=PeerBuffer(_AGENT, 64, CHUNK_BYTES, 16)
+                ),
+            ),
+            (
+                "past the registered pool",
+                lambda sit: _open_checked(
+                    sit, _fresh_open(sit), peer=PeerBuffer(_AGENT, 0, CHUNK_BYTES, 1)
+                ),
+            ),
+        )
+    ],
     Entry(
         "decided()",
         "ctx",
@@ -775,6 +840,7 @@ ENTRIES = {"ctx": CTX_ENTRIES, "gen": GEN_ENTRIES}
 # scenarios (test_every_row_is_fired).
 INTERNAL_EVENTS: dict[str, dict[enum.Enum, str]] = {
     "ctx-parent": {
+        _PE.ALL_PREPARED: "coupling: receive_open recorded the last expected edge",
         _PE.EDGES_SETTLED: "coupling: every edge terminal (_settle)",
         _PE.QUIESCENCE_LOST: "coupling: an edge became UNKNOWN (_settle)",
         _PE.DEFER_CANCEL: "conservative path: cancel() of a DECIDED parent (s_finishing)",
@@ -800,7 +866,7 @@ INTERNAL_EVENTS: dict[str, dict[enum.Enum, str]] = {
 NOT_AN_EVENT_OF: dict[str, frozenset[enum.Enum]] = {
     "ctx-parent": frozenset({_PE.INSTALLED, _PE.FREE, _PE.CONSUMER_EXPIRED}),
     "ctx-edge": frozenset({_EE.REJECTED}),  # a REJECT to CTX cancels the parent
-    "gen-parent": frozenset({_PE.PREFILLED, _PE.DECIDED, _PE.DEFER_CANCEL}),
+    "gen-parent": frozenset({_PE.PREFILLED, _PE.DECIDED, _PE.DEFER_CANCEL, _PE.ALL_PREPARED}),
     "gen-edge": frozenset(
         {
             _EE.DECIDED,
