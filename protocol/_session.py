@@ -120,6 +120,7 @@ from typing import Any, Union
 from ._errors import (
     IllegalTransition,
     LeaseError,
+    NegotiationError,
     PoolError,
     ProtocolError,
     StaleError,
@@ -718,6 +719,8 @@ def reject_for(open_msg: Open, error: ProtocolError, our: Endpoint) -> Reject | 
         reason = RejectReason.UNKNOWN_SESSION
     elif isinstance(error, PoolError):
         reason = RejectReason.BAD_BUFFER_INFO
+    elif isinstance(error, NegotiationError):
+        reason = RejectReason.NEGOTIATION  # no agreed protocol: refused before any DMA
     else:
         reason = RejectReason.STALE
     if open_msg.ticket.ctx != our:
