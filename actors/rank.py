@@ -362,25 +362,30 @@ class RankCore(RoundParticipant):
             self._gate_waiting -= 1
 
     def _decode(self, frame: bytes) -> Message:
-        """Decode against the agreed version; without an agreement, read the
-        frame only to refuse it (typed) unless it may cross without one."""
+        """Decode against the agreed version; without an agreement, in any
+        version, only to read it well enough to refuse it (`_check_agreed`)."""
+        outcome = self._negotiation
+        return decode_frame(frame, version=outcome.version if isinstance(outcome, Negotiated) else None)
+
+    def _check_agreed(self, message: Message) -> None:
+        """Without an agreement every frame but a REJECT is refused, typed
+        (an OPEN addressed to us is then answered REJECT(NEGOTIATION))."""
         outcome = self._negotiation
         if isinstance(outcome, Negotiated):
-            return decode_frame(frame, version=outcome.version)
-        message = decode_frame(frame)
+            return
         try:
             check_unnegotiated(outcome, message)
         except NegotiationError as exc:
             self.counters[f"refused_negotiation_{refusal_kind(exc)}"] += 1
             raise
-        return message
 
-    def _encode(self, message: Message) -> bytes | None:
+    def _encode(self, message: Message, answering: int | None = None) -> bytes | None:
         """Encode in the agreed version; without an agreement only an OPEN or a
-        REJECT is written (and refused, typed, by its receiver); anything else
-        is not sent (counted)."""
+        REJECT (in the version of the frame it answers) is written; anything
+        else is not sent (counted)."""
         try:
-            return encode_frame(message, version=frame_version(self._negotiation, message))
+            version = frame_version(self._negotiation, message, answering=answering)
+            return encode_frame(message, version=version)
         except NegotiationError as exc:
             self.counters[f"unsent_negotiation_{refusal_kind(exc)}"] += 1
             return None
@@ -560,6 +565,7 @@ class RankCore(RoundParticipant):
         message = None
         try:
             message = self._decode(frame)
+            self._check_agreed(message)
             if isinstance(message, Open) and isinstance(self.side, CtxRank):
                 chunks, geometry = self._plan_chunks(message)
                 actions = self.side.receive_open(message, now, num_chunks=len(chunks))
@@ -572,8 +578,9 @@ class RankCore(RoundParticipant):
             self.counters[f"refused_{type(exc).__name__}"] += 1
             if isinstance(message, Open):  # a refused proposal addressed to us gets a typed REJECT
                 reject = reject_for(message, exc, self.our)
-                if reject is not None:
-                    self._perform([SendMessage(to=message.ticket.gen, message=reject)])
+                encoded = None if reject is None else self._encode(reject, answering=frame[4])
+                if encoded is not None:  # written in the OPEN's version when none is agreed
+                    self._send(message.ticket.gen, encoded)
                 else:
                     self.counters["refused_open_not_ours"] += 1
             return False

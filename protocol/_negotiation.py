@@ -70,8 +70,10 @@ The actors gather; this module decides (docs/design.md "Negotiation"):
   (`check_unnegotiated`) except the two it needs to refuse a handoff with a
   typed reason: the GEN's OPEN (answered with REJECT(NEGOTIATION), see
   `reject_for`) and that REJECT (which only ends a session that moved no
-  byte). Both exist in every version, so they are written in
-  `UNNEGOTIATED_VERSION`, which any build reads;
+  byte). Both exist in every version: the OPEN is written in
+  `UNNEGOTIATED_VERSION`, which any build reads, and the REJECT in the
+  version of the OPEN it answers, which its sender reads (even a sender
+  that did agree, e.g. while a changed descriptor is seen by one side first);
 - `refusal_kind` names a refusal for counters and `summary` gives the
   outcome for `stats()`.
 """
@@ -371,12 +373,20 @@ def active_cancel(outcome: NegotiationOutcome) -> bool:
     return isinstance(outcome, Negotiated) and outcome.supports(ACTIVE_CANCEL_CAPABILITIES)
 
 
-def frame_version(outcome: NegotiationOutcome, message: Message) -> int:
-    """The version to write `message` in: the agreed one, or, without an
-    agreement, `UNNEGOTIATED_VERSION` for an OPEN or a REJECT. Any other
-    message has no version to be written in: raises the outcome's error."""
+def frame_version(
+    outcome: NegotiationOutcome, message: Message, *, answering: int | None = None
+) -> int:
+    """The version to write `message` in: the agreed one; without an
+    agreement, a REJECT answering a frame of version `answering` is written in
+    that version (its sender reads it, also one that did agree: a peer may
+    learn of a changed descriptor first), any other OPEN or REJECT in
+    `UNNEGOTIATED_VERSION`. Any other message has no version to be written in
+    without an agreement: raises the outcome's error."""
     if isinstance(outcome, Negotiated):
         return outcome.version
+    if isinstance(message, Reject) and answering in SUPPORTED_VERSIONS:
+        assert answering is not None
+        return answering
     if isinstance(message, _UNNEGOTIATED_KINDS):
         return UNNEGOTIATED_VERSION
     # A rank raises its one stored error for every refusal: drop the previous
