@@ -712,6 +712,9 @@ def reject_for(open_msg: Open, error: ProtocolError, our: Endpoint) -> Reject | 
     forge a ticket that a live session accepts (S3), and answering with its
     own ticket would speak for an incarnation that is not us. Its sender
     learns the outcome from its own timeout or the restart notice.
+
+    A `NegotiationError` (the rank has no agreed protocol: `_negotiation.py`)
+    is answered with reason NEGOTIATION, before anything is recorded or posted.
     """
     if isinstance(error, DuplicateSessionError):
         reason = RejectReason.DUPLICATE
