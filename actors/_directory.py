@@ -13,7 +13,11 @@ ran on this node, its process is gone), the peers hear `peer_dead`: the proof
 that lets a GEN rank reclaim blocks that the dead writer left quarantined
 (docs/design.md "Quarantine and reclaim"). Peers resolve an `Endpoint`
 through it and compare epochs: a message for an older incarnation is stale,
-never merely late (docs/design.md "Identity"). The directory decides nothing else.
+never merely late (docs/design.md "Identity"). Each registration also
+carries the rank's protocol descriptor (an encoded descriptor frame), kept
+beside its entry (`descriptors`): every rank negotiates the protocol from the
+descriptors of every rank of both instances (docs/design.md "Negotiation").
+The directory decides nothing else.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ Entry = tuple[Any, str, bytes, Any]  # (Endpoint, agent name, agent metadata, Bu
 class DirectoryCore:
     def __init__(self) -> None:
         self._entries: dict[tuple[str, int], tuple[Entry, Any]] = {}
+        # (role, rank) -> the current incarnation's descriptor frame (beside
+        # `_entries`, so that `lookup`/`all_of` answers keep their shape).
+        self._descriptors: dict[tuple[str, int], bytes] = {}
         # (role, rank, epoch) -> (node id, pid) of that incarnation's process.
         self._where: dict[tuple[str, int, int], tuple[str, int]] = {}
         self._node = ray.get_runtime_context().get_node_id()
@@ -49,7 +56,13 @@ class DirectoryCore:
         self._lookup_delay_s = max(0.0, float(seconds))
 
     async def register(
-        self, role: str, rank: int, entry: Entry, handle: Any, where: tuple[str, int] | None = None
+        self,
+        role: str,
+        rank: int,
+        entry: Entry,
+        handle: Any,
+        where: tuple[str, int] | None = None,
+        descriptor: bytes | None = None,
     ) -> None:
         if where is not None:
             self._where[(role, rank, entry[0].epoch)] = where
@@ -57,6 +70,10 @@ class DirectoryCore:
         if current is not None and current[0][0].epoch > entry[0].epoch:
             return  # an older incarnation registering late never replaces a newer one
         self._entries[(role, rank)] = (entry, handle)
+        if descriptor is None:
+            self._descriptors.pop((role, rank), None)  # unknown: nobody negotiates with a stale one
+        else:
+            self._descriptors[(role, rank)] = descriptor
         self._changed.set()
         if current is not None and current[0][0].epoch < entry[0].epoch:
             # A restart: every rank of the other role learns now that the old
@@ -127,6 +144,11 @@ class DirectoryCore:
         if self._lookup_delay_s:
             await asyncio.sleep(self._lookup_delay_s)
         return self._entries.get((role, rank))
+
+    async def descriptors(self) -> dict[tuple[str, int], bytes]:
+        """Every registered rank's descriptor frame, by (role, rank): the
+        current incarnation's (a late, older registration never replaces it)."""
+        return dict(self._descriptors)
 
     async def all_of(self, role: str) -> list[tuple[Entry, Any]]:
         return [v for (r, _), v in sorted(self._entries.items()) if r == role]

@@ -23,7 +23,15 @@ It holds:
   object and records intents, never frees memory on its own;
 - `peer_restarted`, called by the directory when a peer incarnation is known
   dead: the protocol ends the sessions with it (unproven DMA → UNKNOWN →
-  quarantine) instead of waiting for their transfer timeout.
+  quarantine) instead of waiting for their transfer timeout;
+- the protocol negotiation (docs/design.md "Negotiation"): the rank publishes
+  its descriptor (`RankConfig.descriptor`, default `local_descriptor()`) with
+  its directory entry and, on `connect` and after a peer restart, gathers the
+  descriptors of every rank of both instances and lets `agree` decide. Until
+  an agreement exists it admits nothing and refuses every frame but an OPEN
+  (answered REJECT(NEGOTIATION)) and a REJECT; with one, every frame is
+  written in and read against the agreed version, and the CTX runs the active
+  cancel protocol only if the agreed capabilities carry it.
 
 Lock and await ordering: the actor runs on one event loop; every handler
 mutates protocol state only between awaits (see actors/_member.py and
@@ -92,6 +100,11 @@ from kvhandoff.protocol import (
     GenRank,
     LocalOutcome,
     MemoryKind,
+    Message,
+    Negotiated,
+    NegotiationError,
+    NegotiationOutcome,
+    NotNegotiatedError,
     Open,
     ParentKey,
     ParentSettled,
@@ -102,6 +115,8 @@ from kvhandoff.protocol import (
     Prepared,
     ProtocolError,
     Quarantine,
+    RankDescriptorV1,
+    RankDescriptorV2,
     RankNamespace,
     Release,
     Role,
@@ -110,10 +125,18 @@ from kvhandoff.protocol import (
     SendMessage,
     StopPosting,
     UnknownSessionError,
+    active_cancel,
+    agree,
+    check_unnegotiated,
     decode_frame,
+    descriptor_frame,
     encode_frame,
+    frame_version,
+    local_descriptor,
+    refusal_kind,
     reject_for,
 )
+from kvhandoff.protocol import summary as negotiation_summary
 from kvhandoff.topology import (
     KVLayout,
     TopologySpec,
@@ -162,6 +185,10 @@ class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: once it holds nothing else, asks its coordinator for a restart (a new
     #: incarnation with a fresh, fully free pool). See docs/design.md.
     quarantine_limit: float = DEFAULT_QUARANTINE_LIMIT
+    #: The protocol descriptor this rank advertises (None: `local_descriptor()`,
+    #: everything this build speaks). Every rank of both instances negotiates
+    #: from all of them (docs/design.md "Negotiation").
+    descriptor: RankDescriptorV1 | RankDescriptorV2 | None = None
 
 
 def agent_name(deployment: str, ns: RankNamespace, epoch: int) -> str:
@@ -247,6 +274,15 @@ class RankCore(RoundParticipant):
         self._wake = asyncio.Event()
         self.counters: collections.Counter[str] = collections.Counter()
         self.violations: list[str] = []
+        # Negotiation: nothing agreed until connect() (or a frame) gathered every descriptor.
+        self._descriptor = descriptor_frame(config.descriptor or local_descriptor())
+        self._negotiation: NegotiationOutcome = NotNegotiatedError(0, spec.tp + peer.tp)
+        self._negotiation_seq = [0, 0]  # [queries started, newest answer applied]
+        self._negotiating = False  # an owned renegotiation runs (`_renegotiate`)
+        self._renegotiate_again = False
+        self._unsent: list[tuple[Endpoint, Message]] = []  # sends waiting for that answer
+        self._frame_gate = asyncio.Lock()  # frames waiting for an answer, in arrival order
+        self._gate_waiting = 0
         self._register()
 
     # -- identity, directory, peers ---------------------------------------------
@@ -261,9 +297,108 @@ class RankCore(RoundParticipant):
         # Fire-and-forget: the directory only stores it; lookups wait for it.
         self._own(
             self._directory().register.remote(
-                self.role.value, self.config.rank, entry, context.current_actor, where
+                self.role.value, self.config.rank, entry, context.current_actor, where,
+                descriptor=self._descriptor,
             )
         )
+
+    # -- negotiation (the decisions are protocol/_negotiation.py's) ----------------
+
+    async def _negotiate(self) -> NegotiationOutcome:
+        """Gather the descriptor of every rank of both instances from the
+        directory (ours from our config), let `agree` decide, apply the answer."""
+        self._negotiation_seq[0] += 1
+        seq = self._negotiation_seq[0]
+        known = await self._directory().descriptors.remote()
+        known[(self.role.value, self.config.rank)] = self._descriptor
+        ctx_spec, gen_spec = (
+            (self.config.spec, self.config.peer_spec)
+            if self.role is Role.CTX
+            else (self.config.peer_spec, self.config.spec)
+        )
+        frames = [known.get((s.role.value, r)) for s in (ctx_spec, gen_spec) for r in range(s.tp)]
+        outcome: NegotiationOutcome
+        try:
+            outcome = agree(frames)
+        except NegotiationError as exc:
+            outcome = exc
+        if seq > self._negotiation_seq[1]:  # an older, slower query never replaces a newer answer
+            self._negotiation_seq[1] = seq
+            before = negotiation_summary(self._negotiation)
+            self._negotiation = outcome
+            if isinstance(self.side, CtxRank):
+                self.side.conservative = self.config.conservative or not active_cancel(outcome)
+            if negotiation_summary(outcome) != before:
+                log.info("rank %s: negotiation: %s", self.ns, negotiation_summary(outcome))
+        return self._negotiation
+
+    def _renegotiate(self) -> None:
+        """Negotiate again in an owned task (once more if asked while one runs);
+        then send what waited for the answer, in order."""
+        if self._negotiating:
+            self._renegotiate_again = True
+            return
+        self._negotiating = True
+
+        async def run() -> None:
+            try:
+                self._renegotiate_again = True
+                while self._renegotiate_again:
+                    self._renegotiate_again = False
+                    await self._negotiate()
+            finally:
+                self._negotiating = False
+                unsent, self._unsent = self._unsent, []
+                for to, message in unsent:
+                    frame = self._encode(message)
+                    if frame is not None:
+                        self._send(to, frame)
+
+        self._own(run())
+
+    async def _await_agreement(self) -> None:
+        """A frame came before an agreement (a restarted rank's first moments):
+        negotiate now. Frames wait in arrival order (the lock is FIFO, and a
+        frame that comes while others wait queues behind them)."""
+        self._gate_waiting += 1
+        try:
+            async with self._frame_gate:
+                if isinstance(self._negotiation, NotNegotiatedError):
+                    await self._negotiate()
+        except Exception as exc:  # the directory did not answer: still no agreement, refused
+            self.counters["negotiation_lookup_failed"] += 1
+            log.warning("rank %s: negotiation failed: %r", self.ns, exc)
+        finally:
+            self._gate_waiting -= 1
+
+    def _decode(self, frame: bytes) -> Message:
+        """Decode against the agreed version; without an agreement, in any
+        version, only to read it well enough to refuse it (`_check_agreed`)."""
+        outcome = self._negotiation
+        return decode_frame(frame, version=outcome.version if isinstance(outcome, Negotiated) else None)
+
+    def _check_agreed(self, message: Message) -> None:
+        """Without an agreement every frame but a REJECT is refused, typed
+        (an OPEN addressed to us is then answered REJECT(NEGOTIATION))."""
+        outcome = self._negotiation
+        if isinstance(outcome, Negotiated):
+            return
+        try:
+            check_unnegotiated(outcome, message)
+        except NegotiationError as exc:
+            self.counters[f"refused_negotiation_{refusal_kind(exc)}"] += 1
+            raise
+
+    def _encode(self, message: Message, answering: int | None = None) -> bytes | None:
+        """Encode in the agreed version; without an agreement only an OPEN or a
+        REJECT (in the version of the frame it answers) is written; anything
+        else is not sent (counted)."""
+        try:
+            version = frame_version(self._negotiation, message, answering=answering)
+            return encode_frame(message, version=version)
+        except NegotiationError as exc:
+            self.counters[f"unsent_negotiation_{refusal_kind(exc)}"] += 1
+            return None
 
     async def _peer(self, their: Endpoint) -> Any:
         key = (their.ns.role.value, their.ns.rank)
@@ -293,6 +428,7 @@ class RankCore(RoundParticipant):
                 self.transport.add_peer(metadata)
                 self._geometry[name] = geometry
             endpoints.append(endpoint)
+        await self._negotiate()  # every rank has registered by now (or is being restarted)
         return endpoints
 
     async def peer_restarted(self, their: Endpoint) -> int:
@@ -308,6 +444,7 @@ class RankCore(RoundParticipant):
         cached = self._peer_handles.get(key)
         if cached is not None and cached[0].epoch < their.epoch:
             del self._peer_handles[key]  # the next send resolves the new incarnation
+        self._renegotiate()  # its incarnation re-registers with its descriptor
         return self._perform_notice(self.side.peer_restarted(their, time.monotonic()), "peer_restarts_seen")
 
     def _about_a_peer(self, endpoint: Endpoint, notice: str) -> bool:
@@ -385,9 +522,16 @@ class RankCore(RoundParticipant):
         deadline = now + self.config.lease_timeout_s
         ok = []
         stopped = self.side.admission_stopped()
+        # No agreed protocol: admit nothing (refused before any lease or DMA).
+        refusal = None if isinstance(self._negotiation, Negotiated) else refusal_kind(self._negotiation)
+        if refusal == "pending":
+            self._renegotiate()
         for request in proposal.admissions:
             if stopped:
                 self.counters["admit_refused_stopped"] += 1
+                continue
+            if refusal is not None:
+                self.counters[f"refused_negotiation_{refusal}"] += 1
                 continue
             try:
                 n = blocks_for_tokens(self.config.layout, request.num_tokens)
@@ -461,10 +605,13 @@ class RankCore(RoundParticipant):
 
     async def receive_frame(self, frame: bytes) -> bool:
         """A control frame from a peer rank. Returns whether it was accepted."""
+        if self._gate_waiting or not isinstance(self._negotiation, Negotiated):
+            await self._await_agreement()
         now = time.monotonic()
         message = None
         try:
-            message = decode_frame(frame)
+            message = self._decode(frame)
+            self._check_agreed(message)
             if isinstance(message, Open) and isinstance(self.side, CtxRank):
                 # The protocol checks the OPEN (lease size, block size, the
                 # sender's own agent, whole blocks of its registered buffer when
@@ -494,8 +641,10 @@ class RankCore(RoundParticipant):
             self.counters[f"refused_{type(exc).__name__}"] += 1
             if isinstance(message, Open):  # a refused proposal addressed to us gets a typed REJECT
                 reject = reject_for(message, exc, self.our)
-                if reject is not None:
-                    self._perform([SendMessage(to=message.ticket.gen, message=reject)])
+                encoded = None if reject is None else self._encode(reject, answering=frame[4])
+                if encoded is not None:  # written in the OPEN's version when none is agreed
+                    self.counters["frames_reject"] += 1
+                    self._send(message.ticket.gen, encoded, message.ticket.request_id)
                 else:
                     self.counters["refused_open_not_ours"] += 1
             return False
@@ -656,8 +805,7 @@ class RankCore(RoundParticipant):
         for action in actions:
             match action:
                 case SendMessage(to=to, message=message):
-                    self.counters[f"frames_{type(message).__name__.lower()}"] += 1
-                    refs.append(self._send(to, encode_frame(message), message.ticket.request_id))
+                    refs.append(self._send(to, message))
                 case PostChunk(ticket=ticket, index=index):
                     self._post(ticket, index, now)
                 case StopPosting() | Drain():
@@ -731,13 +879,18 @@ class RankCore(RoundParticipant):
 
         self._own(ask())
 
-    async def _perform_awaiting(self, actions: list[Action]) -> list[Any]:
-        refs = self._perform(actions)
-        if refs:
-            await asyncio.gather(*refs, return_exceptions=True)
-        return refs
-
-    def _send(self, to: Endpoint, frame: bytes, request_id: str = "") -> Any:
+    def _send(self, to: Endpoint, frame: bytes | Message, request_id: str = "") -> Any:
+        if not isinstance(frame, bytes):  # a message: encode it in the agreed version
+            if isinstance(self._negotiation, NotNegotiatedError) or self._unsent:
+                self._unsent.append((to, frame))  # sent, in order, once negotiated
+                self._renegotiate()
+                return None
+            request_id = frame.ticket.request_id
+            self.counters[f"frames_{type(frame).__name__.lower()}"] += 1
+            encoded = self._encode(frame)
+            if encoded is None:
+                return None
+            frame = encoded
         if self._held:
             held = self._held.get((request_id, to.ns.role.value, to.ns.rank))
             if held is not None:  # fault injection: the frame is delayed, in order
@@ -983,6 +1136,9 @@ class RankCore(RoundParticipant):
             + len(self._release_when_ready) + len(self._waiters) + len(self._verified),
             "counters": dict(self.counters),
             "violations": list(self.violations),
+            "negotiated": negotiation_summary(self._negotiation),
+            "conservative": self.side.conservative if isinstance(self.side, CtxRank)
+            else self.config.conservative or not active_cancel(self._negotiation),
         }
 
     # -- benchmark baselines (same agent, same buffers, same descriptors) -----------------

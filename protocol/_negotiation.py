@@ -50,6 +50,32 @@ claims them:
 Use `require` before anything that depends on a capability: e.g. the active
 cancellation protocol calls ``require(negotiated, Capability.INFLIGHT_CANCEL)``
 and falls back to the conservative path on `CapabilityMissingError`.
+
+At runtime (the rank actors)
+----------------------------
+The actors gather; this module decides (docs/design.md "Negotiation"):
+
+- each rank publishes `descriptor_frame(its descriptor)` in the directory;
+- each rank passes the frames of *every* rank of both instances (None for one
+  not registered yet) to `agree`, which decodes them (`decode_frame` with
+  ``version=None``: the receive boundary, so a malformed descriptor is a
+  typed error), negotiates, and requires `REQUIRED_CAPABILITIES`: what this
+  build's session machines cannot run without (TERMINAL evidence and
+  RECEIPT are v2 kinds, so a v1 topology is refused, typed). A rank with
+  no agreement yet gets `NotNegotiatedError`;
+- `active_cancel` says whether the active cancellation protocol may run
+  (`ACTIVE_CANCEL_CAPABILITIES`); otherwise the conservative path runs;
+- with an agreement, every frame is written in and read against its version
+  (`frame_version`). Without one, a rank refuses every frame
+  (`check_unnegotiated`) except the two it needs to refuse a handoff with a
+  typed reason: the GEN's OPEN (answered with REJECT(NEGOTIATION), see
+  `reject_for`) and that REJECT (which only ends a session that moved no
+  byte). Both exist in every version: the OPEN is written in
+  `UNNEGOTIATED_VERSION`, which any build reads, and the REJECT in the
+  version of the OPEN it answers, which its sender reads (even a sender
+  that did agree, e.g. while a changed descriptor is seen by one side first);
+- `refusal_kind` names a refusal for counters and `summary` gives the
+  outcome for `stats()`.
 """
 
 from __future__ import annotations
@@ -62,9 +88,9 @@ from typing import Final, TypeGuard, Union
 
 import msgspec
 
-from ._errors import NegotiationError
-from ._messages import Capability, RankDescriptorV1, RankDescriptorV2
-from ._wire import SUPPORTED_VERSIONS
+from ._errors import NegotiationError, ProtocolError
+from ._messages import Capability, Message, Open, RankDescriptorV1, RankDescriptorV2, Reject
+from ._wire import SUPPORTED_VERSIONS, allowed_kinds, decode_frame, encode_frame
 
 __all__ = [
     "ABI_MSGPACK_V1",
@@ -79,6 +105,18 @@ __all__ = [
     "require",
     "local_descriptor",
     "DEFAULT_DESCRIPTOR",
+    "REQUIRED_CAPABILITIES",
+    "ACTIVE_CANCEL_CAPABILITIES",
+    "UNNEGOTIATED_VERSION",
+    "NotNegotiatedError",
+    "NegotiationOutcome",
+    "descriptor_frame",
+    "agree",
+    "active_cancel",
+    "frame_version",
+    "check_unnegotiated",
+    "refusal_kind",
+    "summary",
 ]
 
 #: The serialization ABI of `_wire.py` (see "Descriptors"); implied by every v1 descriptor.
@@ -244,3 +282,151 @@ def local_descriptor() -> RankDescriptorV2:
 #: list, which a frozen Struct cannot protect: never mutate it; call
 #: `local_descriptor()` for a copy you may change.
 DEFAULT_DESCRIPTOR: Final = local_descriptor()
+
+
+# --- at runtime: what the rank actors ask ---------------------------------------------
+
+#: What this build's rank session machines cannot run without: TERMINAL evidence
+#: ends every edge (and RECEIPT answers it; both are v2 kinds), and an OPEN
+#: carries the complete buffer info the CTX checks and writes into. A topology
+#: that did not negotiate these moves no byte.
+REQUIRED_CAPABILITIES: Final = Capability.TERMINAL_V1 | Capability.OPEN_CARRIES_BUFFER_INFO
+#: What the active cancellation protocol (cancel with DMA in flight: drain,
+#: then DRAINED/UNKNOWN evidence in TERMINAL) needs; without every bit the
+#: CTX ranks run the conservative path (a cancel waits for a decided transfer).
+ACTIVE_CANCEL_CAPABILITIES: Final = Capability.INFLIGHT_CANCEL | Capability.TERMINAL_V1
+#: The version of the frames that cross without an agreement (OPEN and the
+#: REJECT that refuses it): the oldest this build speaks, which any build reads.
+UNNEGOTIATED_VERSION: Final = min(SUPPORTED_VERSIONS)
+# The kinds that may cross without an agreement (see the module docstring).
+_UNNEGOTIATED_KINDS: Final = (Open, Reject)
+assert all(
+    str(k.__struct_config__.tag) in allowed_kinds(UNNEGOTIATED_VERSION)
+    for k in _UNNEGOTIATED_KINDS
+)
+
+
+class NotNegotiatedError(NegotiationError):
+    """No protocol agreed yet: only `known` of the `expected` rank descriptors
+    are known (a rank is still starting), so nothing that needs one may run."""
+
+    def __init__(self, known: int, expected: int) -> None:
+        super().__init__(
+            f"no protocol agreed yet: {known} of {expected} rank descriptors known"
+        )
+        self.known = known
+        self.expected = expected
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.known, self.expected))
+
+
+#: What a rank holds about its topology's protocol: the agreement, or why there is none.
+NegotiationOutcome = Union[Negotiated, NegotiationError]
+
+
+def descriptor_frame(descriptor: RankDescriptor) -> bytes:
+    """`descriptor` as the frame a rank publishes: in the oldest version that
+    carries its kind (a v1 descriptor in a v1 frame, so a v1-only build reads it).
+
+    Raises `NegotiationError` for anything that is not a descriptor, and
+    `FrameError` for one that cannot be encoded.
+    """
+    if not isinstance(descriptor, (RankDescriptorV1, RankDescriptorV2)):
+        raise NegotiationError(f"{type(descriptor).__name__} is not a rank descriptor")
+    tag = str(type(descriptor).__struct_config__.tag)
+    version = min(v for v in SUPPORTED_VERSIONS if tag in allowed_kinds(v))
+    return encode_frame(descriptor, version=version)
+
+
+def agree(frames: Sequence[bytes | None]) -> Negotiated:
+    """The protocol of a pair of instances, from the descriptor frame of every
+    rank of both (None: that rank's descriptor is not known yet).
+
+    A pure function of the *set* of frames, like `negotiate`: every rank that
+    holds the same frames agrees on the same answer. Raises
+    `NotNegotiatedError` while a frame is missing, `NegotiationError` for a
+    frame that does not decode to a descriptor (naming its index), the errors
+    of `negotiate`, and `CapabilityMissingError` when `REQUIRED_CAPABILITIES`
+    were not all negotiated (a v1 topology, or a rank without TERMINAL).
+    """
+    known = [f for f in frames if f is not None]
+    if len(known) != len(frames) or not frames:
+        raise NotNegotiatedError(len(known), len(frames))
+    descriptors: list[RankDescriptor] = []
+    for index, frame in enumerate(known):
+        try:
+            message = decode_frame(frame)
+        except ProtocolError as exc:
+            raise NegotiationError(f"rank {index}: descriptor does not decode: {exc}") from exc
+        if not isinstance(message, (RankDescriptorV1, RankDescriptorV2)):
+            raise NegotiationError(f"rank {index}: {type(message).__name__} is not a rank descriptor")
+        descriptors.append(message)
+    negotiated = negotiate(descriptors)
+    require(negotiated, REQUIRED_CAPABILITIES)
+    return negotiated
+
+
+def active_cancel(outcome: NegotiationOutcome) -> bool:
+    """Whether the active cancellation protocol may run: an agreement that
+    carries every bit of `ACTIVE_CANCEL_CAPABILITIES`. Otherwise: conservative."""
+    return isinstance(outcome, Negotiated) and outcome.supports(ACTIVE_CANCEL_CAPABILITIES)
+
+
+def frame_version(
+    outcome: NegotiationOutcome, message: Message, *, answering: int | None = None
+) -> int:
+    """The version to write `message` in: the agreed one; without an
+    agreement, a REJECT answering a frame of version `answering` is written in
+    that version (its sender reads it, also one that did agree: a peer may
+    learn of a changed descriptor first), any other OPEN or REJECT in
+    `UNNEGOTIATED_VERSION`. Any other message has no version to be written in
+    without an agreement: raises the outcome's error."""
+    if isinstance(outcome, Negotiated):
+        return outcome.version
+    if isinstance(message, Reject) and answering in SUPPORTED_VERSIONS:
+        assert answering is not None
+        return answering
+    if isinstance(message, _UNNEGOTIATED_KINDS):
+        return UNNEGOTIATED_VERSION
+    # A rank raises its one stored error for every refusal: drop the previous
+    # raise's traceback so it does not grow with each one.
+    raise outcome.with_traceback(None)
+
+
+def check_unnegotiated(outcome: NegotiationError, message: Message) -> None:
+    """A rank without an agreement read `message` (decoded with ``version=None``).
+
+    A REJECT passes: it only ends a session that moved no byte. Anything else
+    is refused with the outcome's error; for an OPEN addressed to the rank,
+    `reject_for` turns that error into REJECT(NEGOTIATION), before any DMA.
+    """
+    if not isinstance(message, Reject):
+        raise outcome.with_traceback(None)  # see frame_version
+
+
+def refusal_kind(error: NegotiationError) -> str:
+    """A short name for a refusal (stats counters ``refused_negotiation_<kind>``):
+    version, abi, capability, pending (no agreement yet) or descriptor."""
+    if isinstance(error, VersionMismatchError):
+        return "version"
+    if isinstance(error, AbiMismatchError):
+        return "abi"
+    if isinstance(error, CapabilityMissingError):
+        return "capability"
+    if isinstance(error, NotNegotiatedError):
+        return "pending"
+    return "descriptor"
+
+
+def summary(outcome: NegotiationOutcome) -> dict[str, object]:
+    """`outcome` as plain data for `stats()`: the agreement (version, capability
+    bits, ABI, whether the active cancel protocol runs), or the refusal."""
+    if isinstance(outcome, Negotiated):
+        return {
+            "version": outcome.version,
+            "capabilities": int(outcome.capabilities),
+            "abi": outcome.abi,
+            "active_cancel": active_cancel(outcome),
+        }
+    return {"error": refusal_kind(outcome), "detail": str(outcome)}

@@ -126,6 +126,7 @@ from typing import Any, Union
 from ._errors import (
     IllegalTransition,
     LeaseError,
+    NegotiationError,
     PoolError,
     ProtocolError,
     StaleError,
@@ -778,6 +779,9 @@ def reject_for(open_msg: Open, error: ProtocolError, our: Endpoint) -> Reject | 
     forge a ticket that a live session accepts (S3), and answering with its
     own ticket would speak for an incarnation that is not us. Its sender
     learns the outcome from its own timeout or the restart notice.
+
+    A `NegotiationError` (the rank has no agreed protocol: `_negotiation.py`)
+    is answered with reason NEGOTIATION, before anything is recorded or posted.
     """
     if isinstance(error, DuplicateSessionError):
         reason = RejectReason.DUPLICATE
@@ -785,6 +789,8 @@ def reject_for(open_msg: Open, error: ProtocolError, our: Endpoint) -> Reject | 
         reason = RejectReason.UNKNOWN_SESSION
     elif isinstance(error, PoolError):
         reason = RejectReason.BAD_BUFFER_INFO
+    elif isinstance(error, NegotiationError):
+        reason = RejectReason.NEGOTIATION  # no agreed protocol: refused before any DMA
     else:
         reason = RejectReason.STALE
     if open_msg.ticket.ctx != our:
