@@ -1,0 +1,222 @@
+"""Group commit, sans-IO: pushed rank reports, rounds decided from them,
+admissions vetoed by the peer instance, and the follower's intent bookkeeping.
+
+Every test drives `RoundLeader` / `RoundFollower` with plain floats for time.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvhandoff.protocol import (
+    AdmissionRequest,
+    ParentKey,
+    RankReport,
+    RoundDecision,
+    RoundError,
+    RoundFollower,
+    RoundLeader,
+    RoundVote,
+    VoteRejected,
+    VoteRejectReason,
+)
+
+T = 1.0
+
+
+def pk(name: str) -> ParentKey:
+    return ParentKey(request_id=name, ctx_attempt=1, gen_attempt=1)
+
+
+def admit(leader: RoundLeader, *names: str) -> None:
+    """Admit `names` through a full vote round (every rank agrees)."""
+    proposal = leader.open_round([AdmissionRequest(parent=pk(n), num_tokens=16) for n in names], now=0.0, timeout=T)
+    for rank in leader.ranks:
+        leader.receive_vote(
+            RoundVote(round_no=proposal.round_no, rank=rank, epoch=leader.epoch_of(rank), admit_ok=tuple(pk(n) for n in names)),
+            0.0,
+        )
+    assert set(leader.close().admitted) == {pk(n) for n in names}
+
+
+def report(rank: int, seq: int, *, epoch: int = 0, **sets: tuple[str, ...]) -> RankReport:
+    return RankReport(rank=rank, epoch=epoch, seq=seq, **{k: tuple(pk(n) for n in v) for k, v in sets.items()})
+
+
+def decide_from_reports(leader: RoundLeader):
+    leader.open_round(now=0.0, timeout=T)
+    assert leader.votes_from_reports(0.0)
+    return leader.close()
+
+
+# -- the leader ---------------------------------------------------------------------------
+
+
+def test_completion_needs_every_ranks_report_and_the_first_alone_decides_nothing() -> None:
+    leader = RoundLeader(2)
+    admit(leader, "a")
+    assert leader.report(report(0, 1, completions=("a",)))
+    assert not leader.reports_decide()  # rank 1 has not reported it: skip the round
+    assert leader.report(report(1, 1, completions=("a",)))
+    assert leader.reports_decide()
+    decision = decide_from_reports(leader)
+    assert decision.completed == (pk("a"),)
+    assert pk("a") not in leader.in_flight
+    # The stored reports still name it; the leader's default-deny drops that now.
+    assert not leader.reports_decide()
+    assert decide_from_reports(leader).completed == ()
+
+
+def test_prepared_reports_decide_once() -> None:
+    leader = RoundLeader(2)
+    admit(leader, "p")
+    leader.report(report(0, 1, prepared=("p",)))
+    assert not leader.reports_decide()
+    leader.report(report(1, 1, prepared=("p",)))
+    assert leader.reports_decide()  # every rank prepared: this round decides it
+    assert decide_from_reports(leader).decided == (pk("p"),)
+    assert not leader.reports_decide()  # decided once: stale prepared reports are nothing
+
+
+def test_one_ranks_cancel_report_is_enough_and_unknown_parents_are_dropped() -> None:
+    leader = RoundLeader(3)
+    admit(leader, "c")
+    leader.report(report(2, 1, cancels=("c", "never-admitted")))
+    assert leader.reports_decide()
+    decision = decide_from_reports(leader)
+    assert decision.cancelled == (pk("c"),)  # a union; default-deny drops the other
+
+
+def test_an_older_report_never_replaces_a_newer_one() -> None:
+    leader = RoundLeader(1)
+    admit(leader, "x")
+    assert leader.report(report(0, 5, completions=("x",)))
+    assert not leader.report(report(0, 4))  # older: ignored, the newer one stays
+    assert not leader.report(report(0, 5))  # the same: ignored
+    assert decide_from_reports(leader).completed == (pk("x"),)
+
+
+@pytest.mark.parametrize(
+    ("rank", "epoch", "reason"),
+    [(0, 0, VoteRejectReason.STALE_EPOCH), (0, 9, VoteRejectReason.UNKNOWN_EPOCH), (7, 1, VoteRejectReason.UNKNOWN_RANK)],
+)
+def test_a_report_of_another_incarnation_is_refused_and_changes_nothing(rank: int, epoch: int, reason) -> None:
+    leader = RoundLeader(2, epochs={0: 1, 1: 1})
+    admit(leader, "a")
+    leader.report(report(1, 1, epoch=1, completions=("a",)))
+    with pytest.raises(VoteRejected) as info:
+        leader.report(report(rank, 1, epoch=epoch, completions=("a",)))
+    assert info.value.reason is reason
+    assert not leader.reports_decide()  # rank 0's share never counted
+
+
+def test_a_restart_voids_the_old_incarnations_report() -> None:
+    leader = RoundLeader(2)
+    admit(leader, "a")
+    leader.report(report(0, 1, completions=("a",)))
+    leader.report(report(1, 1, completions=("a",)))
+    leader.set_epoch(1, 1)
+    assert not leader.reports_decide()  # the new incarnation has not reported
+    assert decide_from_reports(leader).completed == ()
+
+
+def test_a_round_with_admissions_needs_every_ranks_own_vote() -> None:
+    leader = RoundLeader(1)
+    leader.open_round([AdmissionRequest(parent=pk("a"), num_tokens=16)], now=0.0, timeout=T)
+    with pytest.raises(RoundError):
+        leader.votes_from_reports(0.0)
+    assert leader.missing() == (0,)  # nothing was voted on its behalf
+
+
+def test_vetoed_admissions_are_rejected_whatever_the_votes_say() -> None:
+    leader = RoundLeader(2)
+    proposal = leader.open_round(
+        [AdmissionRequest(parent=pk(n), num_tokens=16) for n in ("ok", "peer-refused")], now=0.0, timeout=T
+    )
+    for rank in (0, 1):
+        leader.receive_vote(
+            RoundVote(round_no=proposal.round_no, rank=rank, epoch=0, admit_ok=(pk("ok"), pk("peer-refused"))), 0.0
+        )
+    decision = leader.close(vetoed=[pk("peer-refused")])
+    assert decision.admitted == (pk("ok"),)
+    assert decision.rejected == (pk("peer-refused"),)
+    assert leader.in_flight == {pk("ok")}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    reported=st.lists(st.tuples(st.integers(0, 2), st.sampled_from("abcd"), st.sampled_from(["cancels", "completions", "prepared", "failures"])), max_size=12)
+)
+def test_reports_decide_is_exactly_whether_the_round_would_decide_something(reported) -> None:
+    """The skip rule never skips a round that would decide something, and
+    never runs one that decides nothing (a model check against `close`)."""
+    leader = RoundLeader(3)
+    admit(leader, "a", "b", "c")
+    sets: dict[int, dict[str, set[str]]] = {r: {} for r in range(3)}
+    for rank, name, kind in reported:
+        sets[rank].setdefault(kind, set()).add(name)
+    for rank, kinds in sets.items():
+        leader.report(report(rank, 1, **{k: tuple(sorted(v)) for k, v in kinds.items()}))
+    predicted = leader.reports_decide()
+    decision = decide_from_reports(leader)
+    assert predicted == bool(decision.settled() or decision.decided)
+
+
+# -- the follower -------------------------------------------------------------------------
+
+
+def test_follower_reports_its_intents_with_growing_sequence_numbers() -> None:
+    follower = RoundFollower(1, 3)
+    follower.record_cancel(pk("c"))
+    follower.record_completion(pk("d"))
+    first = follower.report()
+    follower.record_prepared(pk("p"))
+    second = follower.report()
+    assert (first.rank, first.epoch) == (1, 3)
+    assert second.seq > first.seq
+    assert first.cancels == (pk("c"),) and first.completions == (pk("d"),) and first.prepared == ()
+    assert second.prepared == (pk("p"),)
+
+
+def test_settled_parents_leave_every_intent_set() -> None:
+    leader = RoundLeader(1)
+    follower = RoundFollower(0, 0)
+    admit(leader, "a", "b")
+    follower.apply(_decision(leader, 1))  # the admission round, as the rank applied it
+    follower.record_completion(pk("a"))
+    follower.record_cancel(pk("b"))
+    follower.record_prepared(pk("a"))
+    leader.report(follower.report())
+    decision = decide_from_reports(leader)
+    assert set(decision.settled()) == {pk("a"), pk("b")}
+    follower.apply(decision)
+    assert not follower.has_news()
+
+
+def _decision(leader: RoundLeader, round_no: int) -> RoundDecision:
+    return RoundDecision(round_no=round_no)
+
+
+def test_forget_drops_union_intents_about_parents_no_longer_held_only() -> None:
+    follower = RoundFollower(0, 0)
+    follower.record_cancel(pk("gone"))
+    follower.record_failure(pk("gone"))
+    follower.record_cancel(pk("held"))
+    follower.record_completion(pk("gone"))  # an intersection: kept until settled
+    follower.forget(lambda p: p == pk("held"))
+    got = follower.report()
+    assert got.cancels == (pk("held"),) and got.failures == ()
+    assert got.completions == (pk("gone"),)
+
+
+def test_join_keeps_intents_and_refuses_a_follower_that_took_part() -> None:
+    follower = RoundFollower(0, 2)
+    follower.record_cancel(pk("early"))
+    follower.join(7)
+    assert follower.next_round == 7
+    assert follower.report().cancels == (pk("early"),)
+    follower.apply(_decision(RoundLeader(1), 7))
+    with pytest.raises(RoundError):
+        follower.join(9)
