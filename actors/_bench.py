@@ -113,6 +113,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="DRAM",
         help="KV buffer memory (VRAM needs one GPU per rank)",
     )
+    add(
+        "--gpus-per-rank",
+        type=float,
+        default=1.0,
+        help="VRAM: each rank's share of a GPU (0.5: a CTX and a GEN rank share one)",
+    )
     add("--ctx-tp", type=int, default=1, help="CTX tensor-parallel size (data/control/cancel)")
     add("--gen-tp", type=int, default=1, help="GEN tensor-parallel size (data/control/cancel)")
     add(
@@ -262,6 +268,7 @@ class _Bench:
                 pool_blocks=pool_blocks,
                 memory=a.memory,
                 chunk_bytes=a.chunk_mib * MiB,
+                gpus_per_rank=a.gpus_per_rank,
                 start_timeout_s=a.start_timeout,
                 synthetic=False,  # time the protocol and the data plane, not the test pattern
             )
@@ -762,7 +769,7 @@ def _per_handoff(before: dict[str, int], after: dict[str, int], n: int, dep: Dep
     # Frames travel grouped: one one-way call per peer and event-loop turn.
     calls = sum(v for k, v in delta.items() if not k.startswith("frame_"))
     ctx, gen = dep.ctx_spec.tp, dep.gen_spec.tp
-    edges = len(shard_map(dep.layout, ctx, gen).edges())
+    edges = len(shard_map(dep.layout, ctx, gen).edges)
     # Before: rounds CTX admission, decided, completion and GEN admission,
     # completion (the fewest; each 2 calls per rank), nudges for prepared
     # (per CTX rank), completions (every rank), 4 frames per edge.

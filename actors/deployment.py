@@ -259,6 +259,7 @@ class Deployment:
         fault_plan: FaultPlan | None = None,
         synthetic: bool = True,
         prepared_descriptors: bool = True,
+        gpus_per_rank: float = 1.0,
         ctx_overrides: dict[str, Any] | None = None,
         gen_overrides: dict[str, Any] | None = None,
         name: str | None = None,
@@ -273,7 +274,11 @@ class Deployment:
         that died while starting fails the launch at once with its death cause,
         and `start_timeout_s` bounds the whole start. Any failure after the
         first actor started raises `LaunchFailed`, after killing every actor the
-        launch started (directory, coordinators, their rank actors)."""
+        launch started (directory, coordinators, their rank actors).
+
+        `gpus_per_rank` (VRAM only) is each rank actor's share of a GPU: 1 gives
+        every rank its own GPU; 0.5 lets a CTX rank and a GEN rank share one
+        (Ray places them; each rank's KV pool lives on the GPU it was given)."""
         self = cls()
         self.name = name or f"kvh-{uuid.uuid4().hex[:8]}"
         plans = self._plan(
@@ -291,6 +296,7 @@ class Deployment:
             fault_plan=fault_plan,
             synthetic=synthetic,
             prepared_descriptors=prepared_descriptors,
+            gpus_per_rank=gpus_per_rank,
             ctx_overrides=ctx_overrides,
             gen_overrides=gen_overrides,
         )
@@ -327,6 +333,7 @@ class Deployment:
         fault_plan: FaultPlan | None,
         synthetic: bool,
         prepared_descriptors: bool,
+        gpus_per_rank: Any,
         ctx_overrides: dict[str, Any] | None,
         gen_overrides: dict[str, Any] | None,
     ) -> list[tuple[TopologySpec, list[RankConfig], list[dict[str, Any]]]]:
@@ -344,6 +351,15 @@ class Deployment:
         ):
             if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
                 raise InvalidConfig(f"{field} must be a positive number of seconds, got {value!r}")
+        if (
+            not isinstance(gpus_per_rank, int | float)
+            or isinstance(gpus_per_rank, bool)
+            or not gpus_per_rank > 0
+            or (gpus_per_rank > 1 and gpus_per_rank != int(gpus_per_rank))
+        ):
+            raise InvalidConfig(
+                f"gpus_per_rank must be a fraction in (0, 1] or a whole number, got {_short(gpus_per_rank)}"
+            )
         try:
             mem = MemoryKind(memory)
         except ValueError:
@@ -387,7 +403,8 @@ class Deployment:
                 )
                 for r in range(spec.tp)
             ]
-            resources = [{"num_cpus": 0, "num_gpus": 1 if device == "cuda" else 0} for _ in range(spec.tp)]
+            gpus = gpus_per_rank if device == "cuda" else 0
+            resources = [{"num_cpus": 0, "num_gpus": gpus} for _ in range(spec.tp)]
             plans.append((spec, configs, resources))
         return plans
 
