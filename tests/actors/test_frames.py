@@ -52,8 +52,11 @@ def terminal(nbytes: int) -> bytes:
 
 def header_only_junk(size: int) -> bytes:
     """A payload with a frame's magic that is not a frame (body is junk)."""
-    return FRAME_MAGIC + b"\x02\x02\x00\x00" + (size - FRAME_HEADER_LEN).to_bytes(4, "big") + (
-        b"\xc1" * (size - FRAME_HEADER_LEN)
+    return (
+        FRAME_MAGIC
+        + b"\x02\x02\x00\x00"
+        + (size - FRAME_HEADER_LEN).to_bytes(4, "big")
+        + (b"\xc1" * (size - FRAME_HEADER_LEN))
     )
 
 
