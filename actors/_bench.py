@@ -95,7 +95,9 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-SECTIONS = ("data", "paged", "control", "cancel")
+SECTIONS = ("data", "paged", "control", "cancel", "frames")
+#: What runs without `--sections` (frames is asked for by name).
+DEFAULT_SECTIONS = ("data", "paged", "control", "cancel")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,8 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--json", action="store_true", help="print one JSON object instead of tables")
     add(
         "--sections",
-        default=",".join(SECTIONS),
-        help=f"comma-separated subset of {','.join(SECTIONS)}",
+        default=",".join(DEFAULT_SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but frames)",
     )
     add(
         "--memory",
@@ -150,6 +152,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sustain-s", type=float, default=3.0, help="seconds of sustained handoffs per concurrency"
     )
     add("--ping-n", type=int, default=1000, help="pipelined ping.remote() calls per rate sample")
+    add("--frames-n", type=int, default=2000, help="ping-pong round trips per frame size (frames)")
+    add("--frames-burst", type=int, default=10000, help="frames per one-way burst (frames)")
+    add("--frames-bytes", type=_ints, default=[200, 2048], help="frame sizes in bytes (frames)")
     add("--cancels", type=int, default=20, help="cancelled in-flight handoffs (cancel section)")
     add("--seed", type=int, default=0, help="seed for the cancel delays")
     add(
@@ -644,6 +649,15 @@ class _Bench:
             "quarantined_blocks": sum(r.get("quarantined", 0) for r in stats["ranks"]),
         }
 
+    # -- 5. control frames: one-way Ray calls vs NIXL notifications -------------------
+
+    async def frames(self) -> dict[str, Any]:
+        """actors/_frames_bench.py: two actors, no deployment."""
+        from kvhandoff.actors._frames_bench import measure
+
+        a = self.args
+        return await measure(a.frames_bytes, a.frames_n, a.frames_burst)
+
     # -- the run ---------------------------------------------------------------------------
 
     async def run(self) -> dict[str, Any]:
@@ -711,6 +725,8 @@ class _Bench:
                         out["control"] = await self.control_plane(dep)
                 finally:
                     await dep.shutdown()
+        if "frames" in sections:
+            out["frames"] = await self.frames()
         out["targets"] = _targets(out)
         out["notes"] = self.notes
         out["machine"]["loadavg_end"] = os.getloadavg()
@@ -860,6 +876,12 @@ def _targets(out: dict[str, Any]) -> list[dict[str, Any]]:
             else ""
         )
         add("cancel->release p99 (s) vs chunk + round", p99, "<=", bound, note)
+    for row in out.get("frames", {}).get("sizes", []):
+        info = "informational: which transport control frames should use"
+        add(f"frames @ {row['bytes']} B: nixl one-way p50 / ray one-way p50",
+            row["nixl_over_ray_one_way_p50"], "<=", 1.0, info)
+        add(f"frames @ {row['bytes']} B: nixl burst frames/s / ray burst frames/s",
+            row["nixl_over_ray_burst"], ">=", 1.0, info)
     return targets
 
 
@@ -1056,6 +1078,24 @@ def render(out: dict[str, Any]) -> str:
                 rows,
             )
         )
+    if "frames" in out:
+        rows = []
+        for r in out["frames"]["sizes"]:
+            for v, s in r["one_way"].items():
+                burst = r["burst"].get(v, {})
+                rows.append([
+                    r["bytes"], v, s.get("p50_us"), s.get("p99_us"),
+                    r["pingpong_cpu_us_per_frame"][v], burst.get("frames_per_s", ""),
+                    burst.get("a_to_b", {}).get("send_cpu_us_per_frame", ""),
+                    burst.get("a_to_b", {}).get("recv_cpu_us_per_frame", ""),
+                ])
+        parts.append(_table(
+            f"Control frames: one way = ping-pong RTT/2 (N={out['frames']['n_round_trips']}), "
+            f"burst of {out['frames']['burst']} each way (slower direction)",
+            ["bytes", "transport", "one-way p50 us", "p99 us", "CPU us/frame",
+             "burst frames/s", "send CPU us/frame", "recv CPU us/frame"],
+            rows,
+        ))
     rows = [
         [
             t["target"],
