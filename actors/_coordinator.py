@@ -14,9 +14,25 @@ One round is two fan-out phases, each under its own watchdog
 2. apply: the decision goes to every rank (``round_apply``), and only then
    are the clients' ``admit`` / ``cancel`` calls answered.
 
-Batching: every pending admission (up to ``max_batch``) and every pending
-cancel goes into the next round, so the cost per request falls as load grows;
-``batch_window`` seconds of extra waiting can be added to gather more.
+Group commit: every pending admission (up to ``max_batch``), every pending
+cancel and everything the ranks reported go into the next round, and the next
+round starts as soon as the previous one ended, so the cost per request falls
+as load grows; ``batch_window`` seconds of extra waiting can be added to
+gather more. Ranks push their news (``report``, a `RankReport`, one way); a
+round without admissions is decided from the latest report of every rank
+without the vote fan-out, and a round the reports cannot decide anything in
+is not run. While requests are in flight and nothing happens for a round
+bound, a vote round probes every rank, so a dead rank that holds a share of
+an intersection is found and restarted.
+
+Pairing: the GEN instance's coordinator is constructed with the CTX
+coordinator's actor name as ``peer``. ``submit`` is the client's one call per
+handoff: its admission joins the next round, the peer admits the same batch
+(``admit_many``) while the GEN ranks vote, and the round admits only what both
+instances admitted (``RoundLeader.close(vetoed=...)``); what only the peer
+admitted is cancelled there. The decision that ends the parent answers
+``submit``. A ``cancel`` here is forwarded to the peer after any admission
+asked of it (tasks start in creation order), so it can never overtake it.
 
 Fail policy (a rank that misses a deadline, dies, answers with a stale epoch
 or raises): the round ends with a `RoundTimedOut` whose decision the

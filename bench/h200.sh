@@ -12,10 +12,14 @@ for layer in protocol topology actors; do ln -s "$PWD/$layer" "$tree/kvhandoff/$
 export PYTHONPATH=$tree:$site:$PWD NIXL_LOG_LEVEL=WARN
 kvh() { python -c "import sys; from kvhandoff.actors.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-# 1. VRAM, a CTX and a GEN rank sharing the one GPU: data plane at 256 MiB and 1 GiB.
-kvh bench --json --memory VRAM --gpus-per-rank 0.5 --sections data --sizes-mib 256,1024 \
+gpus=$(nvidia-smi -L | wc -l)
+share=1; [ "$gpus" -lt 2 ] && share=0.5   # one GPU: a CTX and a GEN rank share it
+# 1. VRAM: the data plane at 256 MiB and 1 GiB (one GPU per rank where there are two).
+kvh bench --json --memory VRAM --gpus-per-rank $share --sections data --sizes-mib 256,1024 \
   --chunk-mib 64 --repeats 5 > "$out/bench_h200_vram_data.json" || echo "vram data failed: $?"
-# 2. Control plane and cancel on the 16-core host (host memory).
+# 2. Control plane and cancel on the host's cores (host memory).
 kvh bench --json --sections control,cancel --sizes-mib 64 --concurrency 1,8,32,64 \
   > "$out/bench_h200_host_control.json" || echo "control failed: $?"
+# 3. Frames: one-way Ray calls vs NIXL notifications between two actors.
+kvh bench --json --sections frames 2>/dev/null | tail -1 > "$out/bench_h200_host_frames.json" || echo "frames failed: $?"
 ls -la "$out"
