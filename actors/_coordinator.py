@@ -549,13 +549,13 @@ class CoordinatorCore:
 
     async def _round_loop(self) -> None:
         while True:
-            if self._leader is not None and self._leader.in_flight:
-                # Requests in flight and nothing to decide: if nothing happens
-                # for a round bound, probe every rank with a vote round. A rank
-                # that died holding a share of an intersection (its completion
-                # or prepared report never comes) is found by it and restarted,
-                # instead of holding the others' reports hostage; a slow but
-                # live rank just votes.
+            if self._leader is not None and self._leader.reports_waiting():
+                # Some rank reported its share of an intersection the others
+                # have not: if nothing happens for a round bound, probe every
+                # rank with a vote round. A rank that died holding its share
+                # (its completion or prepared report never comes) is found by
+                # it and restarted, instead of holding the others' reports
+                # hostage; a slow but live rank just votes.
                 try:
                     async with asyncio.timeout(self._round_timeout):
                         await self._wakeup.wait()

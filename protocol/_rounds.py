@@ -438,6 +438,18 @@ class RoundLeader:
         decision = self._decide(probe, votes, complete=True)
         return bool(decision.settled() or decision.decided)
 
+    def reports_waiting(self) -> bool:
+        """Does some rank's report name an in-flight parent for an
+        intersection (completion, or prepared and not yet decided) that the
+        reports cannot decide yet? Then a rank has not done its share: slow,
+        or dead (the caller probes every rank if it stays so)."""
+        for got in self._reports.values():
+            if any(p in self.in_flight for p in got.completions):
+                return True
+            if any(p in self.in_flight and p not in self.decided for p in got.prepared):
+                return True
+        return False
+
     def votes_from_reports(self, now: float) -> bool:
         """Vote in the open round on every rank's behalf from its latest
         report (a rank without one has no news: an empty vote). Only for a

@@ -220,3 +220,23 @@ def test_join_keeps_intents_and_refuses_a_follower_that_took_part() -> None:
     follower.apply(_decision(RoundLeader(1), 7))
     with pytest.raises(RoundError):
         follower.join(9)
+
+
+def test_reports_waiting_names_an_intersection_some_rank_has_not_reported() -> None:
+    """The coordinator probes every rank when this stays true (a dead rank
+    holding its share); it is false with no reports, once decided, and for
+    parents not in flight."""
+    leader = RoundLeader(2)
+    admit(leader, "a")
+    assert not leader.reports_waiting()
+    leader.report(report(0, 1, completions=("a", "not-in-flight")))
+    assert leader.reports_waiting()  # rank 1's share is missing
+    leader.report(report(1, 1, completions=("a",)))
+    decide_from_reports(leader)
+    assert not leader.reports_waiting()  # completed: nothing waits
+    admit(leader, "p")
+    leader.report(report(0, 2, prepared=("p",)))
+    assert leader.reports_waiting()
+    leader.report(report(1, 2, prepared=("p",)))
+    decide_from_reports(leader)
+    assert not leader.reports_waiting()  # decided once: stale prepared reports wait for nothing
