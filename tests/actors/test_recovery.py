@@ -237,17 +237,18 @@ def test_topology_without_transfer_timeout_runs_conservatively(ray_cluster) -> N
 
 
 def test_gen_lease_without_opens_ends_through_the_round(ray_cluster) -> None:
-    """A driver that dies after the GEN admission never sends OPENs: the GEN
-    lease deadline cancels (an intent), and the round's decision returns the
-    blocks (L1). It used to stay leased forever."""
+    """GEN ranks admitted a request but never open it (here: their installs are
+    deferred for good): the GEN lease deadline cancels (an intent), and the
+    round's decision returns the blocks (L1). It used to stay leased forever."""
 
     async def scenario():
         dep = await launch(ctx_tp=1, gen_tp=2, lease_timeout_s=0.5)
         try:
             parent = key("orphan-gen")
+            gens = await dep.ranks(Role.GEN)
+            await asyncio.gather(*(defer_opens(g, "orphan-gen") for g in gens))
             assert await dep.coordinator(Role.GEN).admit.remote(parent, TOKENS)
             held = await dep.stats()
-            gens = await dep.ranks(Role.GEN)
             outcomes = await asyncio.gather(*(g.wait.remote(parent, TIMEOUT) for g in gens))
             return held, outcomes, await settled_stats(dep, TIMEOUT)
         finally:
