@@ -1,7 +1,8 @@
 """kvhandoff.actors: the I/O layer.
 
-Ray actors (a `RankActor` per rank with its NIXL agent and preallocated KV
-buffer, a `Coordinator` per instance), the NIXL data plane, the `Deployment`
+Ray actors (a rank actor per rank, `CtxRankCore` or `GenRankCore` as created
+by `RankActor`, with its NIXL agent and preallocated KV buffer, a
+`Coordinator` per instance), the NIXL data plane, the `Deployment`
 client API (used by the CLI, the Ray job and the notebook) and the CLI.
 """
 

@@ -1,15 +1,40 @@
-"""`RankActor`: one rank of one instance (CTX or GEN) as a Ray async actor.
+"""The rank actors: one rank of one instance as a Ray async actor, one class per role.
 
 Theory of operation (docs/design.md "Lifecycle", "Agreement rounds", STYLE.md 5)
 ---------------------------------------------------------------------------
-The actor is an I/O shell around one sans-IO protocol object (`CtxRank` or
+A rank actor is an I/O shell around one sans-IO protocol object (`CtxRank` or
 `GenRank` from `kvhandoff.protocol`) and its `BlockPool`. It makes no protocol
 decision itself: every entry point decodes or gathers the event, hands it to
 the protocol object in an await-free critical section, and then *performs* the
 returned actions (`_perform`): send a frame to a peer rank actor, post a NIXL
 WRITE chunk, poison released GEN blocks, feed intents to the next round.
 
-It holds:
+The shell is split by role, with no role branch in it:
+
+- `RankCore`, the common base: identity and directory registration, the
+  negotiation, peers and their notices, frames (`receive_frames` and
+  `receive_frame` decode, gate and dispatch; `_send`/`_flush` group outgoing
+  frames per peer and turn), reports to the coordinator (`_nudge`,
+  `_push_report`), the rounds through a `RoundMember` (`_vote`, `_apply`), the
+  poll loop's skeleton (`expire` ticks), outcomes (`wait`), `stats`, and
+  `_perform` for the actions both roles produce. What differs by role goes
+  through hooks the base calls (`_make_side`, `_admit`, `_admitted`,
+  `_decided`, `_receive`/`_accept`, `_perform_role`, `_releasing`,
+  `_bytes_ok`, `_poll_chunks`, ...), never through a test of the role;
+- `CtxRankCore`: admission with a lease deadline, prefill, OPEN checks and
+  chunk plans, voting prepared, posting a decided parent's chunks and polling
+  them, the conservative path, and the benchmark baselines (`raw_write`,
+  `copy_bench`, `transfer_timings`);
+- `GenRankCore`: admission with a deadline, install and OPEN on admission
+  (`_open`, or `_open_later` once every CTX endpoint is known), byte
+  verification (S2) before a completion is voted, decode-ready KV returned on
+  `free` (or at once when the submission asked), released blocks poisoned.
+
+`CtxRankActor` and `GenRankActor` are those two as Ray actors;
+`rank_actor_class(role)` picks one, and `RankActor.options(...).remote(config,
+epoch)` picks by `config.spec.role` (the deployment's rank factory).
+
+A rank holds:
 - a `KVBuffer` (one registered region: the rank's block pool memory) and a
   `NixlTransport` whose agent name is unique per endpoint epoch; its buffer
   geometry goes into the directory, so that a CTX rank can check every OPEN
@@ -18,8 +43,8 @@ It holds:
   descriptor lists prepared once per edge and peer epoch;
 - a `RoundMember` through which its coordinator runs the agreement rounds
   (`round_identity/join/vote/apply` are exposed as actor methods);
-- a poll task (owned, cancelled on shutdown) that polls posted chunks to DONE
-  or ERR and ticks `expire(now)`; it only reports results to the protocol
+- a poll task (owned, cancelled on shutdown) that polls posted chunks (CTX) to
+  DONE or ERR and ticks `expire(now)`; it only reports results to the protocol
   object and records intents, never frees memory on its own;
 - `peer_restarted`, called by the directory when a peer incarnation is known
   dead: the protocol ends the sessions with it (unproven DMA → UNKNOWN →
@@ -56,7 +81,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -83,6 +108,7 @@ from kvhandoff.protocol import (
     DEFAULT_QUARANTINE_LIMIT,
     DEFAULT_TRANSFER_TIMEOUT,
     Action,
+    AdmissionRequest,
     AdmissionStop,
     BlockDescriptor,
     BlockPool,
@@ -152,7 +178,17 @@ log = logging.getLogger("kvhandoff.rank")
 #: Finished requests whose outcome (and data-phase timing) a rank remembers.
 _OUTCOME_MEMORY = 65536
 
-__all__ = ["RankConfig", "RankActor", "RankCore", "agent_name"]
+__all__ = [
+    "RankConfig",
+    "RankActor",
+    "RankCore",
+    "CtxRankCore",
+    "GenRankCore",
+    "CtxRankActor",
+    "GenRankActor",
+    "rank_actor_class",
+    "agent_name",
+]
 
 
 class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -197,17 +233,26 @@ def agent_name(deployment: str, ns: RankNamespace, epoch: int) -> str:
 
 
 class RankCore(RoundParticipant):
-    """The rank actor's implementation (`RankActor` is this class as a Ray actor)."""
+    """What every rank actor does, whatever its role (docstring above). Not an
+    actor itself: `CtxRankCore` and `GenRankCore` fill in the role's hooks
+    (the methods below that raise `NotImplementedError` or do nothing), and
+    `rank_actor_class(role)` is either one as a Ray actor."""
+
+    #: Our instance's role, and the role of the peer instance's ranks.
+    role: ClassVar[Role]
+    peer_role: ClassVar[Role]
+    side: CtxRank | GenRank
 
     def __init__(self, config: RankConfig, epoch: int) -> None:
-        self.config = config
         spec, peer = config.spec, config.peer_spec
-        self.role = spec.role
+        if spec.role is not self.role:
+            raise ValueError(f"{type(self).__name__} is a {self.role.value} rank; its config is {spec.role.value}")
+        self.config = config
         self.ns = RankNamespace(instance_id=spec.instance_id, role=spec.role, rank=config.rank)
         self.our = Endpoint(ns=self.ns, epoch=epoch)
         self.digest = topology_digest(spec)
         self.peer_digest = topology_digest(peer)
-        ctx_spec, gen_spec = (spec, peer) if self.role is Role.CTX else (peer, spec)
+        ctx_spec, gen_spec = self._ctx_and_gen()
         self.ctx_digest = topology_digest(ctx_spec)
         self.gen_digest = topology_digest(gen_spec)
         self.shards = shard_map(config.layout, ctx_spec.tp, gen_spec.tp)
@@ -223,18 +268,7 @@ class RankCore(RoundParticipant):
         # A topology without a transfer timeout (0) is unqualified and runs the
         # conservative path, but L1 still needs a bound: the protocol default.
         timeout = spec.transfer_timeout_s if spec.transfer_timeout_s > 0 else DEFAULT_TRANSFER_TIMEOUT
-        self.side: CtxRank | GenRank
-        if self.role is Role.CTX:
-            self.side = CtxRank(
-                self.our, self.digest, self.pool, transfer_timeout=timeout,
-                edges_per_parent=len(self.shards.edges_for_ctx_rank(config.rank)),
-                conservative=config.conservative, quarantine_limit=config.quarantine_limit,
-            )
-        else:
-            self.side = GenRank(
-                self.our, self.digest, self.pool, transfer_timeout=timeout,
-                consume_timeout=config.consume_timeout_s, quarantine_limit=config.quarantine_limit,
-            )
+        self.side = self._make_side(timeout)
         # Rounds carry the instance's topology digest: a proposal or decision
         # of another topology is refused by the follower (S3).
         self.member = RoundMember(config.rank, epoch, self._vote, self._apply, topology_digest=self.digest)
@@ -242,29 +276,15 @@ class RankCore(RoundParticipant):
         # Peers: endpoint epoch -> actor handle, filled from the directory.
         self._peer_handles: dict[tuple[str, int], tuple[Endpoint, Any]] = {}
         self._coordinator: Any = None
-        # CTX data plane state: per edge ticket, its chunk plans and, when the
-        # OPEN's blocks were checked against the GEN's registered buffer, that
-        # buffer's geometry (which the prepared lists are built from).
-        self._chunks: dict[ContextTicket, tuple[list[ChunkPlan], BufferGeometry | None]] = {}
-        self._geometry: dict[str, BufferGeometry] = {}  # peer agent name -> its buffer
-        self._pieces: dict[tuple[tuple[int, int], int], tuple[Piece, ...]] = {}
-        self._in_flight: dict[tuple[ContextTicket, int], Chunk] = {}
-        self._peer_agent: dict[ContextTicket, str] = {}
-        self._verified: dict[ParentKey, int] = {}
         # Fault injection (tests/actors harness, the chaos demo; set through
         # Ray's __ray_call__, never a method of this actor): frames of request
         # id R to peer (role, rank) wait under (R, role, rank), in order.
         self._held: dict[tuple[str, str, int], list[tuple[Endpoint, bytes]]] = {}
-        # Fault injection likewise: GEN installs of these request ids wait here.
-        self._defer_open: dict[str, list[ParentKey]] = {}
-        # GEN: admitted parents whose blocks go back once decode-ready and verified.
-        self._release_when_ready: set[ParentKey] = set()
         self._report_due = False
         # Frames produced in this event-loop turn, per peer endpoint (`_flush`).
         self._outbox: dict[Endpoint, tuple[Any, list[bytes]]] = {}
         self._flush_due = False
-        # CTX data phase per parent: [first post, last DONE, bytes] (perf_counter), bounded.
-        self._xfer: collections.OrderedDict[ParentKey, list[float]] = collections.OrderedDict()
+        # Admitted parents' token counts (GEN: for its OPENs), until their outcome.
         self._tokens: dict[ParentKey, int] = {}
         # Outcomes and waiters (for the client API).
         self._outcome: collections.OrderedDict[ParentKey, LocalOutcome] = collections.OrderedDict()
@@ -284,6 +304,72 @@ class RankCore(RoundParticipant):
         self._frame_gate = asyncio.Lock()  # frames waiting for an answer, in arrival order
         self._gate_waiting = 0
         self._register()
+
+    # -- the role's hooks (CtxRankCore, GenRankCore) ---------------------------------
+
+    def _ctx_and_gen(self) -> tuple[TopologySpec, TopologySpec]:
+        """The CTX instance's spec and the GEN instance's spec (ours and our peer's)."""
+        raise NotImplementedError
+
+    def _make_side(self, transfer_timeout: float) -> CtxRank | GenRank:
+        """The protocol object of our role, over our pool."""
+        raise NotImplementedError
+
+    def _admit(self, request: AdmissionRequest, blocks: int, now: float, deadline: float) -> None:
+        """Lease `blocks` for a proposed admission tentatively (in our vote); a
+        refusal raises (`PoolError`, or whatever the admission carries)."""
+        raise NotImplementedError
+
+    def _admitted(self, parent: ParentKey, now: float) -> None:
+        """The round admitted `parent` in this instance (its apply)."""
+        raise NotImplementedError
+
+    def _decided(self, parent: ParentKey, now: float) -> None:
+        """The round decided `parent` (every edge prepared on every rank)."""
+
+    def _receive(self, message: Message, now: float) -> list[Action]:
+        """Hand an agreed frame to the protocol (raises `ProtocolError` if refused)."""
+        return self.side.receive(message, now)  # type: ignore[arg-type]
+
+    async def _accept(self, message: Message, actions: list[Action]) -> None:
+        """Perform what an accepted frame produced."""
+        self._perform(actions)
+
+    def _perform_role(self, action: Action, now: float) -> list[Any]:
+        """Perform an action only our role's protocol produces (`_perform`)."""
+        return []
+
+    def _releasing(self, parent: ParentKey, blocks: tuple[Any, ...]) -> None:
+        """`parent`'s `blocks` go back to our pool (before its outcome is recorded)."""
+
+    def _bytes_ok(self, parent: ParentKey) -> bool:
+        """Whether the bytes of `parent`, settled without a cancel, may complete."""
+        return True
+
+    def _poll_chunks(self, now: float) -> bool:
+        """Poll what we posted; whether any of it finished (the poll loop)."""
+        return False
+
+    def _chunks_in_flight(self) -> int:
+        """How many posted chunks are not DONE or ERR yet."""
+        return 0
+
+    def _forget(self, parent: ParentKey) -> None:
+        """Drop the role's per-request bookkeeping of `parent` (it has its outcome)."""
+
+    def _tracking(self) -> int:
+        """How much role-specific per-request bookkeeping is held (`stats`)."""
+        return 0
+
+    def _conservative(self) -> bool:
+        """Whether this rank runs the conservative cancel path (`stats`)."""
+        raise NotImplementedError
+
+    def _negotiated(self, outcome: NegotiationOutcome) -> None:
+        """A (newer) negotiation answer was applied."""
+
+    def _learn_agent(self, name: str, metadata: Any, geometry: BufferGeometry) -> None:
+        """The directory gave us peer agent `name`, its NIXL metadata and buffer."""
 
     # -- identity, directory, peers ---------------------------------------------
 
@@ -311,11 +397,7 @@ class RankCore(RoundParticipant):
         seq = self._negotiation_seq[0]
         known = await self._directory().descriptors.remote()
         known[(self.role.value, self.config.rank)] = self._descriptor
-        ctx_spec, gen_spec = (
-            (self.config.spec, self.config.peer_spec)
-            if self.role is Role.CTX
-            else (self.config.peer_spec, self.config.spec)
-        )
+        ctx_spec, gen_spec = self._ctx_and_gen()
         frames = [known.get((s.role.value, r)) for s in (ctx_spec, gen_spec) for r in range(s.tp)]
         outcome: NegotiationOutcome
         try:
@@ -326,8 +408,7 @@ class RankCore(RoundParticipant):
             self._negotiation_seq[1] = seq
             before = negotiation_summary(self._negotiation)
             self._negotiation = outcome
-            if isinstance(self.side, CtxRank):
-                self.side.conservative = self.config.conservative or not active_cancel(outcome)
+            self._negotiated(outcome)
             if negotiation_summary(outcome) != before:
                 log.info("rank %s: negotiation: %s", self.ns, negotiation_summary(outcome))
         return self._negotiation
@@ -410,23 +491,19 @@ class RankCore(RoundParticipant):
             raise UnknownSessionError(f"no rank actor registered for {their}")
         (endpoint, name, metadata, geometry), handle = found
         self._peer_handles[key] = (endpoint, handle)
-        if self.role is Role.CTX and name not in self.transport.peers:
-            self.transport.add_peer(metadata)
-            self._geometry[name] = geometry
+        self._learn_agent(name, metadata, geometry)
         if endpoint != their:
             return None  # the peer restarted: the message is stale
         return handle
 
     async def connect(self) -> list[Endpoint]:
-        """Learn every current peer endpoint (and NIXL agent, on CTX)."""
-        peer_role = Role.GEN if self.role is Role.CTX else Role.CTX
+        """Learn every current peer endpoint (and, on CTX, NIXL agent)."""
+        peer_role = self.peer_role
         peers = await self._directory().all_of.remote(peer_role.value)
         endpoints = []
         for (endpoint, name, metadata, geometry), handle in peers:
             self._peer_handles[(peer_role.value, endpoint.ns.rank)] = (endpoint, handle)
-            if self.role is Role.CTX and name not in self.transport.peers:
-                self.transport.add_peer(metadata)
-                self._geometry[name] = geometry
+            self._learn_agent(name, metadata, geometry)
             endpoints.append(endpoint)
         await self._negotiate()  # every rank has registered by now (or is being restarted)
         return endpoints
@@ -449,8 +526,7 @@ class RankCore(RoundParticipant):
 
     def _about_a_peer(self, endpoint: Endpoint, notice: str) -> bool:
         """A notice names a rank of our peer instance, or it is refused (counted)."""
-        peer_role = Role.GEN if self.role is Role.CTX else Role.CTX
-        if endpoint.ns.role is peer_role and endpoint.ns.instance_id == self.config.peer_spec.instance_id:
+        if endpoint.ns.role is self.peer_role and endpoint.ns.instance_id == self.config.peer_spec.instance_id:
             return True
         self.counters[f"refused_{notice}"] += 1
         return False
@@ -535,10 +611,7 @@ class RankCore(RoundParticipant):
                 continue
             try:
                 n = blocks_for_tokens(self.config.layout, request.num_tokens)
-                if isinstance(self.side, CtxRank):
-                    self.side.admit(request.parent, n, now=now, lease_deadline=deadline)
-                else:
-                    self.side.admit(request.parent, n, now=now, deadline=deadline)
+                self._admit(request, n, now, deadline)
             except PoolError:
                 self.counters["admit_refused"] += 1
                 continue
@@ -549,8 +622,6 @@ class RankCore(RoundParticipant):
                 log.warning("rank %s: admission of %s refused: %r", self.ns, request.parent, exc)
                 continue
             self._tokens[request.parent] = request.num_tokens
-            if request.release_when_ready and self.role is Role.GEN:
-                self._release_when_ready.add(request.parent)
             ok.append(request.parent)
         return VoteNews(admit_ok=tuple(ok))
 
@@ -564,21 +635,11 @@ class RankCore(RoundParticipant):
                 self._outcome[parent] = LocalOutcome.REJECTED
                 self._perform(self.side.withdraw(parent))
         for parent in decision.admitted:
-            if parent not in parents:
-                continue
-            if isinstance(self.side, CtxRank):
-                if self.config.synthetic:
-                    self._prefill(parent)
-                self._perform(self.side.prefilled(parent))
-            else:
-                # Admitted by both instances (the CTX ranks applied theirs
-                # before this decision was made): install and send OPENs now.
-                # No READY can come before every GEN rank did: a CTX rank is
-                # prepared only with an OPEN from each of its edges' GEN ranks.
-                self._open(parent, now)
+            if parent in parents:
+                self._admitted(parent, now)
         for parent in getattr(decision, "decided", ()):
-            if isinstance(self.side, CtxRank) and parent in parents:
-                self._perform(self.side.decided(parent, now))
+            if parent in parents:
+                self._decided(parent, now)
         for parent in decision.cancelled:
             if parent in parents:
                 self._perform(self.side.cancel(parent, CancelReason.CLIENT, now, from_round=True))
@@ -612,30 +673,7 @@ class RankCore(RoundParticipant):
         try:
             message = self._decode(frame)
             self._check_agreed(message)
-            if isinstance(message, Open) and isinstance(self.side, CtxRank):
-                # The protocol checks the OPEN (lease size, block size, the
-                # sender's own agent, whole blocks of its registered buffer when
-                # the directory gave us that) before it records anything.
-                chunks = self._plan_chunks(message)
-                gen = message.ticket.gen
-                geometry = self._geometry.get(message.buffer.agent_name)
-                peer = None
-                if geometry is not None:
-                    peer = PeerBuffer(
-                        message.buffer.agent_name, geometry.base, geometry.block_bytes, geometry.num_blocks
-                    )
-                actions = self.side.receive_open(
-                    message,
-                    now,
-                    num_chunks=len(chunks),
-                    expected_agent=agent_name(self.config.deployment, gen.ns, gen.epoch),
-                    block_bytes=self.shards.gen_block_bytes,
-                    peer=peer,
-                )
-                self._chunks[message.ticket] = (chunks, geometry)
-                self._peer_agent[message.ticket] = message.buffer.agent_name
-            else:
-                actions = self.side.receive(message, now)  # type: ignore[arg-type]
+            actions = self._receive(message, now)
         except ProtocolError as exc:
             # Refused and nothing changed (S3). Late RECEIPTs for released parents land here too.
             self.counters[f"refused_{type(exc).__name__}"] += 1
@@ -648,158 +686,8 @@ class RankCore(RoundParticipant):
                 else:
                     self.counters["refused_open_not_ours"] += 1
             return False
-        prepared = [a for a in actions if isinstance(a, Prepared)]
-        self._perform([a for a in actions if not isinstance(a, Prepared)])
-        # "Prepared" means able to post: an OPEN from an agent we do not know
-        # yet (the GEN, or we, restarted) is voted prepared only once the
-        # directory gave us that agent. Voting first let a fast decide round
-        # post to an unknown agent: the chunk failed and the request was
-        # cancelled. The session itself was installed above, before any
-        # await, so frames that follow (CANCEL) still find it; the protocol's
-        # `Prepared` is performed after the await.
-        if isinstance(message, Open) and message.buffer.agent_name not in self.transport.peers:
-            try:
-                await self._peer(message.ticket.gen)
-            except Exception as exc:  # unresolvable now: the post fails, typed, and ends it
-                self.counters["peer_lookup_failed"] += 1
-                log.warning("rank %s: cannot resolve %s: %r", self.ns, message.ticket.gen, exc)
-        for action in prepared:
-            self._record_prepared(action.parent)
+        await self._accept(message, actions)
         return True
-
-    def _edge_pieces(self, edge: tuple[int, int], chunk_bytes: int | None = None) -> tuple[Piece, ...]:
-        """`edge`'s per-block pieces, at most one chunk each (cached for our chunk size)."""
-        size = chunk_bytes or self.config.chunk_bytes
-        key = (edge, size)
-        pieces = self._pieces.get(key)
-        if pieces is None:
-            segments = [(g.src_offset, g.dst_offset, g.length) for g in self.shards.segments(edge)]
-            pieces = self._pieces[key] = edge_pieces(segments, size)
-        return pieces
-
-    def _plan_chunks(self, message: Open) -> list[ChunkPlan]:
-        """The WRITE chunks of one edge: our lease's blocks paired, in order, with
-        the OPEN's GEN block addresses. Whether those may be written at all is the
-        protocol's check (`CtxRank.receive_open`, right after this); a plan for an
-        OPEN it refuses is dropped. An edge the shard map does not have is
-        refused here (`UnknownEdgeError`, typed)."""
-        ticket = message.ticket
-        if ticket.ctx != self.our or not self.pool.holds(ticket.parent):
-            # The protocol refuses it with a precise error (stale, unknown).
-            return [ChunkPlan((), np.zeros(0, np.int32), np.zeros(0, np.int32), 0)]
-        pairs = [
-            (ref.block, self.buffer.block_addr(ref.block), b.block, b.addr)
-            for ref, b in zip(self.pool.lease_of(ticket.parent), message.buffer.blocks)
-        ]
-        return plan_chunks(self._edge_pieces(ticket.edge), pairs, self.config.chunk_bytes)
-
-    def _record_prepared(self, parent: ParentKey) -> None:
-        """Perform the protocol's `Prepared`: vote the parent prepared, unless it
-        stopped being prepared while we awaited its GEN agent (a CANCEL came)."""
-        if isinstance(self.side, CtxRank) and self.side.is_prepared(parent):
-            self.member.record_prepared(parent)
-            self._nudge()
-
-    def _ctx_endpoints(self) -> list[Endpoint] | None:
-        """GEN: the current endpoint of every CTX rank, or None if one is unknown."""
-        found = [self._peer_handles.get((Role.CTX.value, r)) for r in range(self.config.peer_spec.tp)]
-        if any(f is None for f in found):
-            return None
-        return [f[0] for f in found if f is not None]
-
-    def _open(self, parent: ParentKey, now: float) -> None:
-        """GEN: install `parent`'s session and send OPEN on each of our edges
-        (await-free: called while applying the admission). A CTX endpoint we
-        do not know yet (a CTX rank restarted) is looked up first."""
-        assert isinstance(self.side, GenRank)
-        if self.side.parents().get(parent) is not ParentState.ADMITTED:
-            return  # cancelled (and released) meanwhile: nothing to open
-        if self._defer_open:
-            deferred = self._defer_open.get(parent.request_id)
-            if deferred is not None:
-                deferred.append(parent)
-                return
-        endpoints = self._ctx_endpoints()
-        if endpoints is None:
-            self._own(self._open_later(parent))
-            return
-        lease = self.pool.lease_of(parent)
-        gen_bytes = self.block_bytes
-        blocks = [
-            BlockDescriptor(ref.block, ref.generation, self.buffer.block_addr(ref.block), gen_bytes)
-            for ref in lease
-        ]
-        buffer = BufferInfo(
-            agent_name=self.transport.name,
-            endpoint_epoch=self.our.epoch,
-            memory=MemoryKind(self.buffer.mem_kind),
-            device=self.buffer.device_id,
-            blocks=blocks,
-        )
-        specs = []
-        for edge in self.shards.edges_for_gen_rank(self.config.rank):
-            ticket = ContextTicket(
-                request_id=parent.request_id,
-                ctx_attempt=parent.ctx_attempt,
-                gen_attempt=parent.gen_attempt,
-                ctx=endpoints[edge[0]],
-                gen=self.our,
-                ctx_digest=self.ctx_digest,
-                gen_digest=self.gen_digest,
-            )
-            expected = self.shards.edge_bytes_per_block(edge) * len(lease)
-            specs.append(
-                GenEdgeSpec(ticket=ticket, buffer=buffer, num_tokens=self._tokens.get(parent, 0), expected_bytes=expected)
-            )
-        try:
-            actions = self.side.install(parent, specs, now)
-        except ProtocolError as exc:
-            self.counters[f"refused_{type(exc).__name__}"] += 1
-            return
-        self._perform(actions)
-
-    async def _open_later(self, parent: ParentKey) -> None:
-        try:
-            await self.connect()
-        except Exception as exc:
-            log.warning("rank %s: cannot learn the CTX endpoints: %r", self.ns, exc)
-        if self._ctx_endpoints() is None:
-            # No CTX rank to open to: the parent cannot proceed here.
-            self.counters["open_no_endpoint"] += 1
-            self.member.record_failure(parent)
-            self._nudge()
-            return
-        self._open(parent, time.monotonic())
-        self._ensure_polling()
-
-    def _later(self, fn: Any, *args: Any) -> None:
-        if _loop_running():
-            asyncio.get_running_loop().call_soon(fn, *args)
-        else:
-            fn(*args)
-
-    def _free_unconsumed(self, parent: ParentKey) -> None:
-        """GEN: return a decode-ready request nobody consumes (release_when_ready)."""
-        assert isinstance(self.side, GenRank)
-        try:
-            actions = self.side.free(parent)
-        except ProtocolError:
-            return  # freed meanwhile (a client free, the consumer deadline)
-        self._perform(actions)
-
-    async def free(self, parent: ParentKey) -> int:
-        """GEN: the client is done with a decode-ready request's KV. Returns the
-        bytes this rank verified for it (0 if it was not decode-ready here)."""
-        assert isinstance(self.side, GenRank)
-        try:
-            actions = self.side.free(parent)
-        except ProtocolError:
-            return 0
-        # Read before performing: the Release drops the bookkeeping. A late free
-        # (the consumer deadline returned the KV already) finds none: 0 bytes.
-        verified = self._verified.get(parent, 0)
-        self._perform(actions)
-        return verified
 
     async def phase(self, parent: ParentKey) -> dict[str, Any]:
         """The parent's local state and its edges' states (for tests and the demo)."""
@@ -821,24 +709,16 @@ class RankCore(RoundParticipant):
             match action:
                 case SendMessage(to=to, message=message):
                     refs.append(self._send(to, message))
-                case PostChunk(ticket=ticket, index=index):
-                    self._post(ticket, index, now)
                 case StopPosting() | Drain():
                     self._wake.set()  # the poll loop drains what is posted
                 case Release(parent=parent, blocks=blocks, reclaimed=reclaimed):
-                    if self.role is Role.GEN and self.config.synthetic:
-                        # A late write to a freed block shows on the next verify.
-                        # Only where bytes are verified: filling a 1 GiB request
-                        # costs ~0.5 s of host memory bandwidth.
-                        for ref in blocks:
-                            self.buffer.block_view(ref.block).fill_(POISON)
+                    self._releasing(parent, blocks)
                     if reclaimed:
                         self.counters["reclaimed"] += 1
                         self.counters["reclaimed_blocks"] += len(blocks)
                         log.info("rank %s reclaimed %d quarantined blocks of %s", self.ns, len(blocks), parent)
                     else:
                         self.counters["released"] += 1
-                    self._verified.pop(parent, None)
                     self._finish(parent, action.outcome)
                 case Quarantine(parent=parent, reason=reason):
                     self.counters["quarantined"] += 1
@@ -853,20 +733,12 @@ class RankCore(RoundParticipant):
                     self._nudge()
                 case ParentSettled(parent=parent, cancelled=cancelled, evidence=evidence):
                     self._settled(parent, cancelled, evidence)
-                case DecodeReady(parent=parent):
-                    release = parent in self._release_when_ready
-                    self._outcome[parent] = action.outcome
-                    self._finish(parent, action.outcome)
-                    if release:
-                        # Nobody consumes it (the submission said so): verified,
-                        # return it, once the decision's apply has answered.
-                        self._later(self._free_unconsumed, parent)
-                case Prepared(parent=parent):
-                    self._record_prepared(parent)
                 case CleanupSkipped():
                     self.counters["cleanup_skipped"] += 1
                 case CancelDeferred():
                     self.counters["cancel_deferred"] += 1
+                case _:  # PostChunk and Prepared (CTX), DecodeReady (GEN)
+                    refs += self._perform_role(action, now)
         self._maybe_request_restart()
         return [r for r in refs if r is not None]
 
@@ -955,18 +827,18 @@ class RankCore(RoundParticipant):
     def _settled(self, parent: ParentKey, cancelled: bool, evidence: Any) -> None:
         """Every local edge of `parent` is terminal. A cancelled parent is released
         by the protocol once its cancel is decided; a success feeds the completion
-        round (GEN verifies every byte first: S2)."""
+        round (GEN verifies every byte first: S2, `_bytes_ok`)."""
         if cancelled:
             self._outcome.setdefault(parent, LocalOutcome.CANCELLED)
             return
-        if self.role is Role.GEN and self.config.synthetic and not self._verify(parent):
+        if not self._bytes_ok(parent):
             self.member.record_failure(parent)
             self._outcome[parent] = LocalOutcome.FAILED
         else:
             self.member.record_completion(parent)
         self._nudge()
 
-    # -- synthetic prefill and verification (S2) ------------------------------------------
+    # -- synthetic prefill (CTX) and verification (GEN): S2 ------------------------------
 
     def _pattern(self, parent: ParentKey, rank: int, n: int) -> torch.Tensor:
         layout = self.config.layout
@@ -981,56 +853,7 @@ class RankCore(RoundParticipant):
             num_blocks=n,
         )
 
-    def _prefill(self, parent: ParentKey) -> None:
-        lease = self.pool.lease_of(parent)
-        pattern = self._pattern(parent, self.config.rank, len(lease)).to(self.buffer.tensor.device)
-        for j, ref in enumerate(lease):
-            self.buffer.block_view(ref.block).copy_(pattern[j])
-
-    def _verify(self, parent: ParentKey) -> bool:
-        lease = self.pool.lease_of(parent)
-        expected = self._pattern(parent, self.config.rank, len(lease)).to(self.buffer.tensor.device)
-        for j, ref in enumerate(lease):
-            if not torch.equal(self.buffer.block_view(ref.block), expected[j]):
-                self.violations.append(f"S2: {parent} block {ref.block} holds foreign bytes")
-                return False
-        self._verified[parent] = len(lease) * self.block_bytes
-        self.counters["bytes_verified"] += len(lease) * self.block_bytes
-        return True
-
-    # -- the data plane (CTX) ----------------------------------------------------------------
-
-    def _prepared_lists(self, peer: str, edge: tuple[int, int], geometry: BufferGeometry | None) -> Any:
-        """The prepared descriptor lists toward `peer` for `edge`, or None for the
-        built path (turned off, or the OPEN was not checked against a known buffer)."""
-        if not self.config.prepared_descriptors or geometry is None:
-            return None
-        try:
-            return self.transport.prepare(peer, self._edge_pieces(edge), geometry)
-        except DataPlaneError as exc:
-            # Same bytes either way: fall back to descriptors built per chunk.
-            self.counters["prepare_failed"] += 1
-            log.warning("rank %s: %s; posting built descriptors", self.ns, exc)
-            return None
-
-    def _post(self, ticket: ContextTicket, index: int, now: float) -> None:
-        plans, geometry = self._chunks[ticket]
-        if ticket.parent not in self._xfer:
-            self._xfer[ticket.parent] = [time.perf_counter(), 0.0, 0]  # before the post
-            while len(self._xfer) > _OUTCOME_MEMORY:
-                self._xfer.popitem(last=False)
-        peer = self._peer_agent[ticket]
-        try:
-            prepared = self._prepared_lists(peer, ticket.edge, geometry)
-            self.counters["posts_prepared" if prepared is not None else "posts_built"] += 1
-            chunk = self.transport.post(peer, plans[index], prepared=prepared)
-        except Exception as exc:  # nothing was posted: the chunk failed before DMA
-            log.warning("rank %s: post failed: %r", self.ns, exc)
-            assert isinstance(self.side, CtxRank)
-            self._perform(self.side.chunk_failed(ticket, index, now))
-            return
-        self._in_flight[(ticket, index)] = chunk
-        self._ensure_polling()
+    # -- the poll loop -----------------------------------------------------------------------
 
     def _ensure_polling(self) -> None:
         self._wake.set()
@@ -1043,35 +866,12 @@ class RankCore(RoundParticipant):
         idle_sweeps = 0  # sweeps in a row where no chunk finished: back off
         while True:
             now = time.monotonic()
-            progressed = False
-            if self._in_flight:
-                for key, chunk in list(self._in_flight.items()):
-                    state = chunk.poll()
-                    if state is XferState.PROC or state is XferState.PENDING:
-                        continue
-                    progressed = True
-                    del self._in_flight[key]
-                    chunk.release()
-                    ticket, index = key
-                    assert isinstance(self.side, CtxRank)
-                    timing = self._xfer.get(ticket.parent)
-                    if timing is not None and state is XferState.DONE:
-                        timing[1] = time.perf_counter()
-                        timing[2] += chunk.nbytes
-                    try:
-                        if state is XferState.DONE:
-                            actions = self.side.chunk_done(ticket, index, chunk.nbytes, now)
-                        else:
-                            actions = self.side.chunk_failed(ticket, index, now)
-                    except ProtocolError as exc:
-                        self.counters[f"poll_{type(exc).__name__}"] += 1
-                        continue
-                    self._perform(actions)
+            progressed = self._poll_chunks(now)
             if now - last_expire > 0.05:
                 last_expire = now
                 self._perform(self.side.expire(now))
             idle_sweeps = 0 if progressed else idle_sweeps + 1
-            if self._in_flight:
+            if self._chunks_in_flight():
                 # Stuck chunks (e.g. of a quarantined lease) are kept and polled, never
                 # released: back off from 0.5 ms to 50 ms so they cost no CPU.
                 await asyncio.sleep(min(self.config.poll_interval_s * (1 << min(idle_sweeps // 64, 7)), 0.05))
@@ -1096,10 +896,7 @@ class RankCore(RoundParticipant):
             if not future.done():
                 future.set_result(self._outcome[parent])
         self._tokens.pop(parent, None)
-        self._release_when_ready.discard(parent)
-        for ticket in [t for t in self._chunks if t.parent == parent]:
-            del self._chunks[ticket]
-            self._peer_agent.pop(ticket, None)
+        self._forget(parent)
 
     async def wait(self, parent: ParentKey, timeout: float, absent: str | None = None) -> LocalOutcome | str:
         """Wait until `parent` reaches a local outcome (a `LocalOutcome`: completed,
@@ -1146,19 +943,266 @@ class RankCore(RoundParticipant):
             "admission_stopped": self.side.admission_stopped(),
             "pool": self.config.pool_blocks,
             "parents": dict(states),
-            "in_flight_chunks": len(self._in_flight),
+            "in_flight_chunks": self._chunks_in_flight(),
             "posted_chunks": self.transport.posted_chunks,
             "posted_bytes": self.transport.posted_bytes,
             "leaked_handles": len(self.transport.leaked),
             # Per-request bookkeeping of requests still in progress: empty when idle.
-            "tracking": len(self._tokens) + len(self._chunks) + len(self._peer_agent)
-            + len(self._release_when_ready) + len(self._waiters) + len(self._verified),
+            "tracking": len(self._tokens) + len(self._waiters) + self._tracking(),
             "counters": dict(self.counters),
             "violations": list(self.violations),
             "negotiated": negotiation_summary(self._negotiation),
-            "conservative": self.side.conservative if isinstance(self.side, CtxRank)
-            else self.config.conservative or not active_cancel(self._negotiation),
+            "conservative": self._conservative(),
         }
+
+    async def buffer_base(self) -> int:
+        return self.buffer.base
+
+    async def ping(self) -> int:
+        """One Ray actor round trip (the control-plane yardstick)."""
+        return self.config.rank
+
+    # -- rounds (RoundParticipant exposes the member's methods as actor methods) ------
+
+    async def round_apply(self, decision: RoundDecision, epoch: int | None = None) -> int:
+        self._ensure_polling()  # a decision may post chunks or start drains
+        return await super().round_apply(decision, epoch)
+
+    async def shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+
+
+class CtxRankCore(RankCore):
+    """A CTX (prefill) rank: it leases with a lease deadline and prefills on
+    admission, checks every OPEN and plans its WRITE chunks, votes a parent
+    prepared once every local edge is, posts the chunks of a decided parent and
+    polls them to DONE or ERR (`CtxRankActor` is this class as a Ray actor).
+    It runs the conservative path (a cancel waits for a decided transfer) when
+    configured to, or when the agreed capabilities lack the active cancel
+    protocol. It also hosts the benchmark baselines (`raw_write`,
+    `copy_bench`, `transfer_timings`)."""
+
+    role = Role.CTX
+    peer_role = Role.GEN
+    side: CtxRank
+
+    def __init__(self, config: RankConfig, epoch: int) -> None:
+        # The data plane: per edge ticket, its chunk plans and, when the OPEN's
+        # blocks were checked against the GEN's registered buffer, that
+        # buffer's geometry (which the prepared lists are built from).
+        self._chunks: dict[ContextTicket, tuple[list[ChunkPlan], BufferGeometry | None]] = {}
+        self._geometry: dict[str, BufferGeometry] = {}  # peer agent name -> its buffer
+        self._pieces: dict[tuple[tuple[int, int], int], tuple[Piece, ...]] = {}
+        self._in_flight: dict[tuple[ContextTicket, int], Chunk] = {}
+        self._peer_agent: dict[ContextTicket, str] = {}
+        # Data phase per parent: [first post, last DONE, bytes] (perf_counter), bounded.
+        self._xfer: collections.OrderedDict[ParentKey, list[float]] = collections.OrderedDict()
+        super().__init__(config, epoch)  # last: it registers this rank
+
+    # -- the role's hooks ---------------------------------------------------------------
+
+    def _ctx_and_gen(self) -> tuple[TopologySpec, TopologySpec]:
+        return self.config.spec, self.config.peer_spec
+
+    def _make_side(self, transfer_timeout: float) -> CtxRank:
+        return CtxRank(
+            self.our, self.digest, self.pool, transfer_timeout=transfer_timeout,
+            edges_per_parent=len(self.shards.edges_for_ctx_rank(self.config.rank)),
+            conservative=self.config.conservative, quarantine_limit=self.config.quarantine_limit,
+        )
+
+    def _admit(self, request: AdmissionRequest, blocks: int, now: float, deadline: float) -> None:
+        self.side.admit(request.parent, blocks, now=now, lease_deadline=deadline)
+
+    def _admitted(self, parent: ParentKey, now: float) -> None:
+        if self.config.synthetic:
+            self._prefill(parent)
+        self._perform(self.side.prefilled(parent))
+
+    def _decided(self, parent: ParentKey, now: float) -> None:
+        self._perform(self.side.decided(parent, now))
+
+    def _negotiated(self, outcome: NegotiationOutcome) -> None:
+        # The active cancel protocol runs only if the agreed capabilities carry it.
+        self.side.conservative = self.config.conservative or not active_cancel(outcome)
+
+    def _conservative(self) -> bool:
+        return self.side.conservative
+
+    def _learn_agent(self, name: str, metadata: Any, geometry: BufferGeometry) -> None:
+        if name not in self.transport.peers:
+            self.transport.add_peer(metadata)
+            self._geometry[name] = geometry
+
+    def _receive(self, message: Message, now: float) -> list[Action]:
+        """An OPEN is checked with what only a CTX rank knows (chunk plan, the
+        GEN agent's name and registered buffer); any other frame as the base does."""
+        if not isinstance(message, Open):
+            return super()._receive(message, now)
+        # The protocol checks the OPEN (lease size, block size, the sender's
+        # own agent, whole blocks of its registered buffer when the directory
+        # gave us that) before it records anything.
+        chunks = self._plan_chunks(message)
+        gen = message.ticket.gen
+        geometry = self._geometry.get(message.buffer.agent_name)
+        peer = None
+        if geometry is not None:
+            peer = PeerBuffer(message.buffer.agent_name, geometry.base, geometry.block_bytes, geometry.num_blocks)
+        actions = self.side.receive_open(
+            message,
+            now,
+            num_chunks=len(chunks),
+            expected_agent=agent_name(self.config.deployment, gen.ns, gen.epoch),
+            block_bytes=self.shards.gen_block_bytes,
+            peer=peer,
+        )
+        self._chunks[message.ticket] = (chunks, geometry)
+        self._peer_agent[message.ticket] = message.buffer.agent_name
+        return actions
+
+    async def _accept(self, message: Message, actions: list[Action]) -> None:
+        """Perform the actions, but vote `Prepared` only once the GEN agent is known."""
+        prepared = [a for a in actions if isinstance(a, Prepared)]
+        self._perform([a for a in actions if not isinstance(a, Prepared)])
+        # "Prepared" means able to post: an OPEN from an agent we do not know
+        # yet (the GEN, or we, restarted) is voted prepared only once the
+        # directory gave us that agent. Voting first let a fast decide round
+        # post to an unknown agent: the chunk failed and the request was
+        # cancelled. The session itself was installed above, before any
+        # await, so frames that follow (CANCEL) still find it; the protocol's
+        # `Prepared` is performed after the await.
+        if isinstance(message, Open) and message.buffer.agent_name not in self.transport.peers:
+            try:
+                await self._peer(message.ticket.gen)
+            except Exception as exc:  # unresolvable now: the post fails, typed, and ends it
+                self.counters["peer_lookup_failed"] += 1
+                log.warning("rank %s: cannot resolve %s: %r", self.ns, message.ticket.gen, exc)
+        for action in prepared:
+            self._record_prepared(action.parent)
+
+    def _perform_role(self, action: Action, now: float) -> list[Any]:
+        match action:
+            case PostChunk(ticket=ticket, index=index):
+                self._post(ticket, index, now)
+            case Prepared(parent=parent):
+                self._record_prepared(parent)
+        return []
+
+    def _poll_chunks(self, now: float) -> bool:
+        """Poll posted chunks to DONE/ERR and report each to the protocol."""
+        progressed = False
+        for key, chunk in list(self._in_flight.items()):
+            state = chunk.poll()
+            if state is XferState.PROC or state is XferState.PENDING:
+                continue
+            progressed = True
+            del self._in_flight[key]
+            chunk.release()
+            ticket, index = key
+            timing = self._xfer.get(ticket.parent)
+            if timing is not None and state is XferState.DONE:
+                timing[1] = time.perf_counter()
+                timing[2] += chunk.nbytes
+            try:
+                if state is XferState.DONE:
+                    actions = self.side.chunk_done(ticket, index, chunk.nbytes, now)
+                else:
+                    actions = self.side.chunk_failed(ticket, index, now)
+            except ProtocolError as exc:
+                self.counters[f"poll_{type(exc).__name__}"] += 1
+                continue
+            self._perform(actions)
+        return progressed
+
+    def _chunks_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def _forget(self, parent: ParentKey) -> None:
+        for ticket in [t for t in self._chunks if t.parent == parent]:
+            del self._chunks[ticket]
+            self._peer_agent.pop(ticket, None)
+
+    def _tracking(self) -> int:
+        return len(self._chunks) + len(self._peer_agent)
+
+    # -- OPENs, chunk plans, prepared ---------------------------------------------------
+
+    def _edge_pieces(self, edge: tuple[int, int], chunk_bytes: int | None = None) -> tuple[Piece, ...]:
+        """`edge`'s per-block pieces, at most one chunk each (cached for our chunk size)."""
+        size = chunk_bytes or self.config.chunk_bytes
+        key = (edge, size)
+        pieces = self._pieces.get(key)
+        if pieces is None:
+            segments = [(g.src_offset, g.dst_offset, g.length) for g in self.shards.segments(edge)]
+            pieces = self._pieces[key] = edge_pieces(segments, size)
+        return pieces
+
+    def _plan_chunks(self, message: Open) -> list[ChunkPlan]:
+        """The WRITE chunks of one edge: our lease's blocks paired, in order, with
+        the OPEN's GEN block addresses. Whether those may be written at all is the
+        protocol's check (`CtxRank.receive_open`, right after this); a plan for an
+        OPEN it refuses is dropped. An edge the shard map does not have is
+        refused here (`UnknownEdgeError`, typed)."""
+        ticket = message.ticket
+        if ticket.ctx != self.our or not self.pool.holds(ticket.parent):
+            # The protocol refuses it with a precise error (stale, unknown).
+            return [ChunkPlan((), np.zeros(0, np.int32), np.zeros(0, np.int32), 0)]
+        pairs = [
+            (ref.block, self.buffer.block_addr(ref.block), b.block, b.addr)
+            for ref, b in zip(self.pool.lease_of(ticket.parent), message.buffer.blocks)
+        ]
+        return plan_chunks(self._edge_pieces(ticket.edge), pairs, self.config.chunk_bytes)
+
+    def _record_prepared(self, parent: ParentKey) -> None:
+        """Perform the protocol's `Prepared`: vote the parent prepared, unless it
+        stopped being prepared while we awaited its GEN agent (a CANCEL came)."""
+        if self.side.is_prepared(parent):
+            self.member.record_prepared(parent)
+            self._nudge()
+
+    # -- synthetic prefill (S2) ---------------------------------------------------------
+
+    def _prefill(self, parent: ParentKey) -> None:
+        lease = self.pool.lease_of(parent)
+        pattern = self._pattern(parent, self.config.rank, len(lease)).to(self.buffer.tensor.device)
+        for j, ref in enumerate(lease):
+            self.buffer.block_view(ref.block).copy_(pattern[j])
+
+    # -- the data plane -------------------------------------------------------------------
+
+    def _prepared_lists(self, peer: str, edge: tuple[int, int], geometry: BufferGeometry | None) -> Any:
+        """The prepared descriptor lists toward `peer` for `edge`, or None for the
+        built path (turned off, or the OPEN was not checked against a known buffer)."""
+        if not self.config.prepared_descriptors or geometry is None:
+            return None
+        try:
+            return self.transport.prepare(peer, self._edge_pieces(edge), geometry)
+        except DataPlaneError as exc:
+            # Same bytes either way: fall back to descriptors built per chunk.
+            self.counters["prepare_failed"] += 1
+            log.warning("rank %s: %s; posting built descriptors", self.ns, exc)
+            return None
+
+    def _post(self, ticket: ContextTicket, index: int, now: float) -> None:
+        plans, geometry = self._chunks[ticket]
+        if ticket.parent not in self._xfer:
+            self._xfer[ticket.parent] = [time.perf_counter(), 0.0, 0]  # before the post
+            while len(self._xfer) > _OUTCOME_MEMORY:
+                self._xfer.popitem(last=False)
+        peer = self._peer_agent[ticket]
+        try:
+            prepared = self._prepared_lists(peer, ticket.edge, geometry)
+            self.counters["posts_prepared" if prepared is not None else "posts_built"] += 1
+            chunk = self.transport.post(peer, plans[index], prepared=prepared)
+        except Exception as exc:  # nothing was posted: the chunk failed before DMA
+            log.warning("rank %s: post failed: %r", self.ns, exc)
+            self._perform(self.side.chunk_failed(ticket, index, now))
+            return
+        self._in_flight[(ticket, index)] = chunk
+        self._ensure_polling()
 
     # -- benchmark baselines (same agent, same buffers, same descriptors) -----------------
 
@@ -1173,12 +1217,9 @@ class RankCore(RoundParticipant):
         """CTX: a raw NIXL WRITE of our `blocks` into GEN rank `gen_rank`'s
         `gen_blocks`, with exactly the regions a handoff would use, no protocol.
         Returns (bytes, seconds from first post to last DONE)."""
-        assert self.role is Role.CTX
         entry = await self._directory().lookup.remote(Role.GEN.value, gen_rank)
         (endpoint, name, metadata, geometry), _ = entry
-        if name not in self.transport.peers:
-            self.transport.add_peer(metadata)
-            self._geometry[name] = geometry
+        self._learn_agent(name, metadata, geometry)
         edge = (self.config.rank, gen_rank)
         pairs = [
             (b, self.buffer.block_addr(b), g, geometry.block_addr(g))
@@ -1212,9 +1253,6 @@ class RankCore(RoundParticipant):
         """CTX: (request id, seconds from first post to last DONE, bytes) of recent parents."""
         return [(p.request_id, t[1] - t[0], int(t[2])) for p, t in self._xfer.items() if t[1] > 0]
 
-    async def buffer_base(self) -> int:
-        return self.buffer.base
-
     async def copy_bench(self, nbytes: int, repeats: int = 3) -> float:
         """Best seconds of a plain in-process copy of `nbytes` (the physical ceiling)."""
         n = min(nbytes, self.buffer.nbytes // 2)
@@ -1228,21 +1266,199 @@ class RankCore(RoundParticipant):
             best = min(best, time.perf_counter() - start)
         return best * (nbytes / n)
 
-    async def ping(self) -> int:
-        """One Ray actor round trip (the control-plane yardstick)."""
-        return self.config.rank
 
-    # -- rounds (RoundParticipant exposes the member's methods as actor methods) ------
+class GenRankCore(RankCore):
+    """A GEN (decode) rank: it leases with a deadline on admission and, once
+    both instances admitted, installs the parent and sends an OPEN on each of
+    its edges; it verifies every byte of a settled parent before voting it
+    complete (S2), returns decode-ready KV on `free` (or at once, when the
+    submission asked for it), and poisons every block it releases
+    (`GenRankActor` is this class as a Ray actor)."""
 
-    async def round_apply(self, decision: RoundDecision, epoch: int | None = None) -> int:
-        self._ensure_polling()  # a decision may post chunks or start drains
-        return await super().round_apply(decision, epoch)
+    role = Role.GEN
+    peer_role = Role.CTX
+    side: GenRank
 
-    async def shutdown(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        if self._poll_task is not None:
-            self._poll_task.cancel()
+    def __init__(self, config: RankConfig, epoch: int) -> None:
+        # Fault injection like `_held` (set through Ray's __ray_call__): installs
+        # of these request ids wait here (`_open`).
+        self._defer_open: dict[str, list[ParentKey]] = {}
+        # Admitted parents whose blocks go back once decode-ready and verified.
+        self._release_when_ready: set[ParentKey] = set()
+        # Bytes verified per parent, until it is released (`free` answers them).
+        self._verified: dict[ParentKey, int] = {}
+        super().__init__(config, epoch)  # last: it registers this rank
+
+    # -- the role's hooks ---------------------------------------------------------------
+
+    def _ctx_and_gen(self) -> tuple[TopologySpec, TopologySpec]:
+        return self.config.peer_spec, self.config.spec
+
+    def _make_side(self, transfer_timeout: float) -> GenRank:
+        return GenRank(
+            self.our, self.digest, self.pool, transfer_timeout=transfer_timeout,
+            consume_timeout=self.config.consume_timeout_s, quarantine_limit=self.config.quarantine_limit,
+        )
+
+    def _admit(self, request: AdmissionRequest, blocks: int, now: float, deadline: float) -> None:
+        self.side.admit(request.parent, blocks, now=now, deadline=deadline)
+        if request.release_when_ready:
+            self._release_when_ready.add(request.parent)
+
+    def _admitted(self, parent: ParentKey, now: float) -> None:
+        # Admitted by both instances (the CTX ranks applied theirs before this
+        # decision was made): install and send OPENs now. No READY can come
+        # before every GEN rank did: a CTX rank is prepared only with an OPEN
+        # from each of its edges' GEN ranks.
+        self._open(parent, now)
+
+    def _conservative(self) -> bool:
+        return self.config.conservative or not active_cancel(self._negotiation)
+
+    def _perform_role(self, action: Action, now: float) -> list[Any]:
+        match action:
+            case DecodeReady(parent=parent):
+                release = parent in self._release_when_ready
+                self._outcome[parent] = action.outcome
+                self._finish(parent, action.outcome)
+                if release:
+                    # Nobody consumes it (the submission said so): verified,
+                    # return it, once the decision's apply has answered.
+                    self._later(self._free_unconsumed, parent)
+        return []
+
+    def _later(self, fn: Any, *args: Any) -> None:
+        if _loop_running():
+            asyncio.get_running_loop().call_soon(fn, *args)
+        else:
+            fn(*args)
+
+    def _free_unconsumed(self, parent: ParentKey) -> None:
+        """Return a decode-ready request nobody consumes (release_when_ready)."""
+        try:
+            actions = self.side.free(parent)
+        except ProtocolError:
+            return  # freed meanwhile (a client free, the consumer deadline)
+        self._perform(actions)
+
+    def _releasing(self, parent: ParentKey, blocks: tuple[Any, ...]) -> None:
+        if self.config.synthetic:
+            # A late write to a freed block shows on the next verify. Only where
+            # bytes are verified: filling a 1 GiB request costs ~0.5 s of host
+            # memory bandwidth.
+            for ref in blocks:
+                self.buffer.block_view(ref.block).fill_(POISON)
+        self._verified.pop(parent, None)
+
+    def _bytes_ok(self, parent: ParentKey) -> bool:
+        return not self.config.synthetic or self._verify(parent)
+
+    def _forget(self, parent: ParentKey) -> None:
+        self._release_when_ready.discard(parent)
+
+    def _tracking(self) -> int:
+        return len(self._release_when_ready) + len(self._verified)
+
+    # -- verification (S2) --------------------------------------------------------------
+
+    def _verify(self, parent: ParentKey) -> bool:
+        lease = self.pool.lease_of(parent)
+        expected = self._pattern(parent, self.config.rank, len(lease)).to(self.buffer.tensor.device)
+        for j, ref in enumerate(lease):
+            if not torch.equal(self.buffer.block_view(ref.block), expected[j]):
+                self.violations.append(f"S2: {parent} block {ref.block} holds foreign bytes")
+                return False
+        self._verified[parent] = len(lease) * self.block_bytes
+        self.counters["bytes_verified"] += len(lease) * self.block_bytes
+        return True
+
+    # -- opening on admission --------------------------------------------------------------
+
+    def _ctx_endpoints(self) -> list[Endpoint] | None:
+        """GEN: the current endpoint of every CTX rank, or None if one is unknown."""
+        found = [self._peer_handles.get((Role.CTX.value, r)) for r in range(self.config.peer_spec.tp)]
+        if any(f is None for f in found):
+            return None
+        return [f[0] for f in found if f is not None]
+
+    def _open(self, parent: ParentKey, now: float) -> None:
+        """GEN: install `parent`'s session and send OPEN on each of our edges
+        (await-free: called while applying the admission). A CTX endpoint we
+        do not know yet (a CTX rank restarted) is looked up first."""
+        if self.side.parents().get(parent) is not ParentState.ADMITTED:
+            return  # cancelled (and released) meanwhile: nothing to open
+        if self._defer_open:
+            deferred = self._defer_open.get(parent.request_id)
+            if deferred is not None:
+                deferred.append(parent)
+                return
+        endpoints = self._ctx_endpoints()
+        if endpoints is None:
+            self._own(self._open_later(parent))
+            return
+        lease = self.pool.lease_of(parent)
+        gen_bytes = self.block_bytes
+        blocks = [
+            BlockDescriptor(ref.block, ref.generation, self.buffer.block_addr(ref.block), gen_bytes)
+            for ref in lease
+        ]
+        buffer = BufferInfo(
+            agent_name=self.transport.name,
+            endpoint_epoch=self.our.epoch,
+            memory=MemoryKind(self.buffer.mem_kind),
+            device=self.buffer.device_id,
+            blocks=blocks,
+        )
+        specs = []
+        for edge in self.shards.edges_for_gen_rank(self.config.rank):
+            ticket = ContextTicket(
+                request_id=parent.request_id,
+                ctx_attempt=parent.ctx_attempt,
+                gen_attempt=parent.gen_attempt,
+                ctx=endpoints[edge[0]],
+                gen=self.our,
+                ctx_digest=self.ctx_digest,
+                gen_digest=self.gen_digest,
+            )
+            expected = self.shards.edge_bytes_per_block(edge) * len(lease)
+            specs.append(
+                GenEdgeSpec(ticket=ticket, buffer=buffer, num_tokens=self._tokens.get(parent, 0), expected_bytes=expected)
+            )
+        try:
+            actions = self.side.install(parent, specs, now)
+        except ProtocolError as exc:
+            self.counters[f"refused_{type(exc).__name__}"] += 1
+            return
+        self._perform(actions)
+
+    async def _open_later(self, parent: ParentKey) -> None:
+        try:
+            await self.connect()
+        except Exception as exc:
+            log.warning("rank %s: cannot learn the CTX endpoints: %r", self.ns, exc)
+        if self._ctx_endpoints() is None:
+            # No CTX rank to open to: the parent cannot proceed here.
+            self.counters["open_no_endpoint"] += 1
+            self.member.record_failure(parent)
+            self._nudge()
+            return
+        self._open(parent, time.monotonic())
+        self._ensure_polling()
+
+    # -- the consumer -------------------------------------------------------------------
+
+    async def free(self, parent: ParentKey) -> int:
+        """GEN: the client is done with a decode-ready request's KV. Returns the
+        bytes this rank verified for it (0 if it was not decode-ready here)."""
+        try:
+            actions = self.side.free(parent)
+        except ProtocolError:
+            return 0
+        # Read before performing: the Release drops the bookkeeping. A late free
+        # (the consumer deadline returned the KV already) finds none: 0 bytes.
+        verified = self._verified.get(parent, 0)
+        self._perform(actions)
+        return verified
 
 
 def _loop_running() -> bool:
@@ -1253,5 +1469,29 @@ def _loop_running() -> bool:
     return True
 
 
-RankActor = ray.remote(num_cpus=0)(RankCore)
+CtxRankActor = ray.remote(num_cpus=0)(CtxRankCore)
+GenRankActor = ray.remote(num_cpus=0)(GenRankCore)
+_ACTOR_CLASSES = {Role.CTX: CtxRankActor, Role.GEN: GenRankActor}
+
+
+def rank_actor_class(role: Role) -> Any:
+    """The Ray actor class of a rank of `role`."""
+    return _ACTOR_CLASSES[role]
+
+
+class _RankActor:
+    """`RankActor.options(**options).remote(config, epoch)`: a rank actor of
+    the class `config.spec.role` names, created like any Ray actor class."""
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        self._options = dict(options or {})
+
+    def options(self, **options: Any) -> _RankActor:
+        return _RankActor({**self._options, **options})
+
+    def remote(self, config: RankConfig, epoch: int) -> Any:
+        return rank_actor_class(config.spec.role).options(**self._options).remote(config, epoch)
+
+
+RankActor = _RankActor()
 

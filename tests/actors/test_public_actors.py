@@ -34,12 +34,40 @@ def test_test_hooks_are_not_in_the_public_api() -> None:
     (actors/_phases.py), not in `Deployment` or the rank actor's methods."""
     params = inspect.signature(actors.Deployment.handoff).parameters
     assert set(params) == {"self", "request_id", "num_tokens", "timeout"}, params
-    from kvhandoff.actors.rank import RankCore
+    from kvhandoff.actors.rank import CtxRankCore, GenRankCore, RankCore
 
-    assert hasattr(RankCore, "receive_frame")  # the check below can fail
-    for name in ("hold_frames", "send_opens", "cancel_at", "_until_posted"):
-        assert not hasattr(RankCore, name) and not hasattr(actors.Deployment, name), name
+    for core in (RankCore, CtxRankCore, GenRankCore):
+        assert hasattr(core, "receive_frame")  # the check below can fail
+        for name in ("hold_frames", "send_opens", "cancel_at", "_until_posted"):
+            assert not hasattr(core, name) and not hasattr(actors.Deployment, name), (core, name)
     assert not hasattr(actors, "CANCEL_PHASES")
+
+
+def test_rank_actor_classes_are_split_by_role() -> None:
+    """One rank actor class per role over a common base: the role-specific
+    entry points exist only on their role's class, the role is the class's
+    (not a branch), and `RankActor` picks the class by the config's role."""
+    from kvhandoff.actors.rank import (
+        CtxRankActor,
+        CtxRankCore,
+        GenRankActor,
+        GenRankCore,
+        RankCore,
+        rank_actor_class,
+    )
+    from kvhandoff.protocol import Role
+
+    assert issubclass(CtxRankCore, RankCore) and issubclass(GenRankCore, RankCore)
+    assert (CtxRankCore.role, CtxRankCore.peer_role) == (Role.CTX, Role.GEN)
+    assert (GenRankCore.role, GenRankCore.peer_role) == (Role.GEN, Role.CTX)
+    for name in ("raw_write", "copy_bench", "transfer_timings", "_post", "_plan_chunks", "_prefill"):
+        assert hasattr(CtxRankCore, name) and not hasattr(GenRankCore, name), name
+        assert not hasattr(RankCore, name), name
+    for name in ("free", "_open", "_open_later", "_verify", "_ctx_endpoints"):
+        assert hasattr(GenRankCore, name) and not hasattr(CtxRankCore, name), name
+        assert not hasattr(RankCore, name), name
+    assert rank_actor_class(Role.CTX) is CtxRankActor
+    assert rank_actor_class(Role.GEN) is GenRankActor
 
 
 @pytest.mark.parametrize("phase", ["mid-dma", "MID_DMA", "", "never", 3])
