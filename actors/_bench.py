@@ -1051,6 +1051,21 @@ def render(out: dict[str, Any]) -> str:
         parts.append(
             _table("Control plane rate", ["", "per s", "completed", "p50 ms", "p99 ms"], rows)
         )
+        per = ctl.get("per_handoff")
+        if per:
+            before = per["before_redesign"]
+            rows = [
+                ["Ray calls", per["ray_calls"], f">= {before['ray_calls_at_least']}"],
+                ["control frames", per["frames"], before["frames"]],
+            ]
+            rows += [[f"  {kind}", n, ""] for kind, n in sorted(per["by_kind"].items())]
+            parts.append(
+                _table(
+                    f"Per small handoff (mean over {per['handoffs']})",
+                    ["", "now", "before the one-submission path"],
+                    rows,
+                )
+            )
     if "cancel" in out:
         cn = out["cancel"]
         rows = [

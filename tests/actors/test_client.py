@@ -397,6 +397,9 @@ async def _until(condition: Any, bound: float = IDLE_BOUND) -> None:
         {"memory": "HBM"},
         {"round_timeout_s": 0},
         {"start_timeout_s": -1.0},
+        {"gpus_per_rank": 0},
+        {"gpus_per_rank": 1.5},  # a share of one GPU, or whole GPUs
+        {"gpus_per_rank": True},
     ],
     ids=str,
 )
