@@ -626,7 +626,8 @@ class Deployment:
         completion round needs every one of them, and `bytes_verified` is the
         request's whole KV size), "cancelled" (a `cancel()`, or a newer
         `handoff` of the same request id superseded this one), "rejected"
-        (admission refused: no blocks, or a rank restarting), "failed" (a
+        (admission refused: no blocks, a rank restarting, or no protocol
+        version and capabilities agreed between the ranks), "failed" (a
         rank or coordinator died, bytes did not verify), "timeout" (`timeout`
         seconds passed). Whatever the attempt still held is handed back by a
         task the deployment owns (module docstring), also when the caller is
