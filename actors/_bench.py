@@ -116,6 +116,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV buffer memory (VRAM needs one GPU per rank)",
     )
     add(
+        "--control-frames",
+        choices=("ray", "nixl"),
+        default="ray",
+        help="how control frames travel between ranks (Deployment.launch(control_frames=))",
+    )
+    add(
         "--gpus-per-rank",
         type=float,
         default=1.0,
@@ -274,6 +280,7 @@ class _Bench:
                 memory=a.memory,
                 chunk_bytes=a.chunk_mib * MiB,
                 gpus_per_rank=a.gpus_per_rank,
+                control_frames=a.control_frames,
                 start_timeout_s=a.start_timeout,
                 synthetic=False,  # time the protocol and the data plane, not the test pattern
             )

@@ -260,6 +260,7 @@ class Deployment:
         synthetic: bool = True,
         prepared_descriptors: bool = True,
         gpus_per_rank: float = 1.0,
+        control_frames: str = "ray",
         ctx_overrides: dict[str, Any] | None = None,
         gen_overrides: dict[str, Any] | None = None,
         name: str | None = None,
@@ -278,7 +279,15 @@ class Deployment:
 
         `gpus_per_rank` (VRAM only) is each rank actor's share of a GPU: 1 gives
         every rank its own GPU; 0.5 lets a CTX rank and a GEN rank share one
-        (Ray places them; each rank's KV pool lives on the GPU it was given)."""
+        (Ray places them; each rank's KV pool lives on the GPU it was given).
+
+        `control_frames` picks how OPEN, READY, TERMINAL, RECEIPT, CANCEL and
+        REJECT travel between rank actors: "ray" (one-way actor calls, grouped
+        per peer and event-loop turn) or "nixl" (NIXL notifications between
+        the ranks' agents; each rank then polls every 0.5 ms while it holds a
+        live request). docs/benchmarks.md measures both: notifications are
+        ~50x faster per hop on a many-core host, Ray calls have the better
+        tail on a small, busy one."""
         self = cls()
         self.name = name or f"kvh-{uuid.uuid4().hex[:8]}"
         plans = self._plan(
@@ -297,6 +306,7 @@ class Deployment:
             synthetic=synthetic,
             prepared_descriptors=prepared_descriptors,
             gpus_per_rank=gpus_per_rank,
+            control_frames=control_frames,
             ctx_overrides=ctx_overrides,
             gen_overrides=gen_overrides,
         )
@@ -334,6 +344,7 @@ class Deployment:
         synthetic: bool,
         prepared_descriptors: bool,
         gpus_per_rank: Any,
+        control_frames: Any,
         ctx_overrides: dict[str, Any] | None,
         gen_overrides: dict[str, Any] | None,
     ) -> list[tuple[TopologySpec, list[RankConfig], list[dict[str, Any]]]]:
@@ -360,6 +371,8 @@ class Deployment:
             raise InvalidConfig(
                 f"gpus_per_rank must be a fraction in (0, 1] or a whole number, got {_short(gpus_per_rank)}"
             )
+        if control_frames not in ("ray", "nixl"):
+            raise InvalidConfig(f"control_frames must be 'ray' or 'nixl', got {_short(control_frames)}")
         try:
             mem = MemoryKind(memory)
         except ValueError:
@@ -400,6 +413,7 @@ class Deployment:
                     conservative=not self.qualified,
                     synthetic=synthetic,
                     prepared_descriptors=prepared_descriptors,
+                    frames=control_frames,
                 )
                 for r in range(spec.tp)
             ]

@@ -102,6 +102,7 @@ from kvhandoff.actors._dataplane import (
     edge_pieces,
     plan_chunks,
 )
+from kvhandoff.actors._frames import NixlNotifChannel
 from kvhandoff.actors._member import RoundMember, RoundParticipant, VoteNews
 from kvhandoff.actors._pattern import POISON, expected_blocks, request_seed
 from kvhandoff.protocol import (
@@ -225,6 +226,12 @@ class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: everything this build speaks). Every rank of both instances negotiates
     #: from all of them (docs/design.md "Negotiation").
     descriptor: RankDescriptorV1 | RankDescriptorV2 | None = None
+    #: How control frames travel to peer ranks: "ray" (a one-way actor call
+    #: per peer and event-loop turn) or "nixl" (a NIXL notification from our
+    #: agent, drained by the poll loop, which then polls every
+    #: `poll_interval_s` while a request is live; a peer whose agent we do
+    #: not know yet gets the Ray call). docs/benchmarks.md measures both.
+    frames: str = "ray"
 
 
 def agent_name(deployment: str, ns: RankNamespace, epoch: int) -> str:
@@ -265,6 +272,9 @@ class RankCore(RoundParticipant):
             self.transport: NixlTransport = FaultyTransport(name, self.buffer, config.fault_plan)
         else:
             self.transport = NixlTransport(name, self.buffer)
+        if config.frames not in ("ray", "nixl"):
+            raise ValueError(f"frames must be 'ray' or 'nixl', got {config.frames!r}")
+        self._notif = NixlNotifChannel(self.transport) if config.frames == "nixl" else None
         # A topology without a transfer timeout (0) is unqualified and runs the
         # conservative path, but L1 still needs a bound: the protocol default.
         timeout = spec.transfer_timeout_s if spec.transfer_timeout_s > 0 else DEFAULT_TRANSFER_TIMEOUT
@@ -370,6 +380,8 @@ class RankCore(RoundParticipant):
 
     def _learn_agent(self, name: str, metadata: Any, geometry: BufferGeometry) -> None:
         """The directory gave us peer agent `name`, its NIXL metadata and buffer."""
+        if self._notif is not None and name not in self.transport.peers:
+            self.transport.add_peer(metadata)  # frames go to it as notifications
 
     # -- identity, directory, peers ---------------------------------------------
 
@@ -788,6 +800,11 @@ class RankCore(RoundParticipant):
                 held.append((to, frame))
                 return None
         self.counters["frames_sent"] += 1
+        if self._notif is not None:
+            agent = agent_name(self.config.deployment, to.ns, to.epoch)
+            if agent in self.transport.peers and self._notif.send(agent, frame):
+                self.counters["frames_nixl"] += 1
+                return None
         cached = self._peer_handles.get((to.ns.role.value, to.ns.rank))
         if cached is not None and cached[0] == to:
             # Group the frames of this event-loop turn per peer: one one-way
@@ -867,11 +884,21 @@ class RankCore(RoundParticipant):
         while True:
             now = time.monotonic()
             progressed = self._poll_chunks(now)
+            if self._notif is not None:
+                for _, frame in self._notif.poll():
+                    progressed = True
+                    await self.receive_frame(frame)
             if now - last_expire > 0.05:
                 last_expire = now
                 self._perform(self.side.expire(now))
             idle_sweeps = 0 if progressed else idle_sweeps + 1
-            if self._chunks_in_flight():
+            if self._notif is not None and any(
+                state is not ParentState.QUARANTINED for state in self.side.parents().values()
+            ):
+                # Frames arrive only when polled: poll at the short interval
+                # while a request is live (an empty poll costs a few µs).
+                await asyncio.sleep(self.config.poll_interval_s)
+            elif self._chunks_in_flight():
                 # Stuck chunks (e.g. of a quarantined lease) are kept and polled, never
                 # released: back off from 0.5 ms to 50 ms so they cost no CPU.
                 await asyncio.sleep(min(self.config.poll_interval_s * (1 << min(idle_sweeps // 64, 7)), 0.05))

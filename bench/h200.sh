@@ -20,6 +20,9 @@ kvh bench --json --memory VRAM --gpus-per-rank $share --sections data --sizes-mi
 # 2. Control plane and cancel on the host's cores (host memory).
 kvh bench --json --sections control,cancel --sizes-mib 64 --concurrency 1,8,32,64 \
   > "$out/bench_h200_host_control.json" || echo "control failed: $?"
+# 2b. The same with control frames on NIXL notifications.
+kvh bench --json --sections control,cancel --sizes-mib 64 --concurrency 1,8,32,64 --control-frames nixl \
+  > "$out/bench_h200_host_control_nixl.json" || echo "control nixl failed: $?"
 # 3. Frames: one-way Ray calls vs NIXL notifications between two actors.
 kvh bench --json --sections frames 2>/dev/null | tail -1 > "$out/bench_h200_host_frames.json" || echo "frames failed: $?"
 ls -la "$out"

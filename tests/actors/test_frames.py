@@ -356,3 +356,40 @@ def test_actor_write_carries_terminal_after_every_byte(peers) -> None:
     state = ray.get(a.write_with_terminal.remote(nb, ray.get(b.base.remote())))
     assert state == "DONE"
     assert ray.get(waiting) == (na, 2 << 20, want)
+
+
+# ---- the real rank actors with frames on NIXL notifications -------------------------------
+
+
+def test_rank_actors_carry_every_frame_on_notifications(ray_cluster) -> None:
+    """`control_frames="nixl"`: every control frame between the real rank
+    actors travels as a NIXL notification (no frame rides a Ray call), the
+    handoffs complete with every byte verified, a cancel mid-DMA drains and
+    releases, and every pool comes back whole."""
+    from kvhandoff.actors._dataplane import FaultPlan
+    from kvhandoff.actors._phases import handoff_cancel_at
+    from kvhandoff.actors.deployment import Deployment
+
+    from .helpers import assert_clean, gen_bytes, settled_stats
+
+    async def scenario():
+        dep = await Deployment.launch(
+            ctx_tp=2, gen_tp=1, pool_blocks=32, chunk_bytes=64 << 10, round_timeout_s=20.0,
+            fault_plan=FaultPlan(defer_s=0.05), control_frames="nixl",
+        )
+        try:
+            done = [await dep.handoff(f"nx-{i}", 100 + 40 * i, timeout=BOUND_S) for i in range(3)]
+            cancelled = await handoff_cancel_at(dep, "nx-cancel", 100, "mid_dma", timeout=BOUND_S)
+            return done, cancelled, await settled_stats(dep, BOUND_S)
+        finally:
+            await dep.shutdown()
+
+    done, cancelled, stats = asyncio.run(scenario())
+    for i, r in enumerate(done):
+        assert r.outcome == "completed" and r.bytes_verified == gen_bytes(100 + 40 * i, 1), r
+    assert cancelled.outcome == "cancelled", cancelled
+    assert_clean(stats)
+    for s in stats["ranks"]:
+        counters = s["counters"]
+        assert counters.get("frames_nixl", 0) == counters["frames_sent"] > 0, counters
+        assert counters.get("frame_calls", 0) == 0, counters  # not one frame on a Ray call

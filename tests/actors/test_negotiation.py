@@ -79,7 +79,7 @@ async def launch_with(descriptors: dict[tuple[Role, int], Any], **kw: Any) -> De
         ctx_tp=1, gen_tp=1, layout=None, pool_blocks=POOL, memory="DRAM", chunk_bytes=64 << 10,
         transfer_timeout_s=10.0, lease_timeout_s=30.0, round_timeout_s=ROUND_TIMEOUT,
         max_restarts=3, start_timeout_s=600.0, fault_plan=None, synthetic=True,
-        prepared_descriptors=True, gpus_per_rank=1.0, ctx_overrides=None, gen_overrides=None,
+        prepared_descriptors=True, gpus_per_rank=1.0, control_frames="ray", ctx_overrides=None, gen_overrides=None,
     )
     plan_kw.update(kw)
     plans = [
