@@ -56,7 +56,10 @@ Concurrency inside this actor: one asyncio lock (``_round_lock``) serializes
 rounds and the fail policy; client calls never take it (they only queue work
 and await a future), and the coordinator never awaits a client. It awaits
 ranks only inside a watchdog, and ranks never await the coordinator (their
-``nudge`` is fire-and-forget), so there is no wait-for cycle.
+``report`` and ``nudge`` are fire-and-forget). The GEN coordinator awaits its
+peer, the CTX coordinator (``admit_many``, bounded by twice the round
+timeout), and the CTX coordinator never awaits the GEN one, so there is no
+wait-for cycle.
 """
 
 from __future__ import annotations

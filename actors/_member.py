@@ -32,7 +32,8 @@ dispatch (incoming OPEN / CANCEL / TERMINAL frames) deadlock-free is:
    wait on rounds.** A control handler that learns news (a peer CANCEL, a
    TERMINAL that completes an edge) only *records an intent*
    (`record_cancel`, `record_completion`, `record_failure`) that the next
-   vote carries, and may nudge the coordinator with a fire-and-forget call.
+   vote or report carries, and pushes its report to the coordinator with a
+   fire-and-forget call.
    So there is no wait-for cycle between the two.
 3. **Timeouts and NIXL poll loops only record intents** the same way: they
    never enter a round, never apply a decision, never free memory. Memory is
