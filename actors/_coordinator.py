@@ -190,6 +190,7 @@ class CoordinatorCore:
         topology_digest: bytes | None = None,
         first_epoch: int = 1,
         peer: str | None = None,
+        peer_claims: bool = False,
     ) -> None:
         if ranks is None and (rank_factory is None or not tp):
             raise ValueError("give the rank handles, or a rank_factory and tp")
@@ -216,7 +217,14 @@ class CoordinatorCore:
         self.state = TopologyState.STARTING
         self._failure_reason = ""
         # Pending client work, taken in arrival order by the next round.
-        self._pending_admits: dict[ParentKey, tuple[int, asyncio.Future[bool], bool]] = {}
+        self._pending_admits: dict[
+            ParentKey, tuple[int, asyncio.Future[bool], bool, tuple[int, ...]]
+        ] = {}
+        # Engine deployments: the peer (CTX) instance published the parent
+        # already (`publish`); a submission claims it there (`claim_many`)
+        # instead of admitting it. On the CTX side, the parents claimed once.
+        self._peer_claims = peer_claims
+        self._claimed: set[ParentKey] = set()
         # Submitted handoffs (`submit`): their outcome, resolved by the decision
         # that ends them; and the admissions the peer instance must admit too.
         self._submitted: dict[ParentKey, asyncio.Future[str]] = {}
@@ -357,14 +365,14 @@ class CoordinatorCore:
 
     # -- client API ---------------------------------------------------------------
 
-    async def admit(self, parent: ParentKey, num_tokens: int) -> bool:
+    async def admit(self, parent: ParentKey, num_tokens: int, blocks: Sequence[int] = ()) -> bool:
         """Admit ``parent``: True when every rank agreed (leased its blocks),
         False when a rank refused, the parent was cancelled in the same round
         (cancel wins) or the round timed out. Raises `AdmissionStopped` while
         a rank restarts, `TopologyFailed` once the topology failed, and
         `RoundError` for a parent already pending or in flight."""
         await self._ensure_started()
-        future = self._queue_admission(parent, num_tokens)
+        future = self._queue_admission(parent, num_tokens, blocks=blocks)
         self._wakeup.set()
         return await future
 
@@ -381,6 +389,29 @@ class CoordinatorCore:
         self._wakeup.set()
         return list(await asyncio.gather(*futures))
 
+    async def claim_many(self, parents: Sequence[ParentKey]) -> list[bool]:
+        """CTX of an engine deployment: the GEN coordinator claims parents
+        this instance published (admitted through `admit` with the engine's
+        block ids, the KV resident on every rank). True for a parent that is
+        admitted here, still in flight and not claimed before (a ticket is
+        claimed once: a second claim, a claim after its lease ran out or
+        after a cancel, or of a parent never published is False). Raises
+        `AdmissionStopped` while a rank restarts."""
+        await self._ensure_started()
+        if self.state is TopologyState.RECOVERING:
+            raise AdmissionStopped(self.topology, self._failure_reason or "a rank is restarting")
+        assert self._leader is not None
+        in_flight = self._leader.in_flight
+        self._claimed &= in_flight  # ended parents need no memory: they cannot be claimed
+        answers = []
+        for parent in parents:
+            ok = parent in in_flight and parent not in self._claimed
+            if ok:
+                self._claimed.add(parent)
+            answers.append(ok)
+        self.calls["claims"] += len(parents)
+        return answers
+
     def _check_admissible(self, parent: ParentKey) -> None:
         if self.state is TopologyState.RECOVERING:
             raise AdmissionStopped(self.topology, self._failure_reason or "a rank is restarting")
@@ -394,15 +425,26 @@ class CoordinatorCore:
             raise RoundError(f"parent {parent!r} is already pending or in flight")
 
     def _queue_admission(
-        self, parent: ParentKey, num_tokens: int, release_when_ready: bool = False
+        self,
+        parent: ParentKey,
+        num_tokens: int,
+        release_when_ready: bool = False,
+        blocks: Sequence[int] = (),
     ) -> asyncio.Future[bool]:
         _check_request(parent, num_tokens)
+        blocks = _check_blocks(blocks)
         self._check_admissible(parent)
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._pending_admits[parent] = (num_tokens, future, release_when_ready)
+        self._pending_admits[parent] = (num_tokens, future, release_when_ready, blocks)
         return future
 
-    async def submit(self, parent: ParentKey, num_tokens: int, release_when_ready: bool = False) -> str:
+    async def submit(
+        self,
+        parent: ParentKey,
+        num_tokens: int,
+        release_when_ready: bool = False,
+        blocks: Sequence[int] = (),
+    ) -> str:
         """One handoff, driven by the ranks from here on; returns its outcome.
 
         For the coordinator of the GEN instance (constructed with ``peer``, the
@@ -425,7 +467,7 @@ class CoordinatorCore:
             raise CoordinatorError("submit needs a peer coordinator (constructed with peer=...)")
         if self.state is TopologyState.RECOVERING:
             return "rejected"
-        self._queue_admission(parent, num_tokens, release_when_ready)
+        self._queue_admission(parent, num_tokens, release_when_ready, blocks)
         outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._submitted[parent] = outcome
         self._wakeup.set()
@@ -602,11 +644,13 @@ class CoordinatorCore:
             assert leader is not None
             loop = asyncio.get_running_loop()
             admissions: list[AdmissionRequest] = []
-            for parent, (num_tokens, _, release) in self._pending_admits.items():
+            for parent, (num_tokens, _, release, blocks) in self._pending_admits.items():
                 if len(admissions) >= self._max_batch:
                     break
                 admissions.append(
-                    AdmissionRequest(parent=parent, num_tokens=num_tokens, release_when_ready=release)
+                    AdmissionRequest(
+                        parent=parent, num_tokens=num_tokens, release_when_ready=release, blocks=blocks
+                    )
                 )
             cancels = list(self._pending_cancels)[:MAX_ROUND_ITEMS]
             failures = sorted(self._pending_failures & leader.in_flight, key=_key)
@@ -675,9 +719,12 @@ class CoordinatorCore:
         self.calls["peer_admit_calls"] += 1
         try:
             async with asyncio.timeout(self._round_timeout * 2):
-                answers = await self._peer_coordinator().admit_many.remote(
-                    [(a.parent, a.num_tokens) for a in admissions]
-                )
+                if self._peer_claims:
+                    answers = await self._peer_coordinator().claim_many.remote([a.parent for a in admissions])
+                else:
+                    answers = await self._peer_coordinator().admit_many.remote(
+                        [(a.parent, a.num_tokens) for a in admissions]
+                    )
         except Exception as exc:
             self._rank_errors.append(f"peer admission: {exc!r}"[:500])
             if not isinstance(exc, AdmissionStopped):
@@ -906,7 +953,7 @@ class CoordinatorCore:
 
     def _fail_admits(self, error: Exception) -> None:
         admits, self._pending_admits = self._pending_admits, {}
-        for parent, (_, future, _) in admits.items():
+        for parent, (_, future, _, _) in admits.items():
             if not future.done():
                 future.set_exception(error)
             submitted = self._submitted.pop(parent, None)
@@ -939,6 +986,21 @@ def _check_request(parent: ParentKey, num_tokens: int) -> None:
         msgspec.convert(msgspec.to_builtins(parent), ParentKey)
     except (msgspec.ValidationError, TypeError) as exc:
         raise RoundError(f"invalid parent {parent!r}: {exc}") from None
+
+
+def _check_blocks(blocks: Any) -> tuple[int, ...]:
+    """An engine's block ids for one admission, checked against the round
+    message's own bounds (the ranks check them against their pools)."""
+    try:
+        request = msgspec.convert(
+            {"parent": {"request_id": "r", "ctx_attempt": 0, "gen_attempt": 0}, "num_tokens": 0, "blocks": list(blocks)},
+            AdmissionRequest,
+        )
+    except (msgspec.ValidationError, TypeError) as exc:
+        raise RoundError(f"invalid block ids: {exc}") from None
+    if len(set(request.blocks)) != len(request.blocks):
+        raise RoundError("a block id is named twice")
+    return request.blocks
 
 
 def _key(parent: ParentKey) -> tuple[str, int, int]:

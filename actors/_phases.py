@@ -48,19 +48,23 @@ CANCEL_PHASES = (None, "before_open", "before_ready", "mid_dma", "after_complete
 _ENDED = ("released", "quarantined", "decode_ready", "settled", "completed", "cancelled", "rejected", "failed")
 
 
-# -- functions that run inside a rank actor (``handle.__ray_call__.remote(fn, ...)``) --
+# -- functions that run inside a rank actor (``handle.__ray_call__.remote(fn, ...)``);
+# the actor hosts its rank endpoint in ``kvhandoff`` (actors/rank.py `EndpointHost`) --
 
 
-def _hold(core: Any, request_id: str, role: str, rank: int) -> int:
+def _hold(host: Any, request_id: str, role: str, rank: int) -> int:
+    core = host.kvhandoff
     core._held.setdefault((request_id, role, rank), [])
     return 0
 
 
-def _count(core: Any, request_id: str, role: str, rank: int) -> int:
+def _count(host: Any, request_id: str, role: str, rank: int) -> int:
+    core = host.kvhandoff
     return len(core._held.get((request_id, role, rank), ()))
 
 
-def _release(core: Any, request_id: str, role: str, rank: int, drop: bool) -> int:
+def _release(host: Any, request_id: str, role: str, rank: int, drop: bool) -> int:
+    core = host.kvhandoff
     frames = core._held.pop((request_id, role, rank), [])
     if not drop:
         for to, frame in frames:
@@ -68,16 +72,19 @@ def _release(core: Any, request_id: str, role: str, rank: int, drop: bool) -> in
     return len(frames)
 
 
-def _defer_opens(core: Any, request_id: str) -> int:
+def _defer_opens(host: Any, request_id: str) -> int:
+    core = host.kvhandoff
     core._defer_open[request_id] = []
     return 0
 
 
-def _deferred(core: Any, request_id: str) -> int:
+def _deferred(host: Any, request_id: str) -> int:
+    core = host.kvhandoff
     return len(core._defer_open.get(request_id, ()))
 
 
-def _run_deferred(core: Any, request_id: str) -> int:
+def _run_deferred(host: Any, request_id: str) -> int:
+    core = host.kvhandoff
     parents = core._defer_open.pop(request_id, [])
     for parent in parents:
         core._open(parent, time.monotonic())

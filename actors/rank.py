@@ -78,6 +78,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import inspect
 import logging
 import os
 import time
@@ -189,6 +190,8 @@ __all__ = [
     "GenRankActor",
     "rank_actor_class",
     "agent_name",
+    "EndpointHost",
+    "ENDPOINT_METHODS",
 ]
 
 
@@ -232,6 +235,11 @@ class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: `poll_interval_s` while a request is live; a peer whose agent we do
     #: not know yet gets the Ray call). docs/benchmarks.md measures both.
     frames: str = "ray"
+    #: Whether the coordinator may replace this rank with a new incarnation
+    #: (past the quarantine limit). A rank hosted by an engine's own actor is
+    #: not ours to restart: it stops admitting instead, and its quarantined
+    #: blocks come back only through a proof of quiescence (reclaim).
+    restartable: bool = True
 
 
 def agent_name(deployment: str, ns: RankNamespace, epoch: int) -> str:
@@ -299,6 +307,8 @@ class RankCore(RoundParticipant):
         # Outcomes and waiters (for the client API).
         self._outcome: collections.OrderedDict[ParentKey, LocalOutcome] = collections.OrderedDict()
         self._waiters: dict[ParentKey, list[asyncio.Future[LocalOutcome]]] = collections.defaultdict(list)
+        # Waiters for a parent's blocks to be back in the pool (`returned`).
+        self._returns: dict[ParentKey, list[asyncio.Future[bool]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._poll_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -732,6 +742,9 @@ class RankCore(RoundParticipant):
                     else:
                         self.counters["released"] += 1
                     self._finish(parent, action.outcome)
+                    for future in self._returns.pop(parent, ()):
+                        if not future.done():
+                            future.set_result(True)
                 case Quarantine(parent=parent, reason=reason):
                     self.counters["quarantined"] += 1
                     log.warning("rank %s quarantined %s: %s", self.ns, parent, reason)
@@ -761,7 +774,7 @@ class RankCore(RoundParticipant):
         fully free pool); the old one's quarantined memory dies with it. A
         request the coordinator does not grant (it is recovering) is asked
         again later: the poll loop performs `expire` every 50 ms."""
-        if self._restart_requested or not self.side.wants_restart():
+        if self._restart_requested or not self.config.restartable or not self.side.wants_restart():
             return  # live requests first finish (admission is stopped meanwhile)
         if self._coordinator is None and not self._find_coordinator():
             return
@@ -954,6 +967,27 @@ class RankCore(RoundParticipant):
                 self._waiters.pop(parent, None)
             return "timeout"
 
+    async def returned(self, parent: ParentKey, timeout: float) -> bool:
+        """Wait until this rank holds none of `parent`'s blocks any more: True
+        once they are back in the pool (released, or reclaimed from
+        quarantine with a proof of quiescence), False if `timeout` passed
+        first (e.g. they are quarantined). An engine reuses its blocks only
+        after this answered True on every rank that held them. A parent this
+        rank does not hold answers True at once: ask after its outcome."""
+        if not self.pool.holds(parent):
+            return True
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._returns.setdefault(parent, []).append(future)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            waiting = self._returns.get(parent, [])
+            if future in waiting:
+                waiting.remove(future)
+            if not waiting:
+                self._returns.pop(parent, None)
+            return False
+
     async def stats(self) -> dict[str, Any]:
         self.pool.check_invariants()  # S4: raises if a block is in two states
         counts = self.pool.counts()
@@ -975,7 +1009,7 @@ class RankCore(RoundParticipant):
             "posted_bytes": self.transport.posted_bytes,
             "leaked_handles": len(self.transport.leaked),
             # Per-request bookkeeping of requests still in progress: empty when idle.
-            "tracking": len(self._tokens) + len(self._waiters) + self._tracking(),
+            "tracking": len(self._tokens) + len(self._waiters) + len(self._returns) + self._tracking(),
             "counters": dict(self.counters),
             "violations": list(self.violations),
             "negotiated": negotiation_summary(self._negotiation),
@@ -1042,7 +1076,7 @@ class CtxRankCore(RankCore):
         )
 
     def _admit(self, request: AdmissionRequest, blocks: int, now: float, deadline: float) -> None:
-        self.side.admit(request.parent, blocks, now=now, lease_deadline=deadline)
+        self.side.admit(request.parent, blocks, now=now, lease_deadline=deadline, blocks=request.blocks)
 
     def _admitted(self, parent: ParentKey, now: float) -> None:
         if self.config.synthetic:
@@ -1328,7 +1362,7 @@ class GenRankCore(RankCore):
         )
 
     def _admit(self, request: AdmissionRequest, blocks: int, now: float, deadline: float) -> None:
-        self.side.admit(request.parent, blocks, now=now, deadline=deadline)
+        self.side.admit(request.parent, blocks, now=now, deadline=deadline, blocks=request.blocks)
         if request.release_when_ready:
             self._release_when_ready.add(request.parent)
 
@@ -1496,8 +1530,61 @@ def _loop_running() -> bool:
     return True
 
 
-CtxRankActor = ray.remote(num_cpus=0)(CtxRankCore)
-GenRankActor = ray.remote(num_cpus=0)(GenRankCore)
+def _remote_methods() -> tuple[str, ...]:
+    names: set[str] = set()
+    for cls in (CtxRankCore, GenRankCore):
+        for name, member in inspect.getmembers(cls, inspect.iscoroutinefunction):
+            if not name.startswith("_"):
+                names.add(name)
+    return tuple(sorted(names))
+
+
+#: The methods an `EndpointHost` forwards to its endpoint (what peers,
+#: coordinators, the directory and clients call on a rank's actor handle).
+ENDPOINT_METHODS = _remote_methods()
+
+
+class EndpointHost:
+    """Mixin for a Ray actor class that hosts a rank endpoint in ``self.kvhandoff``.
+
+    The host constructs the endpoint in its ``__init__`` (which registers it
+    with the deployment's directory, naming this actor as its handle) and
+    keeps it for the actor's lifetime. Every name in `ENDPOINT_METHODS` is an
+    async method of the host that forwards to the endpoint."""
+
+    kvhandoff: RankCore
+
+
+def _forwarder(name: str) -> Any:
+    async def forward(self: EndpointHost, *args: Any, **kwargs: Any) -> Any:
+        return await getattr(self.kvhandoff, name)(*args, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = name
+    forward.__doc__ = f"Forwarded to the hosted endpoint's `{name}`."
+    return forward
+
+
+for _name in ENDPOINT_METHODS:
+    setattr(EndpointHost, _name, _forwarder(_name))
+
+
+class _CtxRankHost(EndpointHost):
+    """kvhandoff's own CTX rank actor: a host of a `CtxRankCore` over memory
+    it allocates (the synthetic path)."""
+
+    def __init__(self, config: RankConfig, epoch: int) -> None:
+        self.kvhandoff = CtxRankCore(config, epoch)
+
+
+class _GenRankHost(EndpointHost):
+    """kvhandoff's own GEN rank actor: a host of a `GenRankCore`."""
+
+    def __init__(self, config: RankConfig, epoch: int) -> None:
+        self.kvhandoff = GenRankCore(config, epoch)
+
+
+CtxRankActor = ray.remote(num_cpus=0)(_CtxRankHost)
+GenRankActor = ray.remote(num_cpus=0)(_GenRankHost)
 _ACTOR_CLASSES = {Role.CTX: CtxRankActor, Role.GEN: GenRankActor}
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from ._errors import LeaseError, PoolError
@@ -112,7 +112,9 @@ class BlockPool:
         self._owner: list[Hashable | None] = [None] * num_blocks
         # FIFO free list: a released block goes to the back, so reuse rotates
         # through the pool and generation bumps are exercised.
-        self._free: collections.deque[int] = collections.deque(range(num_blocks))
+        # An insertion-ordered set (dict keys): FIFO for `lease`, O(1) removal
+        # of a named block for `lease_blocks`.
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
         self._leases: dict[Hashable, _Lease] = {}
         self._closed: collections.OrderedDict[Hashable, Cleanup] = collections.OrderedDict()
 
@@ -189,7 +191,44 @@ class BlockPool:
             raise PoolError(f"cannot lease {n} blocks: only {len(self._free)} free")
         refs = []
         for _ in range(n):
-            block = self._free.popleft()
+            block = next(iter(self._free))
+            del self._free[block]
+            self._generation[block] += 1
+            self._state[block] = BlockState.LEASED
+            self._owner[block] = owner
+            refs.append(BlockRef(block, self._generation[block]))
+        self._leases[owner] = _Lease(refs=tuple(refs), state=_LeaseState.LIVE)
+        return tuple(refs)
+
+    def lease_blocks(self, owner: Hashable, blocks: Sequence[int]) -> tuple[BlockRef, ...]:
+        """Lease exactly `blocks`, in that order, to `owner` (an engine's block
+        manager chose them), bumping each block's generation.
+
+        All or nothing, and nothing changes on a refusal: a block out of range,
+        named twice or not FREE here (still leased or quarantined for another
+        parent) raises PoolError; an owner that holds or held a lease raises
+        LeaseError, as for `lease`."""
+        if not blocks:
+            raise PoolError("a lease needs at least one block, got none")
+        if owner in self._leases:
+            raise LeaseError(f"owner {owner!r} already holds a lease")
+        if owner in self._closed:
+            raise LeaseError(
+                f"owner {owner!r} was already {self._closed[owner].value}; attempts are not reused"
+            )
+        seen: set[int] = set()
+        for block in blocks:
+            if not isinstance(block, int) or isinstance(block, bool):
+                raise PoolError(f"block ids are ints, got {block!r}")
+            self._check_index(block)
+            if block in seen:
+                raise PoolError(f"block {block} named twice")
+            seen.add(block)
+            if self._state[block] is not BlockState.FREE:
+                raise PoolError(f"block {block} is {self._state[block].name}, not FREE")
+        refs = []
+        for block in blocks:
+            del self._free[block]
             self._generation[block] += 1
             self._state[block] = BlockState.LEASED
             self._owner[block] = owner
@@ -253,8 +292,6 @@ class BlockPool:
     def check_invariants(self) -> None:
         """Raise PoolError if S4 or the ownership bookkeeping is broken."""
         free_set = set(self._free)
-        if len(free_set) != len(self._free):
-            raise PoolError("a block is on the free list twice")
         owned: dict[int, Hashable] = {}
         for owner, lease in self._leases.items():
             want = BlockState.LEASED if lease.state is _LeaseState.LIVE else BlockState.QUARANTINED
@@ -288,7 +325,7 @@ class BlockPool:
         for ref in lease.refs:
             self._state[ref.block] = BlockState.FREE
             self._owner[ref.block] = None
-            self._free.append(ref.block)
+            self._free[ref.block] = None
 
     def _remember_closed(self, owner: Hashable, how: Cleanup) -> None:
         self._closed[owner] = how

@@ -72,6 +72,7 @@ from ._ticket import DIGEST_LEN, ParentKey
 
 __all__ = [
     "MAX_ROUND_ITEMS",
+    "MAX_REQUEST_BLOCKS",
     "AdmissionRequest",
     "RoundProposal",
     "RoundVote",
@@ -90,11 +91,14 @@ __all__ = [
 
 #: Most parents one tuple of a round message may name (bounds decode work).
 MAX_ROUND_ITEMS = 4096
+#: Most block ids one admission may name (an engine's block table of one request).
+MAX_REQUEST_BLOCKS = 1 << 20
 
 _U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 _RoundNo = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 _Rank = Annotated[int, Meta(ge=0, lt=4096)]
 _Tokens = Annotated[int, Meta(ge=0, lt=2**32)]
+_BlockId = Annotated[int, Meta(ge=0, lt=2**32)]
 _Digest = Annotated[bytes, Meta(min_length=DIGEST_LEN, max_length=DIGEST_LEN)]
 _Parents = Annotated[tuple[ParentKey, ...], Meta(max_length=MAX_ROUND_ITEMS)]
 _Ranks = Annotated[tuple[_Rank, ...], Meta(max_length=4096)]
@@ -121,6 +125,10 @@ class AdmissionRequest(_Frozen, frozen=True):
     #: bytes are verified (nobody consumes them: demos, benchmarks, a driver
     #: that only moves KV). False keeps them for the consumer's ``free``.
     release_when_ready: bool = False
+    #: The block ids this instance's engine chose for the request, one per
+    #: block (the same ids on every rank of the instance, as engines keep one
+    #: block table per instance); empty: each rank leases free blocks itself.
+    blocks: Annotated[tuple[_BlockId, ...], Meta(max_length=MAX_REQUEST_BLOCKS)] = ()
 
 
 class RoundProposal(_Frozen, frozen=True, tag="round_proposal"):

@@ -1079,11 +1079,21 @@ class _Rank:
         return UnknownSessionError(f"no parent {parent.request_id!r} here")
 
     def _admit(
-        self, parent: ParentKey, n_blocks: int, lease_deadline: float | None
+        self,
+        parent: ParentKey,
+        n_blocks: int,
+        lease_deadline: float | None,
+        blocks: Sequence[int] | None = None,
     ) -> tuple[BlockRef, ...]:
         if parent in self._parents or parent in self._closed_parents:
             raise LeaseError(f"parent {parent!r} already admitted on this rank")
-        refs = self.pool.lease(parent, n_blocks)
+        if blocks:
+            # The engine's block manager chose them: exactly these, one per block.
+            if len(blocks) != n_blocks:
+                raise LeaseError(f"{len(blocks)} block ids for a request of {n_blocks} blocks")
+            refs = self.pool.lease_blocks(parent, blocks)
+        else:
+            refs = self.pool.lease(parent, n_blocks)
         self._parents[parent] = _Parent(
             key=parent, state=_PS.ADMITTED, refs=refs, lease_deadline=lease_deadline
         )
@@ -1300,16 +1310,23 @@ class CtxRank(_Rank):
         self.conservative = conservative
 
     def admit(
-        self, parent: ParentKey, n_blocks: int, *, now: float, lease_deadline: float
+        self,
+        parent: ParentKey,
+        n_blocks: int,
+        *,
+        now: float,
+        lease_deadline: float,
+        blocks: Sequence[int] | None = None,
     ) -> tuple[BlockRef, ...]:
-        """Lease `n_blocks` for `parent` (after the CTX admission round).
+        """Lease `n_blocks` for `parent` (after the CTX admission round):
+        exactly `blocks` when the engine named them, else any free ones.
 
         The KV is held until `lease_deadline` waiting for the GEN side; past it,
         `expire()` releases a parent that never started, or cancels it.
         """
         if lease_deadline < now:
             raise LeaseError(f"lease deadline {lease_deadline} is before now {now}")
-        return self._admit(parent, n_blocks, lease_deadline)
+        return self._admit(parent, n_blocks, lease_deadline, blocks)
 
     def prefilled(self, parent: ParentKey) -> list[Action]:
         """Prefill finished: the KV is resident and OPENs may be prepared."""
@@ -1651,14 +1668,21 @@ class GenRank(_Rank):
     _edge_table = GEN_EDGE_TRANSITIONS
 
     def admit(
-        self, parent: ParentKey, n_blocks: int, *, now: float, deadline: float | None = None
+        self,
+        parent: ParentKey,
+        n_blocks: int,
+        *,
+        now: float,
+        deadline: float | None = None,
+        blocks: Sequence[int] | None = None,
     ) -> tuple[BlockRef, ...]:
-        """Lease `n_blocks` for `parent` (after the GEN admission round).
+        """Lease `n_blocks` for `parent` (after the GEN admission round):
+        exactly `blocks` when the engine named them, else any free ones.
 
         `deadline`, if given, bounds the wait for `install()`; past it an
         uninstalled parent (no OPEN ever sent) is released by `expire()`.
         """
-        return self._admit(parent, n_blocks, deadline)
+        return self._admit(parent, n_blocks, deadline, blocks)
 
     def install(self, parent: ParentKey, edges: Sequence[GenEdgeSpec], now: float) -> list[Action]:
         """Install the session's edges (after the installation barrier): OPEN per edge.

@@ -12,11 +12,15 @@ bounded so the opaque state a peer can make us hold is bounded too.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import enum
 from typing import Annotated
 
 import msgspec
 from msgspec import Meta
+
+from ._errors import ProtocolError
 
 __all__ = [
     "Role",
@@ -24,8 +28,11 @@ __all__ = [
     "Endpoint",
     "ParentKey",
     "ContextTicket",
+    "HandoffTicket",
+    "TicketError",
     "MAX_ID_LEN",
     "DIGEST_LEN",
+    "MAX_TICKET_CHARS",
 ]
 
 #: Longest request or instance id accepted anywhere (bytes of UTF-8).
@@ -99,3 +106,68 @@ class ContextTicket(_Frozen, frozen=True):
     def edge(self) -> tuple[int, int]:
         """`(ctx rank, gen rank)` of this session."""
         return (self.ctx.ns.rank, self.gen.ns.rank)
+
+
+#: Longest ticket string `HandoffTicket.decode` reads (checked before decoding).
+MAX_TICKET_CHARS = 1024
+_TICKET_PREFIX = "kvh1."
+
+
+class TicketError(ProtocolError, ValueError):
+    """A ticket string that is not one `HandoffTicket.encode` wrote (too long,
+    wrong prefix, not base64, not a ticket, a field out of its bounds)."""
+
+
+class HandoffTicket(_Frozen, frozen=True):
+    """What a front end carries from the prefill server to the decode server.
+
+    It names one published attempt of a request: the deployment, the parent
+    key, the CTX instance and its topology digest (a ticket of another
+    deployment or topology is refused where it is used), and the prompt's
+    token count. Its string form (`encode`) is ``kvh1.`` and the URL-safe
+    base64 of its msgpack encoding: it survives an HTTP header or a JSON body.
+    `decode` is bounded and typed: it reads at most `MAX_TICKET_CHARS`
+    characters and raises `TicketError` for anything else.
+    """
+
+    deployment: Id
+    request_id: Id
+    ctx_attempt: U32
+    gen_attempt: U32
+    ctx_instance: Id
+    ctx_digest: Digest
+    num_tokens: U32
+
+    @property
+    def parent(self) -> ParentKey:
+        return ParentKey(
+            request_id=self.request_id,
+            ctx_attempt=self.ctx_attempt,
+            gen_attempt=self.gen_attempt,
+        )
+
+    def encode(self) -> str:
+        raw = msgspec.msgpack.encode(self)
+        return _TICKET_PREFIX + base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+    @classmethod
+    def decode(cls, text: object) -> HandoffTicket:
+        """The ticket `text` names; `TicketError` (and nothing else) if it names none."""
+        if not isinstance(text, str):
+            raise TicketError(f"a ticket is a str, got {type(text).__name__}")
+        if len(text) > MAX_TICKET_CHARS:
+            raise TicketError(f"ticket of {len(text)} characters, at most {MAX_TICKET_CHARS}")
+        if not text.startswith(_TICKET_PREFIX):
+            raise TicketError(f"not a kvhandoff ticket (no {_TICKET_PREFIX!r} prefix)")
+        body = text[len(_TICKET_PREFIX) :]
+        try:
+            raw = base64.b64decode(body + "=" * (-len(body) % 4), altchars=b"-_", validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise TicketError(f"ticket is not URL-safe base64: {exc}") from None
+        try:
+            return _TICKET_DECODER.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise TicketError(f"not a valid ticket: {exc}") from None
+
+
+_TICKET_DECODER = msgspec.msgpack.Decoder(HandoffTicket)

@@ -54,6 +54,11 @@ def assert_clean(stats: dict, *, quarantined_ok: bool = False) -> None:
 
 
 async def inside(handle: Any, fn: Callable[[Any], Any]) -> Any:
-    """Run `fn(actor_instance)` inside a real actor (Ray's `__ray_call__`): how a
-    test reads or arranges a rank's internals without a hook in its public API."""
-    return await handle.__ray_call__.remote(fn)
+    """Run `fn(endpoint)` inside a real rank actor (Ray's `__ray_call__`) on the
+    rank endpoint it hosts: how a test reads or arranges a rank's internals
+    without a hook in its public API."""
+    return await handle.__ray_call__.remote(_on_endpoint, fn)
+
+
+def _on_endpoint(host: Any, fn: Callable[[Any], Any]) -> Any:
+    return fn(getattr(host, "kvhandoff", host))

@@ -309,7 +309,7 @@ def test_harness_reports_pool_corruption_as_s4_and_leaks_as_no_leak() -> None:
     pair = Pair()
     parent = parent_key(1)
     pair.admit(parent)
-    pair.ctx.pool._free.append(pair.ctx.lease(parent)[0].block)  # a leased block on the free list
+    pair.ctx.pool._free[pair.ctx.lease(parent)[0].block] = None  # a leased block on the free list
     with pytest.raises(AssertionError, match="^S4: pool of"):
         pair.check_s4_and_ownership()
     pair = Pair()
