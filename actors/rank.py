@@ -1533,7 +1533,7 @@ def _loop_running() -> bool:
 def _remote_methods() -> tuple[str, ...]:
     names: set[str] = set()
     for cls in (CtxRankCore, GenRankCore):
-        for name, member in inspect.getmembers(cls, inspect.iscoroutinefunction):
+        for name, _member in inspect.getmembers(cls, inspect.iscoroutinefunction):
             if not name.startswith("_"):
                 names.add(name)
     return tuple(sorted(names))

@@ -4,6 +4,7 @@ an engine's block manager) and the ticket's string form."""
 from __future__ import annotations
 
 import base64
+import contextlib
 
 import msgspec
 import pytest
@@ -186,10 +187,8 @@ def test_ticket_string_round_trips(dep: str, rid: str, ca: int, ga: int, digest:
 @given(st.one_of(st.text(max_size=300), st.binary(max_size=300).map(
     lambda b: "kvh1." + base64.urlsafe_b64encode(b).decode().rstrip("="))))
 def test_ticket_decode_raises_only_ticket_error(text: str) -> None:
-    try:
+    with contextlib.suppress(TicketError):
         HandoffTicket.decode(text)
-    except TicketError:
-        pass
 
 
 def test_ticket_decode_checks_the_length_first() -> None:

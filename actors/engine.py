@@ -1,0 +1,467 @@
+"""`EngineDeployment`: kvhandoff embedded in a serving engine.
+
+Theory of operation (docs/design.md "Engines")
+----------------------------------------------
+The engine owns three things kvhandoff must never take from it: its KV
+tensors (in its workers, next to the model), its block manager (one block
+table per instance: the same block ids on every TP rank) and its compute
+(prefill runs in the engine). kvhandoff owns the handoff between them:
+
+1. **Create.** `EngineDeployment.create(...)` checks the configuration and
+   starts the directory; its `plan` (an `EnginePlan`) goes to the engine's
+   workers.
+2. **Host.** Each worker (a Ray actor of the engine's, an `EndpointHost`)
+   builds its rank endpoint over its own tensors: ``self.kvhandoff =
+   ctx_endpoint(plan, rank, tensors)`` (or `gen_endpoint`). The tensors are
+   registered with NIXL once, there.
+3. **Attach.** `attach(ctx_workers, gen_workers)` starts one coordinator per
+   instance over those actors and waits until every endpoint registered and
+   knows its peers.
+4. **Publish (prefill side).** After prefill wrote the request's KV into
+   blocks its block manager chose, the prefill server calls
+   `publish(request_id, num_tokens, blocks)`: one admission round in which
+   every CTX rank leases exactly those block ids (its pool mirrors the
+   engine's), under a lease deadline. It returns a `HandoffTicket`; its
+   string form crosses the front end's HTTP hop. Each publish is a new
+   attempt: a retry of the request id publishes again and gets a new ticket,
+   and frames of the old attempt are stale.
+5. **Receive (decode side).** The decode server allocates destination blocks
+   from its own block manager and calls `receive(ticket, blocks)`: one
+   submission to the GEN coordinator, which admits the blocks on every GEN
+   rank and *claims* the published parent on the CTX instance in the same
+   round (a ticket is claimed once). The ranks then drive the transfer as in
+   every handoff. `receive` answers `completed` when every byte landed and
+   was accounted for on every GEN rank (decode-ready); the GEN ranks then
+   give the blocks back to the engine, and `receive` returns only once they
+   have (`blocks_returned`). Any other outcome (`cancelled`, `rejected`,
+   `failed`, `timeout`) means the engine must not decode from the blocks;
+   they are back only when `blocks_returned` is True (quarantined blocks are
+   not: `returned(ticket, Role.GEN)` waits for their reclaim).
+6. **Reuse (prefill side).** The prefill server reuses the published blocks
+   only after `returned(ticket, Role.CTX)` answered True: every CTX rank
+   released them, which happens once S1 is proven (the transfer completed,
+   or was cancelled and drained or never started) or, for quarantined ones,
+   after a reclaim with a proof of quiescence.
+7. **Cancel** at any moment, from either side: `cancel(ticket)` cancels in
+   both instances (a published ticket nobody claimed is cancelled on the
+   CTX instance; its lease deadline ends it too).
+
+A front end in another process uses `EngineDeployment.connect(plan)`: the
+coordinators are named actors. Nothing here holds blocks: every block is held
+by an endpoint, under the protocol's rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import ray
+
+from kvhandoff.actors._coordinator import Coordinator
+from kvhandoff.actors._directory import Directory
+from kvhandoff.actors.deployment import (
+    DeploymentClosed,
+    DeploymentError,
+    InvalidConfig,
+    InvalidRequest,
+    LaunchFailed,
+    _check_int,
+    _ref,
+    _short,
+)
+from kvhandoff.actors.endpoint import EnginePlan
+from kvhandoff.protocol import (
+    HandoffTicket,
+    MemoryKind,
+    ParentKey,
+    Role,
+    TicketError,
+    TopologyError,
+)
+from kvhandoff.topology import (
+    KVLayout,
+    TopologySpec,
+    blocks_for_tokens,
+    check_memory_kind,
+    qualify_pair,
+    shard_map,
+    topology_digest,
+)
+
+__all__ = ["EngineDeployment", "EngineResult", "PublishRefused", "StaleTicket"]
+
+log = logging.getLogger("kvhandoff.engine")
+
+
+class PublishRefused(DeploymentError):
+    """`publish` was refused by the CTX instance: a block id that is out of
+    range or still held by kvhandoff for another request (the engine's block
+    manager and kvhandoff's pool mirror disagree), a rank that stopped
+    admitting (quarantine limit), or no protocol agreed. Nothing is held."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"publish of {request_id!r} refused: {reason}")
+        self.request_id = request_id
+        self.reason = reason
+
+
+class StaleTicket(DeploymentError, ValueError):
+    """A ticket of another deployment or CTX topology (a front end that kept
+    a ticket across a redeploy): refused before any call."""
+
+
+class EngineResult(msgspec.Struct, frozen=True, kw_only=True):
+    """How one `receive` ended.
+
+    ``outcome``: "completed" (decode-ready: every byte of the request's KV
+    landed in the engine's blocks on every GEN rank and was accounted for),
+    "cancelled", "rejected" (not admitted: the ticket was stale, claimed
+    already or expired, or a GEN block was not free), "failed", "timeout".
+    ``blocks_returned``: kvhandoff holds none of the request's GEN blocks any
+    more (always True after "completed"); when False (quarantined: a write
+    could not be proven finished) the engine must not reuse them until
+    `returned(ticket, Role.GEN)` says so."""
+
+    request_id: str
+    outcome: str
+    blocks_returned: bool
+    latency_s: float = 0.0
+
+
+class EngineDeployment:
+    """The control side of an engine deployment (module docstring)."""
+
+    def __init__(self, plan: EnginePlan) -> None:
+        self.plan = plan
+        self._ctx_digest = topology_digest(plan.ctx)
+        self._coords: dict[Role, Any] = {}
+        self._ranks: dict[Role, list[Any]] = {}
+        self._directory: Any = None
+        self._owns = False  # started the directory and coordinators (shutdown kills them)
+        self._closed = False
+        self._round_timeout_s = 5.0
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- set-up ---------------------------------------------------------------------
+
+    @classmethod
+    async def create(
+        cls,
+        *,
+        ctx_tp: int,
+        gen_tp: int,
+        layout: KVLayout,
+        ctx_memory: str = "paged",
+        gen_memory: str = "paged",
+        memory: str = "DRAM",
+        chunk_bytes: int = 1 << 20,
+        transfer_timeout_s: float = 10.0,
+        lease_timeout_s: float = 30.0,
+        round_timeout_s: float = 5.0,
+        control_frames: str = "ray",
+        name: str | None = None,
+    ) -> EngineDeployment:
+        """Check the configuration (`InvalidConfig`, before anything starts)
+        and start the directory; `plan` is then ready for the engine's workers.
+
+        ``ctx_memory`` / ``gen_memory`` name how each side's tensors hold the
+        blocks ("blocked", "paged", "paged_hnd", "split": docs/design.md
+        "Memory kinds"); ``memory`` is where they live ("DRAM" or "VRAM")."""
+        _check_int("ctx_tp", ctx_tp, 1)
+        _check_int("gen_tp", gen_tp, 1)
+        _check_int("chunk_bytes", chunk_bytes, 1)
+        for field, value in (
+            ("transfer_timeout_s", transfer_timeout_s),
+            ("lease_timeout_s", lease_timeout_s),
+            ("round_timeout_s", round_timeout_s),
+        ):
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise InvalidConfig(f"{field} must be a positive number of seconds, got {_short(value)}")
+        if control_frames not in ("ray", "nixl"):
+            raise InvalidConfig(f"control_frames must be 'ray' or 'nixl', got {_short(control_frames)}")
+        if not isinstance(layout, KVLayout):
+            raise InvalidConfig(f"layout must be a KVLayout, got {_short(layout)}")
+        name = name or f"kvh-{uuid.uuid4().hex[:8]}"
+        try:
+            mem = MemoryKind(memory)
+            check_memory_kind(ctx_memory)
+            check_memory_kind(gen_memory)
+            common = {"memory": mem, "transfer_timeout_s": transfer_timeout_s}
+            ctx = TopologySpec(instance_id=f"{name}-ctx", role=Role.CTX, tp=ctx_tp, **common)
+            gen = TopologySpec(instance_id=f"{name}-gen", role=Role.GEN, tp=gen_tp, **common)
+            shard_map(layout, ctx_tp, gen_tp)
+        except (TopologyError, TypeError, ValueError) as exc:
+            raise InvalidConfig(str(exc)) from exc
+        verdict = qualify_pair(ctx, gen)
+        if not verdict.qualified:
+            # Engines hand off under cancellation: outside the qualified scope
+            # the active cancel protocol is off, which an engine must choose
+            # knowingly (Deployment.launch runs it conservatively).
+            raise InvalidConfig(f"outside the qualified scope: {'; '.join(verdict.reasons)}")
+        plan = EnginePlan(
+            name=name,
+            ctx=ctx,
+            gen=gen,
+            layout=layout,
+            ctx_memory=ctx_memory,
+            gen_memory=gen_memory,
+            chunk_bytes=chunk_bytes,
+            lease_timeout_s=float(lease_timeout_s),
+            control_frames=control_frames,
+        )
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False)
+        self = cls(plan)
+        self._round_timeout_s = float(round_timeout_s)
+        self._owns = True
+        self._directory = Directory.options(name=f"{name}.directory").remote()
+        await self._directory.descriptors.remote()  # up before any endpoint registers
+        return self
+
+    async def attach(
+        self, ctx_workers: Sequence[Any], gen_workers: Sequence[Any], *, start_timeout_s: float = 600.0
+    ) -> None:
+        """Start one coordinator per instance over the engine's worker actors
+        (rank r of each instance is the r-th handle; each hosts its endpoint,
+        built from `plan`), then wait until every endpoint registered and
+        learned its peers. Raises `LaunchFailed` (and stops what it started)
+        if a worker does not answer as the rank it should be within
+        `start_timeout_s`."""
+        self._check_open()
+        plan = self.plan
+        for role, workers in ((Role.CTX, ctx_workers), (Role.GEN, gen_workers)):
+            if len(workers) != plan.spec(role).tp:
+                raise InvalidConfig(f"{role.value} instance has tp={plan.spec(role).tp}, got {len(workers)} workers")
+        self._ranks = {Role.CTX: list(ctx_workers), Role.GEN: list(gen_workers)}
+        for role, workers in self._ranks.items():
+            spec = plan.spec(role)
+            peer = f"{plan.name}.coord.{Role.CTX.value}" if role is Role.GEN else None
+            self._coords[role] = Coordinator.options(name=f"{plan.name}.coord.{role.value}").remote(
+                spec.instance_id,
+                ranks=workers,
+                round_timeout=self._round_timeout_s,
+                max_restarts=0,
+                topology_digest=topology_digest(spec),
+                peer=peer,
+                peer_claims=role is Role.GEN,
+            )
+        try:
+            async with asyncio.timeout(start_timeout_s):
+                epochs = await asyncio.gather(*(c.epochs.remote() for c in self._coords.values()))
+                expected = {role.value: e for role, e in zip(self._coords, epochs)}
+                if not await self._directory.wait_for.remote(expected, start_timeout_s):
+                    raise LaunchFailed(plan.name, "endpoints did not register with the directory")
+                await asyncio.gather(*(h.connect.remote() for hs in self._ranks.values() for h in hs))
+        except Exception as exc:
+            await self._teardown()
+            if isinstance(exc, DeploymentError):
+                raise
+            raise LaunchFailed(plan.name, f"{type(exc).__name__}: {exc}") from exc
+
+    @classmethod
+    async def connect(cls, plan: EnginePlan) -> EngineDeployment:
+        """The same deployment, from another process (a front end): finds
+        its named coordinators. `shutdown` of this handle stops nothing."""
+        self = cls(plan)
+        for role in (Role.CTX, Role.GEN):
+            self._coords[role] = ray.get_actor(f"{plan.name}.coord.{role.value}")
+            self._ranks[role] = list(await self._coords[role].rank_handles.remote())
+        return self
+
+    # -- the prefill side -----------------------------------------------------------
+
+    async def publish(self, request_id: str, num_tokens: int, blocks: Sequence[int]) -> HandoffTicket:
+        """Offer a prefilled request's KV for handoff (module docstring, step 4).
+
+        ``blocks`` are the engine's block ids holding the request's
+        ``num_tokens`` tokens, in order (the same ids on every CTX rank).
+        Returns the ticket; raises `InvalidRequest` (bad arguments: nothing
+        was sent) or `PublishRefused` (a rank refused: nothing is held)."""
+        self._check_open()
+        parent = self._new_parent(request_id)
+        ids = self._check_blocks(num_tokens, blocks)
+        ok = await self._coords[Role.CTX].admit.remote(parent, num_tokens, ids)
+        if not ok:
+            raise PublishRefused(request_id, "a CTX rank refused the blocks (see its stats' counters)")
+        return HandoffTicket(
+            deployment=self.plan.name,
+            request_id=parent.request_id,
+            ctx_attempt=parent.ctx_attempt,
+            gen_attempt=parent.gen_attempt,
+            ctx_instance=self.plan.ctx.instance_id,
+            ctx_digest=self._ctx_digest,
+            num_tokens=num_tokens,
+        )
+
+    # -- the decode side --------------------------------------------------------------
+
+    async def receive(
+        self, ticket: HandoffTicket | str, blocks: Sequence[int], *, timeout: float = 60.0
+    ) -> EngineResult:
+        """Move a published request's KV into the engine's GEN ``blocks``
+        (module docstring, step 5). ``ticket`` is the `HandoffTicket` or its
+        string form. Raises only `InvalidRequest` / `TicketError` /
+        `StaleTicket` (nothing was sent) and `DeploymentClosed`; every other
+        ending is an outcome."""
+        self._check_open()
+        ticket = self._ticket(ticket)
+        ids = self._check_blocks(ticket.num_tokens, blocks)
+        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
+            raise InvalidRequest(f"timeout must be a positive number of seconds, got {_short(timeout)}")
+        parent = ticket.parent
+        start = time.perf_counter()
+        submission = asyncio.ensure_future(
+            _ref(self._coords[Role.GEN].submit.remote(parent, ticket.num_tokens, True, ids))
+        )
+        try:
+            decided = await asyncio.wait_for(asyncio.shield(submission), timeout)
+        except TimeoutError:
+            decided = "timeout"
+        except asyncio.CancelledError:
+            # The caller went away: end the attempt in both instances (sent
+            # after the submission: Ray keeps their order), owned by us.
+            self._spawn(self._cancel_parent(parent))
+            raise
+        except Exception as exc:  # the coordinator died: an outcome
+            log.warning("%s: receive of %s raised: %r", self.plan.name, parent, exc)
+            decided = "failed"
+        if decided not in ("completed", "rejected"):
+            await self._cancel_parent(parent)  # idempotent; ends a timed-out one
+        left = max(timeout - (time.perf_counter() - start), self._round_timeout_s)
+        back = await self._returned(parent, Role.GEN, left)
+        if decided == "completed" and not back:
+            decided = "failed"  # not given back within the bound: never decode from it
+        return EngineResult(
+            request_id=parent.request_id,
+            outcome=str(decided),
+            blocks_returned=back,
+            latency_s=time.perf_counter() - start,
+        )
+
+    # -- either side ------------------------------------------------------------------
+
+    async def cancel(self, ticket: HandoffTicket | str) -> None:
+        """Cancel at any moment, from either side (module docstring, step 7)."""
+        self._check_open()
+        await self._cancel_parent(self._ticket(ticket).parent)
+
+    async def returned(self, ticket: HandoffTicket | str, role: Role, timeout: float = 60.0) -> bool:
+        """True once every rank of ``role`` holds none of the ticket's blocks
+        (the engine may reuse them); False if ``timeout`` passed first."""
+        self._check_open()
+        return await self._returned(self._ticket(ticket).parent, Role(role), timeout)
+
+    async def stats(self) -> dict[str, Any]:
+        """Every endpoint's stats (pool counts, counters) and both coordinators'."""
+        self._check_open()
+        ranks = [(role, r, h) for role, hs in self._ranks.items() for r, h in enumerate(hs)]
+        per_rank = await asyncio.gather(*(h.stats.remote() for _, _, h in ranks), return_exceptions=True)
+        coords = await asyncio.gather(*(c.stats.remote() for c in self._coords.values()), return_exceptions=True)
+        return {
+            "deployment": self.plan.name,
+            "ranks": [
+                s if isinstance(s, dict) else {"error": repr(s)[:300], "role": role.value, "rank": r}
+                for (role, r, _), s in zip(ranks, per_rank)
+            ],
+            "coordinators": {
+                role.value: c if isinstance(c, dict) else {"state": "unreachable", "error": repr(c)[:300]}
+                for role, c in zip(self._coords, coords)
+            },
+        }
+
+    async def shutdown(self) -> None:
+        """Stop the coordinators and the directory this handle started
+        (idempotent). The engine's workers, and the endpoints they host,
+        are the engine's: it stops them."""
+        if self._closed:
+            return
+        self._closed = True
+        tasks = [t for t in self._tasks if not t.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._owns:
+            await self._teardown()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DeploymentClosed(self.plan.name)
+
+    async def _teardown(self) -> None:
+        coords = list(self._coords.values())
+        await asyncio.gather(
+            *(asyncio.wait_for(_ref(c.shutdown.remote(False)), 10.0) for c in coords), return_exceptions=True
+        )
+        for handle in [*coords, self._directory]:
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(handle, no_restart=True)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _new_parent(self, request_id: Any) -> ParentKey:
+        # A fresh attempt per publish, drawn at random: front ends in several
+        # processes publish without a shared counter, and two attempts of one
+        # request id collide with probability 2**-31 (a collision is refused
+        # by the pools: attempts are never reused on a rank).
+        attempt = secrets.randbits(31) + 1
+        try:
+            return msgspec.convert(
+                {"request_id": request_id, "ctx_attempt": attempt, "gen_attempt": attempt}, ParentKey
+            )
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(f"invalid request id {_short(request_id)}: {exc}") from None
+
+    def _check_blocks(self, num_tokens: Any, blocks: Any) -> tuple[int, ...]:
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 < num_tokens < 2**32:
+            raise InvalidRequest(f"num_tokens must be a positive int below 2**32, got {_short(num_tokens)}")
+        need = blocks_for_tokens(self.plan.layout, num_tokens)
+        try:
+            ids = tuple(blocks)
+        except TypeError:
+            raise InvalidRequest(f"blocks must be a sequence of block ids, got {_short(blocks)}") from None
+        if len(ids) != need:
+            raise InvalidRequest(f"{num_tokens} tokens need {need} blocks, got {len(ids)}")
+        if any(not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < 2**32 for b in ids):
+            raise InvalidRequest(f"block ids must be ints in [0, 2**32), got {_short(ids)}")
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest("a block id is named twice")
+        return ids
+
+    def _ticket(self, ticket: Any) -> HandoffTicket:
+        if isinstance(ticket, str):
+            ticket = HandoffTicket.decode(ticket)
+        if not isinstance(ticket, HandoffTicket):
+            raise TicketError(f"a ticket is a HandoffTicket or its string form, got {type(ticket).__name__}")
+        if ticket.deployment != self.plan.name:
+            raise StaleTicket(f"ticket of deployment {ticket.deployment!r}, this is {self.plan.name!r}")
+        if ticket.ctx_instance != self.plan.ctx.instance_id or ticket.ctx_digest != self._ctx_digest:
+            raise StaleTicket(f"ticket of another CTX topology ({ticket.ctx_instance!r})")
+        return ticket
+
+    async def _cancel_parent(self, parent: ParentKey) -> None:
+        # The GEN coordinator cancels in both instances (after any claim it
+        # sent there); the CTX coordinator directly covers a published ticket
+        # no GEN ever claimed. Both are idempotent.
+        for role in (Role.GEN, Role.CTX):
+            with contextlib.suppress(Exception):
+                await self._coords[role].cancel.remote(parent)
+
+    async def _returned(self, parent: ParentKey, role: Role, timeout: float) -> bool:
+        answers = await asyncio.gather(
+            *(h.returned.remote(parent, timeout) for h in self._ranks[role]), return_exceptions=True
+        )
+        return all(a is True for a in answers)

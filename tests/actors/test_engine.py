@@ -1,0 +1,325 @@
+"""The engine-facing API on real endpoints hosted by an engine's own actors.
+
+The workers here are what an engine's are: Ray actors that allocate their own
+KV tensors (vLLM-style per-layer paged tensors, or K and V apart), host a rank
+endpoint over them (`EndpointHost`), and write a request's KV themselves. The
+test plays the engine's block managers: it chooses the block ids on both
+sides, and it reuses a block only after kvhandoff gave it back. Every check
+reads the real bytes the real NIXL agents moved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from kvhandoff.actors import Deployment  # noqa: F401  (the package imports cleanly)
+from kvhandoff.actors._phases import hold_frames, release_frames
+from kvhandoff.actors.deployment import InvalidConfig, InvalidRequest
+from kvhandoff.actors.endpoint import EnginePlan, ctx_endpoint, gen_endpoint
+from kvhandoff.actors.engine import EngineDeployment, PublishRefused, StaleTicket
+from kvhandoff.actors.rank import EndpointHost
+from kvhandoff.protocol import HandoffTicket, Role, TicketError
+from kvhandoff.topology import KVLayout, heads_per_rank
+
+pytestmark = pytest.mark.ray
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16", tokens_per_block=4)
+BLOCKS = 24
+
+
+def _values(seed: int, layer: int, kv: int, heads: range, tokens: int, dim: int) -> torch.Tensor:
+    """The request's KV for (layer, kv): [tokens, len(heads), dim], small
+    integers (exact in fp16), different for every request seed."""
+    t = torch.arange(tokens).view(-1, 1, 1)
+    h = torch.tensor(list(heads)).view(1, -1, 1)
+    d = torch.arange(dim).view(1, 1, -1)
+    return ((seed * 7 + layer * 5 + kv * 3 + h * 11 + t * 13 + d) % 251).to(torch.float16)
+
+
+def _alloc(kind: str, heads: int) -> list[torch.Tensor]:
+    lay = LAYOUT
+    if kind == "paged":
+        shape = (BLOCKS, 2, lay.tokens_per_block, heads, lay.head_dim)
+        return [torch.zeros(shape, dtype=torch.float16) for _ in range(lay.num_layers)]
+    assert kind == "split"
+    shape = (BLOCKS, lay.tokens_per_block, heads, lay.head_dim)
+    return [torch.zeros(shape, dtype=torch.float16) for _ in range(2 * lay.num_layers)]
+
+
+def _view(kind: str, tensors: list[torch.Tensor], layer: int, kv: int) -> torch.Tensor:
+    """[blocks, tokens, heads, dim] of (layer, kv)."""
+    return tensors[layer][:, kv] if kind == "paged" else tensors[2 * layer + kv]
+
+
+@ray.remote(num_cpus=0)
+class Worker(EndpointHost):
+    """An engine worker: its own tensors, its own writes, a hosted endpoint."""
+
+    def __init__(self, plan: EnginePlan, role: str, rank: int) -> None:
+        self.role = Role(role)
+        self.kind = plan.ctx_memory if self.role is Role.CTX else plan.gen_memory
+        self.heads = heads_per_rank(plan.layout, plan.spec(self.role).tp)
+        self.first_head = rank * self.heads
+        self.kv = _alloc(self.kind, self.heads)
+        make = ctx_endpoint if self.role is Role.CTX else gen_endpoint
+        self.kvhandoff = make(plan, rank, self.kv)
+
+    async def prefill(self, seed: int, blocks: list[int]) -> None:
+        """Write the request's KV (our head shard) into `blocks`, whole blocks."""
+        lay = LAYOUT
+        tokens = len(blocks) * lay.tokens_per_block
+        heads = range(self.first_head, self.first_head + self.heads)
+        for layer in range(lay.num_layers):
+            for kv in range(2):
+                values = _values(seed, layer, kv, heads, tokens, lay.head_dim)
+                view = _view(self.kind, self.kv, layer, kv)
+                view[blocks] = values.view(len(blocks), lay.tokens_per_block, self.heads, lay.head_dim)
+
+    async def matches(self, seed: int, blocks: list[int]) -> bool:
+        """Whether `blocks` hold exactly request `seed`'s KV (our head shard)."""
+        lay = LAYOUT
+        tokens = len(blocks) * lay.tokens_per_block
+        heads = range(self.first_head, self.first_head + self.heads)
+        for layer in range(lay.num_layers):
+            for kv in range(2):
+                want = _values(seed, layer, kv, heads, tokens, lay.head_dim)
+                got = _view(self.kind, self.kv, layer, kv)[blocks].reshape(tokens, self.heads, lay.head_dim)
+                if not torch.equal(got, want):
+                    return False
+        return True
+
+    async def scribble(self, blocks: list[int]) -> None:
+        """The engine reuses `blocks` for something else."""
+        for t in self.kv:
+            t[blocks] = -1.0
+
+
+class Engine:
+    """Both instances' workers and the two block managers (free lists)."""
+
+    def __init__(self, dep: EngineDeployment, ctx: list[Any], gen: list[Any]) -> None:
+        self.dep, self.ctx, self.gen = dep, ctx, gen
+        self.free = {Role.CTX: list(range(BLOCKS)), Role.GEN: list(range(BLOCKS))[::-1]}
+
+    def take(self, role: Role, n: int) -> list[int]:
+        got, self.free[role] = self.free[role][:n], self.free[role][n:]
+        assert len(got) == n, "test engine ran out of blocks"
+        return got
+
+    def give(self, role: Role, blocks: list[int]) -> None:
+        self.free[role] += blocks
+
+    async def prefill_and_publish(self, request_id: str, seed: int, tokens: int) -> tuple[HandoffTicket, list[int]]:
+        blocks = self.take(Role.CTX, -(-tokens // LAYOUT.tokens_per_block))
+        await asyncio.gather(*(w.prefill.remote(seed, blocks) for w in self.ctx))
+        return await self.dep.publish(request_id, tokens, blocks), blocks
+
+    async def check_clean(self) -> None:
+        stats = await self.dep.stats()
+        for s in stats["ranks"]:
+            assert s["violations"] == [], s
+            assert s["leased"] == 0 and s["quarantined"] == 0, s
+            assert s["free"] == s["pool"] == BLOCKS, s
+            assert s["tracking"] == 0, s
+        assert sorted(self.free[Role.CTX]) == list(range(BLOCKS))
+        assert sorted(self.free[Role.GEN]) == list(range(BLOCKS))
+
+
+async def _engine(ctx_tp: int, gen_tp: int, ctx_memory: str, gen_memory: str, **kw: Any) -> Engine:
+    dep = await EngineDeployment.create(
+        ctx_tp=ctx_tp, gen_tp=gen_tp, layout=LAYOUT, ctx_memory=ctx_memory, gen_memory=gen_memory,
+        chunk_bytes=1024, **kw,
+    )
+    ctx = [Worker.remote(dep.plan, "ctx", r) for r in range(ctx_tp)]
+    gen = [Worker.remote(dep.plan, "gen", r) for r in range(gen_tp)]
+    await dep.attach(ctx, gen)
+    return Engine(dep, ctx, gen)
+
+
+@pytest.fixture(scope="module")
+async def engine(ray_cluster: Any) -> Any:
+    eng = await _engine(2, 1, "paged", "split")
+    yield eng
+    await eng.dep.shutdown()
+    for w in eng.ctx + eng.gen:
+        ray.kill(w)
+
+
+async def _handoff(eng: Engine, request_id: str, seed: int, tokens: int, *, cancel_after: float | None = None) -> str:
+    """One request the way an engine runs it; returns the outcome. Checks
+    the bytes of a completed one and gives every block back to its manager
+    only after kvhandoff returned it."""
+    ticket, ctx_blocks = await eng.prefill_and_publish(request_id, seed, tokens)
+    gen_blocks = eng.take(Role.GEN, len(ctx_blocks))
+    wire = ticket.encode()  # the front end's HTTP hop
+    receiving = asyncio.ensure_future(eng.dep.receive(wire, gen_blocks, timeout=60))
+    if cancel_after is not None:
+        await asyncio.sleep(cancel_after)
+        await eng.dep.cancel(wire)
+    result = await receiving
+    if result.outcome == "completed":
+        assert all(await asyncio.gather(*(w.matches.remote(seed, gen_blocks) for w in eng.gen)))
+    assert result.blocks_returned, result
+    eng.give(Role.GEN, gen_blocks)
+    assert await eng.dep.returned(ticket, Role.CTX, timeout=60)
+    eng.give(Role.CTX, ctx_blocks)
+    return result.outcome
+
+
+async def test_publish_receive_moves_the_engines_own_bytes(engine: Engine) -> None:
+    for i, tokens in enumerate((1, 4, 5, 17, 40)):
+        assert await _handoff(engine, f"req-{i}", seed=100 + i, tokens=tokens) == "completed"
+    await engine.check_clean()
+
+
+async def test_a_ticket_is_claimed_once_and_retries_are_new_attempts(engine: Engine) -> None:
+    ticket, ctx_blocks = await engine.prefill_and_publish("retry", seed=5, tokens=9)
+    gen_blocks = engine.take(Role.GEN, 3)
+    first = await engine.dep.receive(ticket.encode(), gen_blocks)
+    assert first.outcome == "completed"
+    # The same ticket again: the attempt ended, its claim is refused, nothing held.
+    again = await engine.dep.receive(ticket, gen_blocks)
+    assert again.outcome == "rejected" and again.blocks_returned
+    # A retry of the request id publishes a new attempt: the old ticket is stale.
+    assert await engine.dep.returned(ticket, Role.CTX)
+    retry, blocks2 = await engine.prefill_and_publish("retry", seed=6, tokens=9)
+    assert retry.parent != ticket.parent
+    await engine.dep.cancel(retry)
+    assert await engine.dep.returned(retry, Role.CTX)
+    engine.give(Role.GEN, gen_blocks)
+    engine.give(Role.CTX, ctx_blocks + blocks2)
+    await engine.check_clean()
+
+
+async def test_bad_tickets_and_blocks_are_refused_before_any_call(engine: Engine) -> None:
+    ticket, ctx_blocks = await engine.prefill_and_publish("bad", seed=7, tokens=8)
+    for wire in ("", "kvh1.%%%", "kvh1." + "A" * 5000, ticket.encode()[:-4], 42):
+        with pytest.raises(TicketError):
+            await engine.dep.receive(wire, [0, 1])  # type: ignore[arg-type]
+    other = HandoffTicket(**{**{f: getattr(ticket, f) for f in ticket.__struct_fields__}, "deployment": "elsewhere"})
+    with pytest.raises(StaleTicket):
+        await engine.dep.receive(other, [0, 1])
+    for blocks in ([0], [0, 0], [0, -1], [0, "1"], None):
+        with pytest.raises(InvalidRequest):
+            await engine.dep.receive(ticket, blocks)  # type: ignore[arg-type]
+    # Publishing blocks kvhandoff still holds for "bad": refused, nothing held.
+    with pytest.raises(PublishRefused):
+        await engine.dep.publish("clash", 8, ctx_blocks)
+    with pytest.raises(InvalidRequest):
+        await engine.dep.publish("bad id!", 8, [0, 1])
+    # A GEN block outside the pool: the GEN ranks refuse; the published KV is let go.
+    result = await engine.dep.receive(ticket, [0, BLOCKS + 5])
+    assert result.outcome == "rejected" and result.blocks_returned
+    assert await engine.dep.returned(ticket, Role.CTX)
+    engine.give(Role.CTX, ctx_blocks)
+    await engine.check_clean()
+
+
+async def test_a_published_ticket_nobody_claims_ends_by_its_lease(ray_cluster: Any) -> None:
+    eng = await _engine(1, 1, "paged", "paged", lease_timeout_s=1.0)
+    try:
+        ticket, blocks = await eng.prefill_and_publish("orphan", seed=9, tokens=6)
+        assert await eng.dep.returned(ticket, Role.CTX, timeout=60)  # the lease deadline ended it
+        eng.give(Role.CTX, blocks)
+        late = await eng.dep.receive(ticket, eng.take(Role.GEN, 2))
+        assert late.outcome == "rejected" and late.blocks_returned
+        eng.give(Role.GEN, list(range(BLOCKS))[::-1][:2])
+        await eng.check_clean()
+    finally:
+        await eng.dep.shutdown()
+        for w in eng.ctx + eng.gen:
+            ray.kill(w)
+
+
+async def test_cancel_with_ready_held_in_flight_never_leaks_or_corrupts(engine: Engine) -> None:
+    """A cancel while the CTX's READY/TERMINAL frames to the GEN are held (the
+    transfer decided, the GEN not told): the request ends cancelled, both
+    sides give every block back, and the next request into the same GEN
+    blocks decodes its own bytes only."""
+    ticket, ctx_blocks = await engine.prefill_and_publish("held", seed=11, tokens=16)
+    for ctx in engine.ctx:
+        await hold_frames(ctx, "held", Role.GEN, 0)
+    gen_blocks = engine.take(Role.GEN, 4)
+    receiving = asyncio.ensure_future(engine.dep.receive(ticket, gen_blocks, timeout=60))
+    await asyncio.sleep(0.2)
+    await engine.dep.cancel(ticket)
+    for ctx in engine.ctx:
+        await release_frames(ctx, "held", Role.GEN, 0)
+    result = await receiving
+    assert result.outcome in ("cancelled", "completed") and result.blocks_returned
+    assert await engine.dep.returned(ticket, Role.CTX)
+    engine.give(Role.CTX, ctx_blocks)
+    engine.give(Role.GEN, gen_blocks)
+    await engine.gen[0].scribble.remote(gen_blocks)
+    assert await _handoff(engine, "after-held", seed=12, tokens=16) == "completed"
+    await engine.check_clean()
+
+
+async def test_random_cancels_from_either_side(engine: Engine) -> None:
+    rng = random.Random(3)
+    outcomes = await asyncio.gather(
+        *(
+            _handoff(
+                engine, f"rc-{i}", seed=200 + i, tokens=rng.randint(1, 20),
+                cancel_after=rng.choice([None, 0.0, 0.001, 0.005, 0.02]),
+            )
+            for i in range(4)
+        )
+    )
+    assert set(outcomes) <= {"completed", "cancelled", "rejected"}
+    await engine.check_clean()
+
+
+async def test_create_refuses_what_can_never_work(ray_cluster: Any) -> None:
+    with pytest.raises(InvalidConfig):
+        await EngineDeployment.create(ctx_tp=3, gen_tp=1, layout=LAYOUT)  # 4 heads over 3 ranks
+    with pytest.raises(InvalidConfig):
+        await EngineDeployment.create(ctx_tp=1, gen_tp=1, layout=LAYOUT, ctx_memory="nonsense")
+    with pytest.raises(InvalidConfig):
+        await EngineDeployment.create(ctx_tp=1, gen_tp=1, layout="not a layout")  # type: ignore[arg-type]
+
+
+async def test_the_ctx_instance_lets_a_published_ticket_be_claimed_once(engine: Engine) -> None:
+    ticket, blocks = await engine.prefill_and_publish("claim", seed=13, tokens=5)
+    coord = engine.dep._coords[Role.CTX]
+    unknown = ticket.parent.__class__(request_id="never", ctx_attempt=1, gen_attempt=1)
+    assert await coord.claim_many.remote([ticket.parent, unknown]) == [True, False]
+    assert await coord.claim_many.remote([ticket.parent]) == [False]
+    await engine.dep.cancel(ticket)
+    assert await engine.dep.returned(ticket, Role.CTX)
+    assert await coord.claim_many.remote([ticket.parent]) == [False]  # ended: not claimable
+    engine.give(Role.CTX, blocks)
+    await engine.check_clean()
+
+
+async def test_unproven_gen_blocks_are_not_returned_until_the_proof_comes(ray_cluster: Any) -> None:
+    """The CTX's READY and TERMINAL never reach the GEN (held): the GEN's
+    transfer deadline cancels, its edge cannot be proven quiescent and is
+    quarantined, so `receive` must say the blocks are NOT back. The late
+    TERMINAL is the proof: then, and only then, they are returned."""
+    eng = await _engine(1, 1, "paged", "split", transfer_timeout_s=1.0)
+    try:
+        ticket, ctx_blocks = await eng.prefill_and_publish("unproven", seed=21, tokens=12)
+        await hold_frames(eng.ctx[0], "unproven", Role.GEN, 0)
+        gen_blocks = eng.take(Role.GEN, 3)
+        result = await eng.dep.receive(ticket, gen_blocks, timeout=4.0)
+        assert result.outcome != "completed"
+        assert not result.blocks_returned, result
+        stats = await eng.dep.stats()
+        assert sum(s["quarantined"] for s in stats["ranks"] if s["role"] == "gen") == 3
+        await release_frames(eng.ctx[0], "unproven", Role.GEN, 0)
+        assert await eng.dep.returned(ticket, Role.GEN, timeout=60)
+        assert await eng.dep.returned(ticket, Role.CTX, timeout=60)
+        eng.give(Role.GEN, gen_blocks)
+        eng.give(Role.CTX, ctx_blocks)
+        await eng.check_clean()
+    finally:
+        await eng.dep.shutdown()
+        for w in eng.ctx + eng.gen:
+            ray.kill(w)
