@@ -2,9 +2,13 @@
 
 Theory of operation (docs/design.md "Lifecycle", "Cancellation", "Data plane modes").
 
-A rank owns one `KVBuffer`: a single preallocated, NIXL-registered region of
-`num_blocks * block_bytes` bytes (a torch tensor on `cuda` when the rank has a
-GPU, host memory otherwise). Blocks are addressed by index; the protocol layer
+A rank owns one `KVMemory`: one or more preallocated, NIXL-registered regions
+laid out as its memory kind says (`topology/_memory.py`: "blocked" is one
+region of `num_blocks * block_bytes`; "paged", "paged_hnd" and "split" are one
+tensor per layer or per layer and K/V), torch tensors on `cuda` when the rank
+has a GPU, host memory otherwise, the engine's own or allocated here
+(`KVMemory.from_tensors`, `KVMemory.allocate`; `KVBuffer` is the blocked kind
+without a layout). Blocks are addressed by index; the protocol layer
 (`kvhandoff.protocol` pools) decides who owns which block and when it may be
 reused. This module never decides that: it moves bytes and reports what it saw.
 
@@ -25,16 +29,19 @@ chunks one by one, so a cancel stops posting between chunks and only drains what
 is already posted (`Chunk.poll()` to DONE or ERR within the transfer timeout).
 
 Prepared descriptor lists. An edge moves the same byte pieces of every block
-(`edge_pieces`: the shard map's segments, cut to at most one chunk), so the
+(`edge_pieces`: `topology.memory_pieces` between the two kinds, `(src region,
+src offset, dst region, dst offset, length)`, cut to at most one chunk), so the
 descriptors of *every* block of both pools are known before any request: a
 `PreparedEdge` registers them once with NIXL (`prep_xfer_dlist`: the local list
 per edge, the remote list per edge and peer agent, i.e. per endpoint epoch), and
 a chunk is then two index arrays (`make_prepped_xfer`) instead of two freshly
 built descriptor lists. NIXL merges indices that are contiguous on both sides,
 so adjacent blocks still travel as one region. `plan_chunks` produces both
-forms of every chunk: the index arrays and the absolute regions (merged where
-contiguous), which the built path (`initialize_xfer`) posts when the peer's
-buffer geometry is not known yet; the bytes moved are identical.
+forms of every chunk: the index arrays and, given both sides' region tables,
+the absolute regions (merged where contiguous and in one region on both sides;
+`resolve_regions` fills them in later), which the built path
+(`initialize_xfer`) posts when prepared lists are off or failed; the bytes
+moved are identical.
 
 `FaultyTransport` wraps a real transport for tests: it can defer the real post
 of a chunk (so the real bytes land *later*, after a cancel), fail a chunk, or
@@ -453,29 +460,30 @@ def plan_chunks(
     if any(p[4] > chunk_bytes for p in pieces):
         raise DataPlaneError(f"a piece is larger than the chunk size {chunk_bytes}")
     per_block = len(pieces)
+    if not per_block or not len(pairs):
+        return []
+    # Row k = pair i, piece j (k = i * per_block + j), in transfer order.
+    blocks = np.array(pairs, dtype=np.int64).reshape(-1, 2)
+    j = np.arange(per_block, dtype=np.int64)
+    local = (blocks[:, 0:1] * per_block + j).reshape(-1)
+    remote = (blocks[:, 1:2] * per_block + j).reshape(-1)
+    lengths = np.tile(np.array([p[4] for p in pieces], dtype=np.int64), len(blocks))
+    cum = np.concatenate(([0], np.cumsum(lengths)))
     plans: list[ChunkPlan] = []
-    local: list[int] = []
-    remote: list[int] = []
-    size = 0
-
-    def close() -> None:
-        nonlocal local, remote, size
-        plan = ChunkPlan((), np.asarray(local, dtype=np.int32), np.asarray(remote, dtype=np.int32), size)
+    start, total = 0, len(lengths)
+    while start < total:
+        # Greedy: the longest run from `start` of at most chunk_bytes (>= 1 piece).
+        end = max(int(np.searchsorted(cum, cum[start] + chunk_bytes, side="right")) - 1, start + 1)
+        plan = ChunkPlan(
+            (),
+            local[start:end].astype(np.int32),
+            remote[start:end].astype(np.int32),
+            int(cum[end] - cum[start]),
+        )
         if src_regions is not None and dst_regions is not None:
             plan = resolve_regions(plan, pieces, src_regions, dst_regions)
         plans.append(plan)
-        local, remote, size = [], [], 0
-
-    for ctx_block, gen_block in pairs:
-        for j, piece in enumerate(pieces):
-            length = piece[4]
-            if size and size + length > chunk_bytes:
-                close()
-            local.append(ctx_block * per_block + j)
-            remote.append(gen_block * per_block + j)
-            size += length
-    if size:
-        close()
+        start = end
     return plans
 
 

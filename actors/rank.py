@@ -1031,11 +1031,10 @@ class CtxRankCore(RankCore):
     side: CtxRank
 
     def __init__(self, config: RankConfig, epoch: int, *, tensors: Sequence[torch.Tensor] | None = None) -> None:
-        # The data plane: per edge ticket, its chunk plans and, when the OPEN's
-        # blocks were checked against the GEN's registered buffer, that
-        # buffer's geometry (which the prepared lists are built from).
-        # The OPEN's block descriptors stay for a check at post time when the
-        # GEN's geometry was not known at receipt.
+        # The data plane: per edge ticket, its chunk plans, the GEN geometry
+        # its OPEN's blocks were checked against (None: not yet, it was not
+        # known at receipt; `_gen_geometry` checks them at post time) and
+        # those block descriptors.
         self._chunks: dict[ContextTicket, tuple[list[ChunkPlan], BufferGeometry | None, Any]] = {}
         self._geometry: dict[str, BufferGeometry] = {}  # peer agent name -> its buffer
         self._pieces: dict[tuple[tuple[int, int], int], tuple[Piece, ...]] = {}
@@ -1272,6 +1271,7 @@ class CtxRankCore(RankCore):
             for b in blocks:
                 if not (b.block < geometry.num_blocks and b.length == geometry.block_bytes and b.addr == geometry.block_addr(b.block)):
                     raise DataPlaneError(f"OPEN block {b.block} at {b.addr:#x} is not a block of {peer}'s registered regions")
+            self._chunks[ticket] = (self._chunks[ticket][0], geometry, blocks)  # checked once
         return geometry
 
     # -- benchmark baselines (same agent, same buffers, same descriptors) -----------------
