@@ -2,9 +2,13 @@
 
 Theory of operation (docs/design.md "Lifecycle", "Cancellation", "Data plane modes").
 
-A rank owns one `KVBuffer`: a single preallocated, NIXL-registered region of
-`num_blocks * block_bytes` bytes (a torch tensor on `cuda` when the rank has a
-GPU, host memory otherwise). Blocks are addressed by index; the protocol layer
+A rank owns one `KVMemory`: one or more preallocated, NIXL-registered regions
+laid out as its memory kind says (`topology/_memory.py`: "blocked" is one
+region of `num_blocks * block_bytes`; "paged", "paged_hnd" and "split" are one
+tensor per layer or per layer and K/V), torch tensors on `cuda` when the rank
+has a GPU, host memory otherwise, the engine's own or allocated here
+(`KVMemory.from_tensors`, `KVMemory.allocate`; `KVBuffer` is the blocked kind
+without a layout). Blocks are addressed by index; the protocol layer
 (`kvhandoff.protocol` pools) decides who owns which block and when it may be
 reused. This module never decides that: it moves bytes and reports what it saw.
 
@@ -25,16 +29,19 @@ chunks one by one, so a cancel stops posting between chunks and only drains what
 is already posted (`Chunk.poll()` to DONE or ERR within the transfer timeout).
 
 Prepared descriptor lists. An edge moves the same byte pieces of every block
-(`edge_pieces`: the shard map's segments, cut to at most one chunk), so the
+(`edge_pieces`: `topology.memory_pieces` between the two kinds, `(src region,
+src offset, dst region, dst offset, length)`, cut to at most one chunk), so the
 descriptors of *every* block of both pools are known before any request: a
 `PreparedEdge` registers them once with NIXL (`prep_xfer_dlist`: the local list
 per edge, the remote list per edge and peer agent, i.e. per endpoint epoch), and
 a chunk is then two index arrays (`make_prepped_xfer`) instead of two freshly
 built descriptor lists. NIXL merges indices that are contiguous on both sides,
 so adjacent blocks still travel as one region. `plan_chunks` produces both
-forms of every chunk: the index arrays and the absolute regions (merged where
-contiguous), which the built path (`initialize_xfer`) posts when the peer's
-buffer geometry is not known yet; the bytes moved are identical.
+forms of every chunk: the index arrays and, given both sides' region tables,
+the absolute regions (merged where contiguous and in one region on both sides;
+`resolve_regions` fills them in later), which the built path
+(`initialize_xfer`) posts when prepared lists are off or failed; the bytes
+moved are identical.
 
 `FaultyTransport` wraps a real transport for tests: it can defer the real post
 of a chunk (so the real bytes land *later*, after a cancel), fail a chunk, or
@@ -53,6 +60,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvhandoff.topology import (
+    KVLayout,
+    UnknownMemoryKindError,
+    block_bytes,
+    check_memory_kind,
+    heads_per_rank,
+    memory_regions,
+)
+
 log = logging.getLogger("kvhandoff.dataplane")
 
 __all__ = [
@@ -60,6 +76,9 @@ __all__ = [
     "XferState",
     "Region",
     "KVBuffer",
+    "KVMemory",
+    "MemoryLayoutError",
+    "resolve_regions",
     "NixlTransport",
     "Chunk",
     "FaultPlan",
@@ -89,69 +108,272 @@ Region = tuple[int, int, int]
 
 
 class BufferGeometry(NamedTuple):
-    """Where a rank's block pool lives: what a peer needs to address any block."""
+    """Where a rank's block pool lives: what a peer needs to address any block.
+
+    `regions` lists `(base, block stride)` of every registered region (memory
+    kinds, `topology/_memory.py`); empty means one region `(base, block_bytes)`.
+    `block_bytes` is always the *logical* block size (`block_bytes(layout,
+    tp)`), `base` the start of region 0, `kind` the memory kind."""
 
     base: int
     num_blocks: int
     block_bytes: int
     mem_kind: str  # "DRAM" or "VRAM"
     device_id: int
+    regions: tuple[tuple[int, int], ...] = ()
+    kind: str = "blocked"
+
+    def region_table(self) -> tuple[tuple[int, int], ...]:
+        """`(base, block stride)` of every region, region 0 first."""
+        return self.regions or ((self.base, self.block_bytes),)
 
     def block_addr(self, block: int) -> int:
+        """The address of `block` in region 0."""
         if not 0 <= block < self.num_blocks:
             raise DataPlaneError(f"block {block} outside pool of {self.num_blocks}")
-        return self.base + block * self.block_bytes
+        base, stride = self.region_table()[0]
+        return base + block * stride
 
 
-class KVBuffer:
-    """One rank's preallocated block pool memory, registered with NIXL once."""
+class MemoryLayoutError(DataPlaneError):
+    """Engine-provided KV tensors that do not match the memory kind, layout and
+    TP they were given for (count, shape, dtype bytes, contiguity, device,
+    number of blocks). Nothing was registered or changed."""
+
+
+def _region_shape(kind: str, layout: KVLayout, hl: int) -> tuple[int, ...]:
+    """The shape of one region's tensor after its block dimension."""
+    L, T, D = layout.num_layers, layout.tokens_per_block, layout.head_dim
+    if kind == "blocked":
+        return (L, 2, hl, T, D)
+    if kind == "paged":
+        return (2, T, hl, D)
+    if kind == "paged_hnd":
+        return (2, hl, T, D)
+    return (T, hl, D)  # split
+
+
+class KVMemory:
+    """One rank's KV memory: one or more registered regions (memory kinds,
+    `topology/_memory.py`), each a contiguous tensor of `num_blocks` blocks of
+    its block stride. Registered with NIXL once, all regions (`NixlTransport`).
+
+    `read_blocks` / `write_blocks` / `fill_blocks` move whole *logical* blocks
+    (the blocked byte order `[layer][kv][local head][token][head_dim]`,
+    `block_bytes` bytes each) between a uint8 tensor and their physical places:
+    the synthetic prefill, the verification and the poison go through them, so
+    they are the same for every kind."""
+
+    def __init__(
+        self,
+        kind: str,
+        tensors: Sequence[torch.Tensor],
+        num_blocks: int,
+        block_bytes: int,
+        layout: KVLayout | None = None,
+        local_heads: int = 0,
+    ) -> None:
+        self.kind = kind
+        self.tensors = list(tensors)  # as given (engine dtypes): what NIXL registers
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.layout = layout
+        self.local_heads = local_heads
+        # uint8 [num_blocks, stride] views of the same memory, one per region.
+        self.flat = [t.view(-1).view(torch.uint8).view(num_blocks, -1) for t in self.tensors]
+        self.strides = [f.shape[1] for f in self.flat]
+        self.bases = [t.data_ptr() for t in self.tensors]
+        first = self.tensors[0]
+        self.device = str(first.device)
+        self.tensor = self.flat[0].view(-1)  # region 0, flat (the blocked pool)
+        self.base = self.bases[0]
+        self.mem_kind = "VRAM" if first.is_cuda else "DRAM"
+        self.device_id = first.get_device() if first.is_cuda else 0
+
+    # -- construction -----------------------------------------------------------
+    @classmethod
+    def allocate(
+        cls, kind: str, layout: KVLayout, tp: int, num_blocks: int, device: str = "cpu"
+    ) -> KVMemory:
+        """Zeroed regions of `kind` for `num_blocks` blocks (the synthetic path)."""
+        kind = _check_kind(kind)
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise DataPlaneError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        hl = heads_per_rank(layout, tp)
+        shape = _region_shape(kind, layout, hl)
+        row = layout.head_dim * layout.dtype_bytes
+        tensors = [
+            torch.zeros((num_blocks, *shape[:-1], row), dtype=torch.uint8, device=device)
+            for _ in range(memory_regions(kind, layout))
+        ]
+        return cls(kind, tensors, num_blocks, block_bytes(layout, tp), layout, hl)
+
+    @classmethod
+    def from_tensors(
+        cls, kind: str, layout: KVLayout, tp: int, tensors: Sequence[torch.Tensor]
+    ) -> KVMemory:
+        """The engine's own KV tensors as a rank's memory, checked: `kind`'s
+        count and shapes (`[num_blocks, ...]`, see `topology/_memory.py`), the
+        layout's dtype bytes, contiguous, one device, one `num_blocks`, no two
+        overlapping. `MemoryLayoutError` otherwise; nothing is changed."""
+        kind = _check_kind(kind)
+        hl = heads_per_rank(layout, tp)
+        want = memory_regions(kind, layout)
+        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+            raise MemoryLayoutError(f"tensors must be a sequence of {want} tensors")
+        tensors = list(tensors)
+        if len(tensors) != want:
+            raise MemoryLayoutError(f"memory kind {kind!r} needs {want} tensors, got {len(tensors)}")
+        shape = _region_shape(kind, layout, hl)
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise MemoryLayoutError(f"tensors[{i}] is a {type(t).__name__}, not a torch.Tensor")
+        nb = tensors[0].shape[0] if tensors[0].dim() else 0
+        for i, t in enumerate(tensors):
+            if t.element_size() != layout.dtype_bytes:
+                raise MemoryLayoutError(
+                    f"tensors[{i}] has {t.element_size()}-byte elements, the layout's "
+                    f"{layout.dtype} has {layout.dtype_bytes}"
+                )
+            if tuple(t.shape[1:]) != shape or t.dim() != len(shape) + 1:
+                raise MemoryLayoutError(
+                    f"tensors[{i}] has shape {tuple(t.shape)}, {kind!r} needs [num_blocks, *{shape}]"
+                )
+            if t.shape[0] != nb or nb <= 0:
+                raise MemoryLayoutError(f"tensors[{i}] has {t.shape[0]} blocks, tensors[0] {nb}")
+            if not t.is_contiguous():
+                raise MemoryLayoutError(f"tensors[{i}] is not contiguous")
+            if t.device != tensors[0].device:
+                raise MemoryLayoutError(f"tensors[{i}] is on {t.device}, tensors[0] on {tensors[0].device}")
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+        if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+            raise MemoryLayoutError("two tensors share memory")
+        return cls(kind, tensors, nb, block_bytes(layout, tp), layout, hl)
+
+    # -- addresses ---------------------------------------------------------------
+    def block_addr(self, block: int) -> int:
+        """The address of `block` in region 0."""
+        if not 0 <= block < self.num_blocks:
+            raise DataPlaneError(f"block {block} outside pool of {self.num_blocks}")
+        return self.base + block * self.strides[0]
+
+    def region_table(self) -> tuple[tuple[int, int], ...]:
+        return tuple(zip(self.bases, self.strides))
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * sum(self.strides)
+
+    def geometry(self) -> BufferGeometry:
+        table = self.region_table()
+        regions = () if table == ((self.base, self.block_bytes),) else table
+        return BufferGeometry(
+            self.base, self.num_blocks, self.block_bytes, self.mem_kind, self.device_id, regions, self.kind
+        )
+
+    # -- logical blocks ------------------------------------------------------------
+    def block_view(self, block: int) -> torch.Tensor:
+        """Block `block` of a blocked memory, in place (other kinds: `read_blocks`)."""
+        if self.kind != "blocked":
+            raise DataPlaneError(f"block_view needs the blocked kind, this memory is {self.kind!r}")
+        return self.flat[0][block]
+
+    def _index(self, blocks: Sequence[int]) -> torch.Tensor:
+        idx = torch.as_tensor(list(blocks), dtype=torch.long)
+        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self.num_blocks):
+            raise DataPlaneError(f"blocks {list(blocks)} outside pool of {self.num_blocks}")
+        return idx.to(self.flat[0].device)
+
+    def _dims(self) -> tuple[int, int, int, int]:
+        assert self.layout is not None
+        lo = self.layout
+        return lo.num_layers, self.local_heads, lo.tokens_per_block, lo.head_dim * lo.dtype_bytes
+
+    def read_blocks(self, blocks: Sequence[int]) -> torch.Tensor:
+        """A copy of `blocks`, logical order: uint8 `[len(blocks), block_bytes]`."""
+        idx = self._index(blocks)
+        n = len(idx)
+        if self.kind == "blocked":
+            return self.flat[0][idx]
+        L, hl, T, R = self._dims()
+        out = torch.empty((n, L, 2, hl, T, R), dtype=torch.uint8, device=self.flat[0].device)
+        for layer in range(L):
+            if self.kind == "paged":
+                out[:, layer] = self.flat[layer][idx].view(n, 2, T, hl, R).permute(0, 1, 3, 2, 4)
+            elif self.kind == "paged_hnd":
+                out[:, layer] = self.flat[layer][idx].view(n, 2, hl, T, R)
+            else:
+                for kv in (0, 1):
+                    phys = self.flat[2 * layer + kv][idx].view(n, T, hl, R)
+                    out[:, layer, kv] = phys.permute(0, 2, 1, 3)
+        return out.view(n, -1)
+
+    def write_blocks(self, blocks: Sequence[int], data: torch.Tensor) -> None:
+        """Write logical blocks (uint8 `[len(blocks), block_bytes]`) to their places."""
+        idx = self._index(blocks)
+        n = len(idx)
+        if tuple(data.shape) != (n, self.block_bytes) or data.dtype != torch.uint8:
+            raise DataPlaneError(f"need uint8 [{n}, {self.block_bytes}], got {data.dtype} {tuple(data.shape)}")
+        data = data.to(self.flat[0].device)
+        if self.kind == "blocked":
+            self.flat[0][idx] = data
+            return
+        L, hl, T, R = self._dims()
+        d = data.view(n, L, 2, hl, T, R)
+        for layer in range(L):
+            if self.kind == "paged":
+                self.flat[layer][idx] = d[:, layer].permute(0, 1, 3, 2, 4).reshape(n, -1)
+            elif self.kind == "paged_hnd":
+                self.flat[layer][idx] = d[:, layer].reshape(n, -1)
+            else:
+                for kv in (0, 1):
+                    self.flat[2 * layer + kv][idx] = d[:, layer, kv].permute(0, 2, 1, 3).reshape(n, -1)
+
+    def fill_blocks(self, blocks: Sequence[int], value: int) -> None:
+        """Fill every byte of `blocks`, in every region, with `value`."""
+        idx = self._index(blocks)
+        for flat in self.flat:
+            flat[idx] = value
+
+
+class KVBuffer(KVMemory):
+    """The blocked kind without a layout: one region of `num_blocks` blocks of
+    `block_bytes` (benchmarks and tests that move raw bytes)."""
 
     def __init__(self, num_blocks: int, block_bytes: int, device: str = "cpu") -> None:
         if num_blocks <= 0 or block_bytes <= 0:
             raise DataPlaneError(f"bad buffer shape: {num_blocks} blocks of {block_bytes} bytes")
-        self.num_blocks = num_blocks
-        self.block_bytes = block_bytes
-        self.device = device
-        self.tensor = torch.zeros(num_blocks * block_bytes, dtype=torch.uint8, device=device)
-        self.base = self.tensor.data_ptr()
-        self.mem_kind = "VRAM" if self.tensor.is_cuda else "DRAM"
-        self.device_id = self.tensor.get_device() if self.tensor.is_cuda else 0
-
-    def block_addr(self, block: int) -> int:
-        if not 0 <= block < self.num_blocks:
-            raise DataPlaneError(f"block {block} outside pool of {self.num_blocks}")
-        return self.base + block * self.block_bytes
-
-    def block_view(self, block: int) -> torch.Tensor:
-        start = block * self.block_bytes
-        return self.tensor[start : start + self.block_bytes]
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_blocks * self.block_bytes
-
-    def geometry(self) -> BufferGeometry:
-        return BufferGeometry(
-            self.base, self.num_blocks, self.block_bytes, self.mem_kind, self.device_id
-        )
+        tensor = torch.zeros(num_blocks * block_bytes, dtype=torch.uint8, device=device)
+        super().__init__("blocked", [tensor], num_blocks, block_bytes)
 
 
-#: One piece of an edge's per-block transfer: (offset in the CTX block, offset in
-#: the GEN block, length). The same pieces are moved for every block pair.
-Piece = tuple[int, int, int]
+def _check_kind(kind: object) -> str:
+    try:
+        return check_memory_kind(kind)
+    except UnknownMemoryKindError as exc:
+        raise MemoryLayoutError(str(exc)) from exc
 
 
-def edge_pieces(segments: Sequence[tuple[int, int, int]], max_piece: int) -> tuple[Piece, ...]:
-    """An edge's segments `(src_offset, dst_offset, length)` cut into pieces of at
-    most `max_piece` bytes (one chunk), in order. Every byte is in exactly one piece."""
+#: One piece of an edge's per-block transfer: (CTX region, offset in the CTX
+#: block of that region, GEN region, offset in the GEN block of that region,
+#: length). The same pieces are moved for every block pair.
+Piece = tuple[int, int, int, int, int]
+
+
+def edge_pieces(segments: Sequence[tuple[int, ...]], max_piece: int) -> tuple[Piece, ...]:
+    """An edge's segments cut into pieces of at most `max_piece` bytes (one
+    chunk), in order. A segment is `(src_region, src_offset, dst_region,
+    dst_offset, length)` (`topology.memory_pieces`) or `(src_offset,
+    dst_offset, length)` (region 0 on both sides). Every byte is in exactly one piece."""
     if max_piece <= 0:
         raise DataPlaneError(f"max_piece must be positive, got {max_piece}")
     pieces: list[Piece] = []
-    for src, dst, length in segments:
+    for seg in segments:
+        sr, src, dr, dst, length = seg if len(seg) == 5 else (0, seg[0], 0, seg[1], seg[2])
         if length <= 0:
-            raise DataPlaneError(f"empty segment {(src, dst, length)}")
+            raise DataPlaneError(f"empty segment {seg}")
         for off in range(0, length, max_piece):
-            pieces.append((src + off, dst + off, min(max_piece, length - off)))
+            pieces.append((sr, src + off, dr, dst + off, min(max_piece, length - off)))
     return tuple(pieces)
 
 
@@ -159,7 +381,9 @@ def edge_pieces(segments: Sequence[tuple[int, int, int]], max_piece: int) -> tup
 class ChunkPlan:
     """One chunk of one edge, in both forms NIXL can post."""
 
-    #: Absolute (src, dst, length) regions, merged where contiguous on both sides.
+    #: Absolute (src, dst, length) regions, merged where contiguous on both
+    #: sides (and in one region on both sides); empty until resolved against
+    #: both sides' region tables (`resolve_regions`).
     regions: tuple[Region, ...]
     #: Indices into the edge's prepared local list (ctx block * pieces + piece).
     local: np.ndarray
@@ -168,57 +392,98 @@ class ChunkPlan:
     nbytes: int
 
 
+RegionTable = Sequence[tuple[int, int]]
+
+
+def _piece_arrays(pieces: Sequence[Piece]) -> tuple[np.ndarray, ...]:
+    a = np.array(pieces, dtype=np.uint64).reshape(-1, 5)
+    return a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4]
+
+
+def _addresses(
+    table: RegionTable, region: np.ndarray, offset: np.ndarray, block: np.ndarray
+) -> np.ndarray:
+    t = np.array(table, dtype=np.uint64).reshape(-1, 2)
+    if len(region) and int(region.max()) >= len(t):
+        raise DataPlaneError(f"a piece names region {int(region.max())} of {len(t)}")
+    r = region.astype(np.int64)
+    return t[r, 0] + block * t[r, 1] + offset
+
+
+def resolve_regions(
+    plan: ChunkPlan, pieces: Sequence[Piece], src_regions: RegionTable, dst_regions: RegionTable
+) -> ChunkPlan:
+    """`plan` with its absolute regions, from both sides' region tables `(base,
+    block stride)`: piece j of a block pair goes from `src base[r] + ctx block *
+    stride[r] + offset`; merged where contiguous on both sides and in the same
+    region on both sides (never across two registered regions)."""
+    p = len(pieces)
+    if not p or not len(plan.local):
+        return dataclasses.replace(plan, regions=())
+    sr, so, dr, do, n = _piece_arrays(pieces)
+    local = plan.local.astype(np.int64)
+    remote = plan.remote.astype(np.int64)
+    j = local % p
+    if not np.array_equal(j, remote % p):
+        raise DataPlaneError("local and remote indices name different pieces")
+    src = _addresses(src_regions, sr[j], so[j], (local // p).astype(np.uint64))
+    dst = _addresses(dst_regions, dr[j], do[j], (remote // p).astype(np.uint64))
+    length = n[j]
+    cont = (
+        (src[:-1] + length[:-1] == src[1:])
+        & (dst[:-1] + length[:-1] == dst[1:])
+        & (sr[j][:-1] == sr[j][1:])
+        & (dr[j][:-1] == dr[j][1:])
+    )
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    sums = np.add.reduceat(length, starts)
+    regions = tuple(
+        (int(a), int(b), int(c)) for a, b, c in zip(src[starts], dst[starts], sums)
+    )
+    return dataclasses.replace(plan, regions=regions)
+
+
 def plan_chunks(
     pieces: Sequence[Piece],
-    pairs: Sequence[tuple[int, int, int, int]],
+    pairs: Sequence[tuple[int, int]],
     chunk_bytes: int,
+    src_regions: RegionTable | None = None,
+    dst_regions: RegionTable | None = None,
 ) -> list[ChunkPlan]:
-    """Group an edge's pieces over `pairs` = [(ctx block, ctx block address, gen
-    block, gen block address)], in transfer order, into chunks of at most
-    `chunk_bytes` (pieces are never cut: `edge_pieces` already bounds them).
-    Every byte of every pair is in exactly one chunk."""
+    """Group an edge's pieces over `pairs` = [(ctx block, gen block)], in
+    transfer order, into chunks of at most `chunk_bytes` (pieces are never cut:
+    `edge_pieces` already bounds them). Every byte of every pair is in exactly
+    one chunk. With both sides' region tables the absolute regions are filled
+    in too (`resolve_regions`); without, only the prepared-list indices."""
     if chunk_bytes <= 0:
         raise DataPlaneError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    if any(n > chunk_bytes for _, _, n in pieces):
+    if any(p[4] > chunk_bytes for p in pieces):
         raise DataPlaneError(f"a piece is larger than the chunk size {chunk_bytes}")
     per_block = len(pieces)
+    if not per_block or not len(pairs):
+        return []
+    # Row k = pair i, piece j (k = i * per_block + j), in transfer order.
+    blocks = np.array(pairs, dtype=np.int64).reshape(-1, 2)
+    j = np.arange(per_block, dtype=np.int64)
+    local = (blocks[:, 0:1] * per_block + j).reshape(-1)
+    remote = (blocks[:, 1:2] * per_block + j).reshape(-1)
+    lengths = np.tile(np.array([p[4] for p in pieces], dtype=np.int64), len(blocks))
+    cum = np.concatenate(([0], np.cumsum(lengths)))
     plans: list[ChunkPlan] = []
-    regions: list[Region] = []
-    local: list[int] = []
-    remote: list[int] = []
-    size = 0
-
-    def close() -> None:
-        nonlocal regions, local, remote, size
-        plans.append(
-            ChunkPlan(
-                tuple(regions),
-                np.asarray(local, dtype=np.int32),
-                np.asarray(remote, dtype=np.int32),
-                size,
-            )
+    start, total = 0, len(lengths)
+    while start < total:
+        # Greedy: the longest run from `start` of at most chunk_bytes (>= 1 piece).
+        end = max(int(np.searchsorted(cum, cum[start] + chunk_bytes, side="right")) - 1, start + 1)
+        plan = ChunkPlan(
+            (),
+            local[start:end].astype(np.int32),
+            remote[start:end].astype(np.int32),
+            int(cum[end] - cum[start]),
         )
-        regions, local, remote, size = [], [], [], 0
-
-    for ctx_block, ctx_addr, gen_block, gen_addr in pairs:
-        for j, (src_off, dst_off, length) in enumerate(pieces):
-            if size and size + length > chunk_bytes:
-                close()
-            src, dst = ctx_addr + src_off, gen_addr + dst_off
-            if (
-                regions
-                and regions[-1][0] + regions[-1][2] == src
-                and regions[-1][1] + regions[-1][2] == dst
-            ):
-                p_src, p_dst, p_len = regions[-1]
-                regions[-1] = (p_src, p_dst, p_len + length)
-            else:
-                regions.append((src, dst, length))
-            local.append(ctx_block * per_block + j)
-            remote.append(gen_block * per_block + j)
-            size += length
-    if size:
-        close()
+        if src_regions is not None and dst_regions is not None:
+            plan = resolve_regions(plan, pieces, src_regions, dst_regions)
+        plans.append(plan)
+        start = end
     return plans
 
 
@@ -267,16 +532,16 @@ class Chunk:
 
 
 class NixlTransport:
-    """One NIXL agent over UCX, plus the registration of one KVBuffer."""
+    """One NIXL agent over UCX, plus the registration of one KVMemory (every region)."""
 
-    def __init__(self, agent_name: str, buffer: KVBuffer) -> None:
+    def __init__(self, agent_name: str, buffer: KVMemory) -> None:
         from kvhandoff.actors._nixl import nixl_agent, nixl_agent_config
 
         self.name = agent_name
         self.buffer = buffer
         # One asyncio actor thread drives the agent; keep the progress thread for UCX.
         self.agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
-        self.registration = self.agent.register_memory(buffer.tensor)
+        self.registration = self.agent.register_memory(buffer.tensors)
         self.peers: set[str] = set()
         # Prepared descriptor lists: local per piece layout, remote per (peer, layout).
         self._local_lists: dict[tuple[Piece, ...], object] = {}
@@ -310,15 +575,17 @@ class NixlTransport:
         self, geometry: BufferGeometry, pieces: Sequence[Piece], side: int
     ) -> np.ndarray:
         # Row (block * len(pieces) + j) addresses piece j of `block`; `side` picks
-        # the piece's offset in the CTX (0) or GEN (1) block.
-        offsets = np.array([p[side] for p in pieces], dtype=np.uint64)
-        lengths = np.array([p[2] for p in pieces], dtype=np.uint64)
-        bases = geometry.base + np.arange(geometry.num_blocks, dtype=np.uint64) * np.uint64(
-            geometry.block_bytes
-        )
+        # the piece's (region, offset) in the CTX (0) or GEN (1) block.
+        sr, so, dr, do, n = _piece_arrays(pieces)
+        region, offset = (sr, so) if side == 0 else (dr, do)
+        table = np.array(geometry.region_table(), dtype=np.uint64).reshape(-1, 2)
+        r = region.astype(np.int64)
+        starts = table[r, 0] + offset  # piece j of block 0
+        strides = table[r, 1]
+        blocks = np.arange(geometry.num_blocks, dtype=np.uint64)
         descs = np.empty((geometry.num_blocks * len(pieces), 3), dtype=np.uint64)
-        descs[:, 0] = (bases[:, None] + offsets[None, :]).reshape(-1)
-        descs[:, 1] = np.tile(lengths, geometry.num_blocks)
+        descs[:, 0] = (starts[None, :] + blocks[:, None] * strides[None, :]).reshape(-1)
+        descs[:, 1] = np.tile(n, geometry.num_blocks)
         descs[:, 2] = geometry.device_id
         return descs
 
@@ -329,19 +596,22 @@ class NixlTransport:
             return found
         if peer not in self.peers:
             raise DataPlaneError(f"unknown peer agent {peer!r}")
+        ours, theirs = self.buffer.geometry().region_table(), their.region_table()
         if any(
-            src + n > self.buffer.block_bytes or dst + n > their.block_bytes
-            for src, dst, n in pieces
+            not (0 <= sr < len(ours) and 0 <= dr < len(theirs))
+            or so + n > ours[sr][1]
+            or do + n > theirs[dr][1]
+            for sr, so, dr, do, n in pieces
         ):
             raise DataPlaneError("a piece falls outside a block")
         local = self._local_lists.get(pieces)
         try:
             if local is None:
-                ours = self._piece_descs(self.buffer.geometry(), pieces, 0)
-                local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", ours, self.buffer.mem_kind)
+                descs = self._piece_descs(self.buffer.geometry(), pieces, 0)
+                local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self.buffer.mem_kind)
                 self._local_lists[pieces] = local
-            theirs = self._piece_descs(their, pieces, 1)
-            remote = self.agent.prep_xfer_dlist(peer, theirs, their.mem_kind)
+            descs = self._piece_descs(their, pieces, 1)
+            remote = self.agent.prep_xfer_dlist(peer, descs, their.mem_kind)
         except Exception as exc:
             raise DataPlaneError(
                 f"NIXL could not prepare descriptor lists for {peer}: {exc}"
@@ -504,7 +774,7 @@ class FaultyTransport(NixlTransport):
     whether a chunk is reported failed, is changed.
     """
 
-    def __init__(self, agent_name: str, buffer: KVBuffer, plan: FaultPlan | None = None) -> None:
+    def __init__(self, agent_name: str, buffer: KVMemory, plan: FaultPlan | None = None) -> None:
         super().__init__(agent_name, buffer)
         self.plan = plan or FaultPlan()
         self._count = 0

@@ -87,6 +87,7 @@ from kvhandoff.topology import (
     TopologySpec,
     block_bytes,
     blocks_for_tokens,
+    check_memory_kind,
     qualify_pair,
     shard_map,
     topology_digest,
@@ -264,6 +265,7 @@ class Deployment:
         ctx_overrides: dict[str, Any] | None = None,
         gen_overrides: dict[str, Any] | None = None,
         name: str | None = None,
+        memory_kind: str = "blocked",
     ) -> Deployment:
         """Start the actors on the current Ray cluster (`ray.init()` it first, or
         let this call start a local one).
@@ -287,7 +289,10 @@ class Deployment:
         the ranks' agents; each rank then polls every 0.5 ms while it holds a
         live request). docs/benchmarks.md measures both: notifications are
         ~50x faster per hop on a many-core host, Ray calls have the better
-        tail on a small, busy one."""
+        tail on a small, busy one.
+
+        `memory_kind` lays every rank's KV out as an engine would
+        (topology/_memory.py: "blocked", "paged", "paged_hnd", "split")."""
         self = cls()
         self.name = name or f"kvh-{uuid.uuid4().hex[:8]}"
         plans = self._plan(
@@ -309,6 +314,7 @@ class Deployment:
             control_frames=control_frames,
             ctx_overrides=ctx_overrides,
             gen_overrides=gen_overrides,
+            memory_kind=memory_kind,
         )
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
@@ -347,6 +353,7 @@ class Deployment:
         control_frames: Any,
         ctx_overrides: dict[str, Any] | None,
         gen_overrides: dict[str, Any] | None,
+        memory_kind: Any = "blocked",
     ) -> list[tuple[TopologySpec, list[RankConfig], list[dict[str, Any]]]]:
         """Everything that can be checked without an actor: the specs, the
         shard map, the rank configs. Raises `InvalidConfig`."""
@@ -373,6 +380,10 @@ class Deployment:
             )
         if control_frames not in ("ray", "nixl"):
             raise InvalidConfig(f"control_frames must be 'ray' or 'nixl', got {_short(control_frames)}")
+        try:
+            check_memory_kind(memory_kind)
+        except TopologyError as exc:
+            raise InvalidConfig(str(exc)) from None
         try:
             mem = MemoryKind(memory)
         except ValueError:
@@ -414,6 +425,7 @@ class Deployment:
                     synthetic=synthetic,
                     prepared_descriptors=prepared_descriptors,
                     frames=control_frames,
+                    memory_kind=memory_kind,
                 )
                 for r in range(spec.tp)
             ]

@@ -105,6 +105,7 @@ def _config(plan: EnginePlan, role: Role, rank: int, tensors: Sequence[torch.Ten
         synthetic=False,
         frames=plan.control_frames,
         memory_kind=plan.ctx_memory if role is Role.CTX else plan.gen_memory,
+        peer_memory_kind=plan.gen_memory if role is Role.CTX else plan.ctx_memory,
         restartable=False,
     )
 

@@ -82,6 +82,7 @@ import inspect
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import msgspec
@@ -96,12 +97,13 @@ from kvhandoff.actors._dataplane import (
     DataPlaneError,
     FaultPlan,
     FaultyTransport,
-    KVBuffer,
+    KVMemory,
     NixlTransport,
     Piece,
     XferState,
     edge_pieces,
     plan_chunks,
+    resolve_regions,
 )
 from kvhandoff.actors._frames import NixlNotifChannel
 from kvhandoff.actors._member import RoundMember, RoundParticipant, VoteNews
@@ -171,6 +173,7 @@ from kvhandoff.topology import (
     block_bytes,
     blocks_for_tokens,
     heads_per_rank,
+    memory_pieces,
     shard_map,
     topology_digest,
 )
@@ -240,6 +243,11 @@ class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: not ours to restart: it stops admitting instead, and its quarantined
     #: blocks come back only through a proof of quiescence (reclaim).
     restartable: bool = True
+    #: Where this rank's KV lives (topology/_memory.py): "blocked", "paged",
+    #: "paged_hnd" or "split"; `peer_memory_kind` is the other instance's
+    #: (None: the same). The CTX plans its pieces from both.
+    memory_kind: str = "blocked"
+    peer_memory_kind: str | None = None
 
 
 def agent_name(deployment: str, ns: RankNamespace, epoch: int) -> str:
@@ -258,7 +266,7 @@ class RankCore(RoundParticipant):
     peer_role: ClassVar[Role]
     side: CtxRank | GenRank
 
-    def __init__(self, config: RankConfig, epoch: int) -> None:
+    def __init__(self, config: RankConfig, epoch: int, *, tensors: Sequence[torch.Tensor] | None = None) -> None:
         spec, peer = config.spec, config.peer_spec
         if spec.role is not self.role:
             raise ValueError(f"{type(self).__name__} is a {self.role.value} rank; its config is {spec.role.value}")
@@ -273,7 +281,13 @@ class RankCore(RoundParticipant):
         self.shards = shard_map(config.layout, ctx_spec.tp, gen_spec.tp)
         self.block_bytes = block_bytes(config.layout, spec.tp)
         self.local_heads = heads_per_rank(config.layout, spec.tp)
-        self.buffer = KVBuffer(config.pool_blocks, self.block_bytes, config.device)
+        # Our KV memory: the engine's tensors (checked), or allocated for the synthetic path.
+        if tensors is not None:
+            self.buffer = KVMemory.from_tensors(config.memory_kind, config.layout, spec.tp, tensors)
+            if self.buffer.num_blocks != config.pool_blocks:
+                raise DataPlaneError(f"tensors hold {self.buffer.num_blocks} blocks, pool_blocks is {config.pool_blocks}")
+        else:
+            self.buffer = KVMemory.allocate(config.memory_kind, config.layout, spec.tp, config.pool_blocks, config.device)
         self.pool = BlockPool(config.pool_blocks)
         name = agent_name(config.deployment, self.ns, epoch)
         if config.fault_plan is not None:
@@ -1050,18 +1064,19 @@ class CtxRankCore(RankCore):
     peer_role = Role.GEN
     side: CtxRank
 
-    def __init__(self, config: RankConfig, epoch: int) -> None:
-        # The data plane: per edge ticket, its chunk plans and, when the OPEN's
-        # blocks were checked against the GEN's registered buffer, that
-        # buffer's geometry (which the prepared lists are built from).
-        self._chunks: dict[ContextTicket, tuple[list[ChunkPlan], BufferGeometry | None]] = {}
+    def __init__(self, config: RankConfig, epoch: int, *, tensors: Sequence[torch.Tensor] | None = None) -> None:
+        # The data plane: per edge ticket, its chunk plans, the GEN geometry
+        # its OPEN's blocks were checked against (None: not yet, it was not
+        # known at receipt; `_gen_geometry` checks them at post time) and
+        # those block descriptors.
+        self._chunks: dict[ContextTicket, tuple[list[ChunkPlan], BufferGeometry | None, Any]] = {}
         self._geometry: dict[str, BufferGeometry] = {}  # peer agent name -> its buffer
         self._pieces: dict[tuple[tuple[int, int], int], tuple[Piece, ...]] = {}
         self._in_flight: dict[tuple[ContextTicket, int], Chunk] = {}
         self._peer_agent: dict[ContextTicket, str] = {}
         # Data phase per parent: [first post, last DONE, bytes] (perf_counter), bounded.
         self._xfer: collections.OrderedDict[ParentKey, list[float]] = collections.OrderedDict()
-        super().__init__(config, epoch)  # last: it registers this rank
+        super().__init__(config, epoch, tensors=tensors)  # last: it registers this rank
 
     # -- the role's hooks ---------------------------------------------------------------
 
@@ -1111,7 +1126,10 @@ class CtxRankCore(RankCore):
         geometry = self._geometry.get(message.buffer.agent_name)
         peer = None
         if geometry is not None:
-            peer = PeerBuffer(message.buffer.agent_name, geometry.base, geometry.block_bytes, geometry.num_blocks)
+            peer = PeerBuffer(
+                message.buffer.agent_name, geometry.base, geometry.block_bytes, geometry.num_blocks,
+                block_stride=geometry.region_table()[0][1],
+            )
         actions = self.side.receive_open(
             message,
             now,
@@ -1120,7 +1138,7 @@ class CtxRankCore(RankCore):
             block_bytes=self.shards.gen_block_bytes,
             peer=peer,
         )
-        self._chunks[message.ticket] = (chunks, geometry)
+        self._chunks[message.ticket] = (chunks, geometry, message.buffer.blocks)
         self._peer_agent[message.ticket] = message.buffer.agent_name
         return actions
 
@@ -1197,7 +1215,7 @@ class CtxRankCore(RankCore):
         key = (edge, size)
         pieces = self._pieces.get(key)
         if pieces is None:
-            segments = [(g.src_offset, g.dst_offset, g.length) for g in self.shards.segments(edge)]
+            segments = memory_pieces(self.shards, edge, self.config.memory_kind, self._gen_kind)
             pieces = self._pieces[key] = edge_pieces(segments, size)
         return pieces
 
@@ -1211,10 +1229,9 @@ class CtxRankCore(RankCore):
         if ticket.ctx != self.our or not self.pool.holds(ticket.parent):
             # The protocol refuses it with a precise error (stale, unknown).
             return [ChunkPlan((), np.zeros(0, np.int32), np.zeros(0, np.int32), 0)]
-        pairs = [
-            (ref.block, self.buffer.block_addr(ref.block), b.block, b.addr)
-            for ref, b in zip(self.pool.lease_of(ticket.parent), message.buffer.blocks)
-        ]
+        # Block indices only: the addresses come from the GEN's registered
+        # regions at post time (`_gen_geometry`), the OPEN's are checked against them.
+        pairs = [(ref.block, b.block) for ref, b in zip(self.pool.lease_of(ticket.parent), message.buffer.blocks)]
         return plan_chunks(self._edge_pieces(ticket.edge), pairs, self.config.chunk_bytes)
 
     def _record_prepared(self, parent: ParentKey) -> None:
@@ -1228,9 +1245,7 @@ class CtxRankCore(RankCore):
 
     def _prefill(self, parent: ParentKey) -> None:
         lease = self.pool.lease_of(parent)
-        pattern = self._pattern(parent, self.config.rank, len(lease)).to(self.buffer.tensor.device)
-        for j, ref in enumerate(lease):
-            self.buffer.block_view(ref.block).copy_(pattern[j])
+        self.buffer.write_blocks([ref.block for ref in lease], self._pattern(parent, self.config.rank, len(lease)))
 
     # -- the data plane -------------------------------------------------------------------
 
@@ -1248,22 +1263,50 @@ class CtxRankCore(RankCore):
             return None
 
     def _post(self, ticket: ContextTicket, index: int, now: float) -> None:
-        plans, geometry = self._chunks[ticket]
+        plans, _, _ = self._chunks[ticket]
         if ticket.parent not in self._xfer:
             self._xfer[ticket.parent] = [time.perf_counter(), 0.0, 0]  # before the post
             while len(self._xfer) > _OUTCOME_MEMORY:
                 self._xfer.popitem(last=False)
         peer = self._peer_agent[ticket]
         try:
+            geometry = self._gen_geometry(ticket, peer)
             prepared = self._prepared_lists(peer, ticket.edge, geometry)
+            plan = plans[index]
+            if prepared is None:
+                plan = resolve_regions(
+                    plan, self._edge_pieces(ticket.edge), self.buffer.region_table(), geometry.region_table()
+                )
             self.counters["posts_prepared" if prepared is not None else "posts_built"] += 1
-            chunk = self.transport.post(peer, plans[index], prepared=prepared)
+            chunk = self.transport.post(peer, plan, prepared=prepared)
         except Exception as exc:  # nothing was posted: the chunk failed before DMA
             log.warning("rank %s: post failed: %r", self.ns, exc)
             self._perform(self.side.chunk_failed(ticket, index, now))
             return
         self._in_flight[(ticket, index)] = chunk
         self._ensure_polling()
+
+    @property
+    def _gen_kind(self) -> str:
+        return self.config.peer_memory_kind or self.config.memory_kind
+
+    def _gen_geometry(self, ticket: ContextTicket, peer: str) -> BufferGeometry:
+        """The GEN's registered regions as known now (post time), for `ticket`'s
+        OPEN; the OPEN's blocks are checked against them if they were not at
+        receipt. `DataPlaneError` (the chunk fails before any DMA) if unknown
+        or not what the OPEN and our plan assume."""
+        _, checked, blocks = self._chunks[ticket]
+        geometry = self._geometry.get(peer)
+        if geometry is None:
+            raise DataPlaneError(f"the registered regions of {peer!r} are not known")
+        if geometry.kind != self._gen_kind:
+            raise DataPlaneError(f"{peer!r} has memory kind {geometry.kind!r}, the plan is for {self._gen_kind!r}")
+        if checked is None:
+            for b in blocks:
+                if not (b.block < geometry.num_blocks and b.length == geometry.block_bytes and b.addr == geometry.block_addr(b.block)):
+                    raise DataPlaneError(f"OPEN block {b.block} at {b.addr:#x} is not a block of {peer}'s registered regions")
+            self._chunks[ticket] = (self._chunks[ticket][0], geometry, blocks)  # checked once
+        return geometry
 
     # -- benchmark baselines (same agent, same buffers, same descriptors) -----------------
 
@@ -1282,13 +1325,12 @@ class CtxRankCore(RankCore):
         (endpoint, name, metadata, geometry), _ = entry
         self._learn_agent(name, metadata, geometry)
         edge = (self.config.rank, gen_rank)
-        pairs = [
-            (b, self.buffer.block_addr(b), g, geometry.block_addr(g))
-            for b, g in zip(blocks, gen_blocks)
-        ]
+        for b, g in zip(blocks, gen_blocks):  # in both pools (DataPlaneError)
+            self.buffer.block_addr(b), geometry.block_addr(g)
+        pairs = list(zip(blocks, gen_blocks))
         chunk_bytes = chunk_bytes or self.config.chunk_bytes
         pieces = self._edge_pieces(edge, chunk_bytes)
-        chunks = plan_chunks(pieces, pairs, chunk_bytes)
+        chunks = plan_chunks(pieces, pairs, chunk_bytes, self.buffer.region_table(), geometry.region_table())
         use_prepared = self.config.prepared_descriptors if prepared is None else prepared
         lists = self.transport.prepare(name, pieces, geometry) if use_prepared else None
         window = 4  # the protocol's default chunk window
@@ -1316,7 +1358,7 @@ class CtxRankCore(RankCore):
 
     async def copy_bench(self, nbytes: int, repeats: int = 3) -> float:
         """Best seconds of a plain in-process copy of `nbytes` (the physical ceiling)."""
-        n = min(nbytes, self.buffer.nbytes // 2)
+        n = min(nbytes, self.buffer.tensor.numel() // 2)  # within region 0
         src, dst = self.buffer.tensor[:n], self.buffer.tensor[n : 2 * n]
         best = float("inf")
         for _ in range(repeats):
@@ -1340,7 +1382,7 @@ class GenRankCore(RankCore):
     peer_role = Role.CTX
     side: GenRank
 
-    def __init__(self, config: RankConfig, epoch: int) -> None:
+    def __init__(self, config: RankConfig, epoch: int, *, tensors: Sequence[torch.Tensor] | None = None) -> None:
         # Fault injection like `_held` (set through Ray's __ray_call__): installs
         # of these request ids wait here (`_open`).
         self._defer_open: dict[str, list[ParentKey]] = {}
@@ -1348,7 +1390,7 @@ class GenRankCore(RankCore):
         self._release_when_ready: set[ParentKey] = set()
         # Bytes verified per parent, until it is released (`free` answers them).
         self._verified: dict[ParentKey, int] = {}
-        super().__init__(config, epoch)  # last: it registers this rank
+        super().__init__(config, epoch, tensors=tensors)  # last: it registers this rank
 
     # -- the role's hooks ---------------------------------------------------------------
 
@@ -1407,8 +1449,7 @@ class GenRankCore(RankCore):
             # A late write to a freed block shows on the next verify. Only where
             # bytes are verified: filling a 1 GiB request costs ~0.5 s of host
             # memory bandwidth.
-            for ref in blocks:
-                self.buffer.block_view(ref.block).fill_(POISON)
+            self.buffer.fill_blocks([ref.block for ref in blocks], POISON)
         self._verified.pop(parent, None)
 
     def _bytes_ok(self, parent: ParentKey) -> bool:
@@ -1425,8 +1466,9 @@ class GenRankCore(RankCore):
     def _verify(self, parent: ParentKey) -> bool:
         lease = self.pool.lease_of(parent)
         expected = self._pattern(parent, self.config.rank, len(lease)).to(self.buffer.tensor.device)
+        got = self.buffer.read_blocks([ref.block for ref in lease])
         for j, ref in enumerate(lease):
-            if not torch.equal(self.buffer.block_view(ref.block), expected[j]):
+            if not torch.equal(got[j], expected[j]):
                 self.violations.append(f"S2: {parent} block {ref.block} holds foreign bytes")
                 return False
         self._verified[parent] = len(lease) * self.block_bytes

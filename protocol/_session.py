@@ -589,13 +589,18 @@ class LocalOutcome(str, enum.Enum):
 @dataclass(frozen=True, slots=True)
 class PeerBuffer:
     """A GEN rank's registered buffer, as plain data (its NIXL agent, where block 0
-    starts, the block size, how many blocks): every block descriptor of an OPEN
-    naming `agent_name` must be a whole block of it (`CtxRank.receive_open`)."""
+    starts, the block size, how many blocks, the block stride): every block
+    descriptor of an OPEN naming `agent_name` must be a whole block of it
+    (`CtxRank.receive_open`): `addr == base + block * block_stride`, `length ==
+    block_bytes`."""
 
     agent_name: str
     base: int
     block_bytes: int
     num_blocks: int
+    #: Distance between two blocks' addresses (region 0 of a GEN whose KV is in
+    #: several regions: topology/_memory.py); None: `block_bytes`.
+    block_stride: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1242,11 +1247,12 @@ def _check_open_buffer(
         return
     if peer.agent_name != buffer.agent_name:
         raise StaleError("gen agent of the registered buffer", peer.agent_name, buffer.agent_name)
+    stride = peer.block_bytes if peer.block_stride is None else peer.block_stride
     for b in blocks:
         if not (
             b.block < peer.num_blocks
             and b.length == peer.block_bytes
-            and b.addr == peer.base + b.block * peer.block_bytes
+            and b.addr == peer.base + b.block * stride
         ):
             raise LeaseError(
                 f"OPEN block {b.block} at {b.addr:#x} is not a block of "

@@ -66,9 +66,8 @@ class Side:
         prepared: bool,
     ) -> tuple[int, bool]:
         ours = self.buffer.geometry()
-        full = [(c, ours.block_addr(c), g, their.block_addr(g)) for c, g in pairs]
         lists = self.transport.prepare(peer, pieces, their) if prepared else None
-        for plan in plan_chunks(pieces, full, chunk_bytes):
+        for plan in plan_chunks(pieces, pairs, chunk_bytes, ours.region_table(), their.region_table()):
             self.chunks.append(self.transport.post(peer, plan, prepared=lists))
         again = self.transport.prepare(peer, pieces, their) if prepared else None
         return len(self.chunks), lists is not None and lists is again
@@ -93,9 +92,10 @@ class Side:
         self.transport.plan = FaultPlan(**kw)
 
     def post(self, peer: str, blocks: list[int], remote_base: int, chunk_bytes: int) -> int:
-        pairs = [(b, self.buffer.block_addr(b), b, remote_base + b * BLOCK) for b in blocks]
+        pairs = [(b, b) for b in blocks]
         pieces = edge_pieces([(0, 0, BLOCK)], chunk_bytes)
-        for plan in plan_chunks(pieces, pairs, chunk_bytes):
+        tables = self.buffer.region_table(), ((remote_base, BLOCK),)
+        for plan in plan_chunks(pieces, pairs, chunk_bytes, *tables):
             self.chunks.append(self.transport.post(peer, plan))  # the built path
         return len(self.chunks)
 
@@ -145,14 +145,13 @@ def test_plans_cover_every_byte_once_in_both_forms(lengths, max_piece, pairs, ch
         segments.append((src, dst, n))
         src += n
     pieces = edge_pieces(segments, min(max_piece, chunk_bytes))
-    assert all(0 < n <= min(max_piece, chunk_bytes) for _, _, n in pieces)
-    assert sum(n for _, _, n in pieces) == sum(lengths)
+    assert all(0 < p[4] <= min(max_piece, chunk_bytes) and p[0] == p[2] == 0 for p in pieces)
+    assert sum(p[4] for p in pieces) == sum(lengths)
     ours = BufferGeometry(base=1 << 20, num_blocks=8, block_bytes=200, mem_kind="DRAM", device_id=0)
     theirs = BufferGeometry(
         base=9 << 20, num_blocks=8, block_bytes=300, mem_kind="DRAM", device_id=0
     )
-    full = [(c, ours.block_addr(c), g, theirs.block_addr(g)) for c, g in pairs]
-    plans = plan_chunks(pieces, full, chunk_bytes)
+    plans = plan_chunks(pieces, pairs, chunk_bytes, ours.region_table(), theirs.region_table())
     assert all(0 < p.nbytes <= chunk_bytes for p in plans)
     # The byte mapping the edge must perform: every (src byte -> dst byte) once.
     want = sorted(
@@ -171,14 +170,14 @@ def test_plans_cover_every_byte_once_in_both_forms(lengths, max_piece, pairs, ch
     for p in plans:
         assert len(p.local) == len(p.remote) and p.local.dtype == np.int32
         for i, j in zip(p.local.tolist(), p.remote.tolist()):
-            s0, _, n = pieces[i % per]
-            _, d0, m = pieces[j % per]
+            _, s0, _, _, n = pieces[i % per]
+            _, _, _, d0, m = pieces[j % per]
             assert i % per == j % per and n == m
             base_s, base_d = ours.block_addr(i // per) + s0, theirs.block_addr(j // per) + d0
             by_index += [(base_s + k, base_d + k) for k in range(n)]
     assert sorted(by_index) == want
     with pytest.raises(DataPlaneError):
-        plan_chunks(pieces, full, 0)
+        plan_chunks(pieces, pairs, 0)
     with pytest.raises(DataPlaneError):
         edge_pieces(segments, 0)
 
@@ -187,8 +186,8 @@ def test_adjacent_blocks_merge_into_one_region() -> None:
     ours = BufferGeometry(0x1000, 8, 64, "DRAM", 0)
     theirs = BufferGeometry(0x9000, 8, 64, "DRAM", 0)
     pieces = edge_pieces([(0, 0, 64)], 1024)
-    full = [(b, ours.block_addr(b), b + 1, theirs.block_addr(b + 1)) for b in (2, 3, 4)]
-    (plan,) = plan_chunks(pieces, full, 1024)
+    pairs = [(b, b + 1) for b in (2, 3, 4)]
+    (plan,) = plan_chunks(pieces, pairs, 1024, ours.region_table(), theirs.region_table())
     assert plan.regions == ((0x1000 + 128, 0x9000 + 192, 192),)
     assert plan.local.tolist() == [2, 3, 4] and plan.remote.tolist() == [3, 4, 5]
 

@@ -192,7 +192,26 @@ def _bad_opens(good: Open) -> list[tuple[str, Open, dict[str, Any], type[Protoco
             {"peer": PeerBuffer(AGENT, 0, 2 * CHUNK_BYTES, 16)},
             LeaseError,
         ),
+        (
+            # A GEN with its KV in several regions: region 0's blocks are
+            # 3 * CHUNK_BYTES apart; descriptors one logical block apart are not its blocks.
+            "a registered region of another block stride",
+            good,
+            {"peer": PeerBuffer(AGENT, 0, CHUNK_BYTES, 16, block_stride=3 * CHUNK_BYTES)},
+            LeaseError,
+        ),
     ]
+
+
+def test_an_open_at_the_block_stride_of_region_0_is_accepted() -> None:
+    """Blocks at `base + block * block_stride` with the logical block length are
+    whole blocks of a GEN whose region 0 has that stride."""
+    pair, (good,) = _resident()
+    stride = 3 * CHUNK_BYTES
+    moved = _blocks(good, blocks=[_descriptor(d, addr=0x1000 + d.block * stride) for d in good.buffer.blocks])
+    peer = PeerBuffer(AGENT, 0x1000, CHUNK_BYTES, 16, block_stride=stride)
+    actions = pair.ctx.receive_open(moved, pair.now, **{**CHECKS, "peer": peer})
+    assert _prepared(actions)
 
 
 def _cases() -> list[Any]:
