@@ -51,6 +51,7 @@ import llama_kv  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
+from kvhandoff.actors._phases import hold_frames, release_frames  # noqa: E402
 from kvhandoff.actors.endpoint import EnginePlan, ctx_endpoint, gen_endpoint  # noqa: E402
 from kvhandoff.actors.engine import EngineDeployment  # noqa: E402
 from kvhandoff.actors.rank import EndpointHost  # noqa: E402
@@ -84,22 +85,28 @@ class _Worker(EndpointHost):
         make = ctx_endpoint if self.role is Role.CTX else gen_endpoint
         self.kvhandoff = make(plan, rank, self.pool)
 
+    # The model runs in a worker thread, never on the actor's event loop: the
+    # hosted endpoint answers its rounds and frames on that loop, and a rank
+    # that does not answer a round within its bound is taken for dead.
+
     async def prefill(self, prompt: list[int], blocks: list[int]) -> int:
         """CTX: run the prompt; keep our KV heads in `blocks`; the first token."""
+        return await asyncio.to_thread(self._prefill, prompt, blocks)
+
+    def _prefill(self, prompt: list[int], blocks: list[int]) -> int:
         kv, first = llama_kv.prefill(self.model, prompt)
         llama_kv.write_pool(self.pool, blocks, kv, head_lo=self.head_lo, head_hi=self.head_lo + self.heads)
         if self.device == "cuda":
             torch.cuda.synchronize()  # the KV is in memory before anyone may move it
-        return first
+        return int(first)
 
     async def decode(self, blocks: list[int], prompt_len: int, first: int, max_new: int) -> list[int]:
         """GEN: rebuild the cache from our own blocks and decode greedily."""
+        return await asyncio.to_thread(self._decode, blocks, prompt_len, first, max_new)
+
+    def _decode(self, blocks: list[int], prompt_len: int, first: int, max_new: int) -> list[int]:
         cache = llama_kv.cache_from_pool(self.model, self.pool, blocks, prompt_len)
         return llama_kv.greedy_decode(self.model, cache, first, prompt_len, max_new)
-
-    async def reference(self, prompt: list[int], max_new: int) -> list[int]:
-        """The monolithic run: `model.generate` on the same weights."""
-        return llama_kv.reference_generate(self.model, prompt, max_new)
 
 
 Worker = ray.remote(num_cpus=0)(_Worker)
@@ -136,7 +143,7 @@ async def _phase(ctx: list[Any], ticket: HandoffTicket) -> str:
     if posted and any(p.get("in_flight", 0) for p in phases):
         return "mid_transfer"
     if posted:
-        return "transferred"
+        return "dma_posted"
     return "+".join(sorted(states))
 
 
@@ -164,17 +171,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     rng = random.Random(args.seed)
     prompts = llama_kv.random_prompts(args.seed, args.prompts, 3, 70, 256)
+    # The monolithic run, here in the driver (same seeded weights): the
+    # workers' event loops stay free for the handoffs.
+    reference_model = llama_kv.build_model(args.seed, device=args.device, dtype=_dtype(args.dtype), **MODEL)
+    references = [llama_kv.reference_generate(reference_model, p, args.max_new_tokens) for p in prompts]
     to_cancel = set(rng.sample(range(len(prompts)), math.ceil(args.cancel_fraction * len(prompts))))
-    moments = ["before_receive", "with_receive", "during_receive"]
+    moments = ["before_receive", "with_receive", "during_receive", "after_post"]
     counts: collections.Counter[str] = collections.Counter()
     cancel_phases: collections.Counter[str] = collections.Counter()
+    cancel_moments: collections.Counter[str] = collections.Counter()
+    receive_ms: list[float] = []
     mismatches: list[dict[str, Any]] = []
     window = asyncio.Semaphore(args.concurrency)
 
     async def one(i: int, prompt: list[int]) -> None:
         async with window:
             request_id = f"req-{i}"
-            reference = gen[0].reference.remote(prompt, args.max_new_tokens)  # runs alongside
             n = -(-len(prompt) // TOKENS_PER_BLOCK)
             ours = await ctx_blocks.take(n)
             firsts = await asyncio.gather(*(w.prefill.remote(prompt, ours) for w in ctx))
@@ -188,25 +200,52 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 cancel_phases[await _phase(ctx, ticket)] += 1
                 await dep.cancel(wire)
 
+            async def cancel_after_post(ticket: HandoffTicket, wire: str) -> None:
+                try:
+                    # Wait on progress, not time: until a CTX rank posted a chunk
+                    # (or the request ended there), bounded by the receive's bound.
+                    async with asyncio.timeout(120):
+                        while True:
+                            phases = await asyncio.gather(*(w.phase.remote(ticket.parent) for w in ctx))
+                            if any(p.get("posted", 0) for p in phases) or any(
+                                str(p["state"]) in ("cancelled", "released", "failed", "rejected") for p in phases
+                            ):
+                                break
+                            await asyncio.sleep(0.001)
+                    cancel_phases[await _phase(ctx, ticket)] += 1
+                    await dep.cancel(wire)
+                finally:
+                    for w in ctx:
+                        await release_frames(w, request_id, Role.GEN, 0)
+
             if moment == "before_receive":
                 await cancel(0.0)
             theirs = await gen_blocks.take(n)
             canceller = None
             if moment in ("with_receive", "during_receive"):
-                delay = 0.0 if moment == "with_receive" else rng.uniform(0.0, 0.02)
+                delay = 0.0 if moment == "with_receive" else rng.uniform(0.0, 0.15)
                 canceller = asyncio.ensure_future(cancel(delay))
+            elif moment == "after_post":
+                # The hardest moment: the CTX ranks posted their WRITEs but the
+                # GEN has not heard (their READY/TERMINAL frames are held back
+                # by kvhandoff's test harness until the cancel is sent).
+                for w in ctx:
+                    await hold_frames(w, request_id, Role.GEN, 0)
+                canceller = asyncio.ensure_future(cancel_after_post(ticket, wire))
             result = await dep.receive(HandoffTicket.decode(wire), theirs, timeout=120)
             if canceller is not None:
                 await canceller
             outcome = result.outcome
             if moment is not None:
                 counts["cancel_requested"] += 1
+                cancel_moments[moment] += 1
                 if outcome == "rejected":
                     outcome = "cancelled"  # cancelled before the decode side claimed it
             counts[outcome] += 1
             if outcome == "completed":
+                receive_ms.append(result.latency_s * 1e3)
                 tokens = await gen[0].decode.remote(theirs, len(prompt), firsts[0], args.max_new_tokens)
-                want = await reference
+                want = references[i]
                 if tokens == want:
                     counts["token_exact"] += 1
                 else:
@@ -241,6 +280,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "rejected": counts["rejected"],
         "failed": counts["failed"] + counts["timeout"],
         "cancel_requested": counts["cancel_requested"],
+        "cancel_moments": dict(cancel_moments),
         "cancel_phases": dict(cancel_phases),
         "token_exact": counts["token_exact"],
         "mismatches": mismatches[:3],
@@ -249,6 +289,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "engine_blocks_missing": engine_missing,
         "violations": violations,
         "kv_bytes_moved": bytes_moved,
+        # `receive` of a completed request: claim, DMA, completion round, blocks back.
+        "receive_ms_p50": round(sorted(receive_ms)[len(receive_ms) // 2], 2) if receive_ms else None,
+        "receive_ms_max": round(max(receive_ms), 2) if receive_ms else None,
         "device": args.device,
         "dtype": args.dtype,
         "ctx_tp": 2,
