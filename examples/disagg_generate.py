@@ -316,7 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.prompts < 1 or not 0 <= args.cancel_fraction <= 1 or args.concurrency < 1:
         parser.error("--prompts and --concurrency must be >= 1, --cancel-fraction in [0, 1]")
-    runtime_env = {"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent), "HF_HUB_OFFLINE": "1"}}
+    # The workers import llama_kv from beside this file (and keep whatever
+    # PYTHONPATH the driver has).
+    path = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")) if p)
+    runtime_env = {"env_vars": {"PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}}
     if args.address:
         ray.init(address=args.address, runtime_env=runtime_env, log_to_driver=False)
     else:
