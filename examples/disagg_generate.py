@@ -163,7 +163,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         ctx_tp=2, gen_tp=1, layout=layout, ctx_memory="paged", gen_memory="paged",
         memory=memory, chunk_bytes=args.chunk_bytes,
     )
-    gpu = {"num_gpus": 0.5} if args.device == "cuda" else {}
+    # Three workers: on two GPUs half a GPU each (Ray packs two on one GPU,
+    # the third on the other); on one GPU a third each.
+    gpus = ray.cluster_resources().get("GPU", 0)
+    gpu = {"num_gpus": 0.5 if gpus >= 2 else 0.33} if args.device == "cuda" else {}
     ctx = [Worker.options(**gpu).remote(dep.plan, "ctx", r, args.seed, args.device, args.dtype) for r in range(2)]
     gen = [Worker.options(**gpu).remote(dep.plan, "gen", 0, args.seed, args.device, args.dtype)]
     await dep.attach(ctx, gen)
