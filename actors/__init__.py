@@ -1,8 +1,10 @@
 """kvhandoff.actors: the I/O layer.
 
-Ray actors (a rank actor per rank, `CtxRankCore` or `GenRankCore` as created
-by `RankActor`, with its NIXL agent and preallocated KV buffer, a
-`Coordinator` per instance), the NIXL data plane, the `Deployment`
+The engine API (`EngineDeployment`, rank endpoints an engine's own actors
+host over their own KV tensors: `EndpointHost`, `ctx_endpoint`,
+`gen_endpoint`), kvhandoff's own rank actors (a host of a `CtxRankCore` or
+`GenRankCore` as created by `RankActor`, over memory it allocates), a
+`Coordinator` per instance, the NIXL data plane, the synthetic `Deployment`
 client API (used by the CLI, the Ray job and the notebook) and the CLI.
 """
 
@@ -19,9 +21,20 @@ from .deployment import (
     LaunchFailed,
     SyncDeployment,
 )
-from .rank import RankActor, RankConfig
+from .endpoint import EnginePlan, ctx_endpoint, gen_endpoint
+from .engine import EngineDeployment, EngineResult, PublishRefused, StaleTicket
+from .rank import ENDPOINT_METHODS, EndpointHost, RankActor, RankConfig
 
 __all__ = [
+    "EngineDeployment",
+    "EngineResult",
+    "EnginePlan",
+    "EndpointHost",
+    "ENDPOINT_METHODS",
+    "ctx_endpoint",
+    "gen_endpoint",
+    "PublishRefused",
+    "StaleTicket",
     "Deployment",
     "SyncDeployment",
     "HandoffResult",

@@ -82,3 +82,30 @@ def test_harness_refuses_an_unknown_cancel_phase_before_any_actor_call(phase: ob
         asyncio.run(handoff_cancel_at(deployment, "req-1", 16, phase))  # type: ignore[arg-type]
     assert repr(phase) in str(info.value)
     assert not deployment._recent  # no attempt was recorded
+
+
+def test_an_endpoint_host_forwards_every_endpoint_method_and_no_hook() -> None:
+    """What peers, coordinators and clients call on a rank's actor handle is
+    on every `EndpointHost` (an engine's own actor included), forwarded to
+    the endpoint it hosts; test hooks are not."""
+    import asyncio
+
+    from kvhandoff.actors.rank import ENDPOINT_METHODS, CtxRankCore, EndpointHost, GenRankCore
+
+    for needed in ("receive_frames", "round_vote", "round_apply", "round_identity", "connect",
+                   "peer_restarted", "peer_dead", "stats", "wait", "returned", "free", "raw_write"):
+        assert needed in ENDPOINT_METHODS, needed
+        assert inspect.iscoroutinefunction(getattr(EndpointHost, needed)), needed
+    for name in ENDPOINT_METHODS:
+        assert hasattr(CtxRankCore, name) or hasattr(GenRankCore, name), name
+        assert not name.startswith("_")
+    for hook in ("hold_frames", "release_frames", "defer_opens", "cancel_at"):
+        assert hook not in ENDPOINT_METHODS and not hasattr(EndpointHost, hook), hook
+
+    class Endpoint:
+        async def stats(self) -> str:
+            return "forwarded"
+
+    host = EndpointHost()
+    host.kvhandoff = Endpoint()  # type: ignore[assignment]
+    assert asyncio.run(host.stats()) == "forwarded"
