@@ -21,7 +21,7 @@ from .deployment import (
     LaunchFailed,
     SyncDeployment,
 )
-from .endpoint import EnginePlan, ctx_endpoint, gen_endpoint
+from .endpoint import EnginePlan, ctx_endpoint, endpoint_actor, gen_endpoint
 from .engine import EngineDeployment, EngineResult, PublishRefused, StaleTicket
 from .rank import ENDPOINT_METHODS, EndpointHost, RankActor, RankConfig
 
@@ -30,6 +30,7 @@ __all__ = [
     "EngineResult",
     "EnginePlan",
     "EndpointHost",
+    "endpoint_actor",
     "ENDPOINT_METHODS",
     "ctx_endpoint",
     "gen_endpoint",

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvhandoff.actors.rank import on_endpoint_loop
 from kvhandoff.protocol import ParentKey, Role
 from kvhandoff.topology import shard_map
 
@@ -48,23 +49,20 @@ CANCEL_PHASES = (None, "before_open", "before_ready", "mid_dma", "after_complete
 _ENDED = ("released", "quarantined", "decode_ready", "settled", "completed", "cancelled", "rejected", "failed")
 
 
-# -- functions that run inside a rank actor (``handle.__ray_call__.remote(fn, ...)``);
-# the actor hosts its rank endpoint in ``kvhandoff`` (actors/rank.py `EndpointHost`) --
+# -- functions that run on a rank endpoint, inside its host actor, on the
+# endpoint's own loop (``__ray_call__`` + `on_endpoint_loop`: actors/rank.py) --
 
 
-def _hold(host: Any, request_id: str, role: str, rank: int) -> int:
-    core = host.kvhandoff
+def _hold(core: Any, request_id: str, role: str, rank: int) -> int:
     core._held.setdefault((request_id, role, rank), [])
     return 0
 
 
-def _count(host: Any, request_id: str, role: str, rank: int) -> int:
-    core = host.kvhandoff
+def _count(core: Any, request_id: str, role: str, rank: int) -> int:
     return len(core._held.get((request_id, role, rank), ()))
 
 
-def _release(host: Any, request_id: str, role: str, rank: int, drop: bool) -> int:
-    core = host.kvhandoff
+def _release(core: Any, request_id: str, role: str, rank: int, drop: bool) -> int:
     frames = core._held.pop((request_id, role, rank), [])
     if not drop:
         for to, frame in frames:
@@ -72,19 +70,16 @@ def _release(host: Any, request_id: str, role: str, rank: int, drop: bool) -> in
     return len(frames)
 
 
-def _defer_opens(host: Any, request_id: str) -> int:
-    core = host.kvhandoff
+def _defer_opens(core: Any, request_id: str) -> int:
     core._defer_open[request_id] = []
     return 0
 
 
-def _deferred(host: Any, request_id: str) -> int:
-    core = host.kvhandoff
+def _deferred(core: Any, request_id: str) -> int:
     return len(core._defer_open.get(request_id, ()))
 
 
-def _run_deferred(host: Any, request_id: str) -> int:
-    core = host.kvhandoff
+def _run_deferred(core: Any, request_id: str) -> int:
     parents = core._defer_open.pop(request_id, [])
     for parent in parents:
         core._open(parent, time.monotonic())
@@ -96,31 +91,31 @@ def _run_deferred(host: Any, request_id: str) -> int:
 
 async def hold_frames(rank: Any, request_id: str, role: Role, peer_rank: int) -> None:
     """From now on, frames of `request_id` from `rank` to peer (`role`, `peer_rank`) wait."""
-    await rank.__ray_call__.remote(_hold, request_id, role.value, peer_rank)
+    await rank.__ray_call__.remote(on_endpoint_loop, _hold, request_id, role.value, peer_rank)
 
 
 async def held_frames(rank: Any, request_id: str, role: Role, peer_rank: int) -> int:
-    return int(await rank.__ray_call__.remote(_count, request_id, role.value, peer_rank))
+    return int(await rank.__ray_call__.remote(on_endpoint_loop, _count, request_id, role.value, peer_rank))
 
 
 async def release_frames(rank: Any, request_id: str, role: Role, peer_rank: int, drop: bool = False) -> int:
     """Send the held frames in order (or drop them); later frames flow again."""
-    return int(await rank.__ray_call__.remote(_release, request_id, role.value, peer_rank, drop))
+    return int(await rank.__ray_call__.remote(on_endpoint_loop, _release, request_id, role.value, peer_rank, drop))
 
 
 async def defer_opens(rank: Any, request_id: str) -> None:
     """GEN `rank` admits `request_id` but does not install or open it until
     `run_deferred_opens` (a GEN that is slow to open)."""
-    await rank.__ray_call__.remote(_defer_opens, request_id)
+    await rank.__ray_call__.remote(on_endpoint_loop, _defer_opens, request_id)
 
 
 async def deferred_opens(rank: Any, request_id: str) -> int:
-    return int(await rank.__ray_call__.remote(_deferred, request_id))
+    return int(await rank.__ray_call__.remote(on_endpoint_loop, _deferred, request_id))
 
 
 async def run_deferred_opens(rank: Any, request_id: str) -> int:
     """Open what was deferred now (a parent no longer admitted opens nothing)."""
-    return int(await rank.__ray_call__.remote(_run_deferred, request_id))
+    return int(await rank.__ray_call__.remote(on_endpoint_loop, _run_deferred, request_id))
 
 
 async def _until(condition: Callable[[], Any], done: asyncio.Future[Any], deadline: float) -> None:
@@ -169,7 +164,7 @@ async def handoff_cancel_at(
     ctxs = await dep.ranks(Role.CTX)
     last_ctx = len(ctxs) - 1
     if phase == "before_open":
-        await asyncio.gather(*(g.__ray_call__.remote(_defer_opens, request_id) for g in gens))
+        await asyncio.gather(*(g.__ray_call__.remote(on_endpoint_loop, _defer_opens, request_id) for g in gens))
     elif phase == "before_ready":
         await asyncio.gather(*(hold_frames(g, request_id, Role.CTX, last_ctx) for g in gens))
     task = asyncio.ensure_future(dep.handoff(request_id, num_tokens, timeout=timeout))
@@ -177,12 +172,12 @@ async def handoff_cancel_at(
         if phase == "before_open":
 
             async def admitted() -> bool:
-                counts = await asyncio.gather(*(g.__ray_call__.remote(_deferred, request_id) for g in gens))
+                counts = await asyncio.gather(*(g.__ray_call__.remote(on_endpoint_loop, _deferred, request_id) for g in gens))
                 return all(counts)
 
             await _until(admitted, task, deadline)
             await _cancel_both(dep, request_id)
-            await asyncio.gather(*(g.__ray_call__.remote(_run_deferred, request_id) for g in gens))
+            await asyncio.gather(*(g.__ray_call__.remote(on_endpoint_loop, _run_deferred, request_id) for g in gens))
         elif phase == "before_ready":
 
             # The GEN ranks with an edge to the last CTX rank: each holds its OPEN.
@@ -204,7 +199,7 @@ async def handoff_cancel_at(
         # Whatever happened, leave no hold behind on the ranks.
         if phase == "before_open":
             await asyncio.gather(
-                *(g.__ray_call__.remote(_run_deferred, request_id) for g in gens), return_exceptions=True
+                *(g.__ray_call__.remote(on_endpoint_loop, _run_deferred, request_id) for g in gens), return_exceptions=True
             )
         elif phase == "before_ready":
             await asyncio.gather(

@@ -9,7 +9,7 @@ the engine's tensors registered once, round membership, frames) is a plain
 object, a *rank endpoint* (`RankCore`: `CtxRankCore` or `GenRankCore`), which
 any Ray actor can host:
 
-    @ray.remote
+    @endpoint_actor                               # ray.remote + the endpoint's group
     class PrefillWorker(EndpointHost):            # the engine's actor
         def __init__(self, plan: EnginePlan, rank: int) -> None:
             self.kv = [torch.zeros(blocks, 2, 16, heads, dim) for _ in range(layers)]
@@ -18,7 +18,11 @@ any Ray actor can host:
 `EndpointHost` gives the hosting actor the methods through which peers,
 coordinators and the directory reach the endpoint (`receive_frames`,
 `round_vote`, `stats`, ...: every public coroutine method of the endpoint
-classes, forwarded to ``self.kvhandoff``). These names are reserved in a host
+classes, forwarded to ``self.kvhandoff``), in the Ray concurrency group
+"kvhandoff": the endpoint lives on that group's event loop, in its own
+thread, so the engine's work on the actor's default loop (a forward pass)
+never keeps it from answering its rounds and frames. `endpoint_actor` is
+``ray.remote`` with that group declared. These names are reserved in a host
 class; a host that needs one of them for itself overrides it and forwards.
 kvhandoff's own rank actors (`CtxRankActor`, `GenRankActor`) are hosts of
 exactly this kind, with kvhandoff-allocated memory and the synthetic KV
@@ -48,12 +52,14 @@ from kvhandoff.actors.rank import (
     EndpointHost,
     GenRankCore,
     RankConfig,
+    endpoint_actor,
 )
 from kvhandoff.protocol import Role
 from kvhandoff.topology import KVLayout, TopologySpec
 
 __all__ = [
     "EndpointHost",
+    "endpoint_actor",
     "EnginePlan",
     "ctx_endpoint",
     "gen_endpoint",

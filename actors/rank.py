@@ -195,6 +195,9 @@ __all__ = [
     "agent_name",
     "EndpointHost",
     "ENDPOINT_METHODS",
+    "ENDPOINT_GROUP",
+    "endpoint_actor",
+    "on_endpoint_loop",
 ]
 
 
@@ -1586,28 +1589,76 @@ def _remote_methods() -> tuple[str, ...]:
 ENDPOINT_METHODS = _remote_methods()
 
 
+#: The Ray concurrency group an endpoint's methods run in: its own event loop
+#: (its own thread), whatever the host actor does on its default loop.
+ENDPOINT_GROUP = "kvhandoff"
+#: At most this many endpoint calls run at once (Ray's default for an async actor).
+ENDPOINT_CONCURRENCY = 1000
+
+
 class EndpointHost:
     """Mixin for a Ray actor class that hosts a rank endpoint in ``self.kvhandoff``.
 
     The host constructs the endpoint in its ``__init__`` (which registers it
     with the deployment's directory, naming this actor as its handle) and
     keeps it for the actor's lifetime. Every name in `ENDPOINT_METHODS` is an
-    async method of the host that forwards to the endpoint."""
+    async method of the host that forwards to the endpoint, in the Ray
+    concurrency group `ENDPOINT_GROUP`: the endpoint lives on that group's
+    event loop, so a host that blocks its own loop (a model's forward pass)
+    never keeps it from answering its rounds and frames. Make the class an
+    actor with `endpoint_actor` (or declare the group in ``ray.remote``'s
+    ``concurrency_groups`` yourself)."""
 
     kvhandoff: RankCore
 
 
 def _forwarder(name: str) -> Any:
     async def forward(self: EndpointHost, *args: Any, **kwargs: Any) -> Any:
-        return await getattr(self.kvhandoff, name)(*args, **kwargs)
+        endpoint = self.kvhandoff
+        endpoint._home = asyncio.get_running_loop()  # where its state lives (the harness needs it)
+        return await getattr(endpoint, name)(*args, **kwargs)
 
     forward.__name__ = forward.__qualname__ = name
     forward.__doc__ = f"Forwarded to the hosted endpoint's `{name}`."
-    return forward
+    return ray.method(concurrency_group=ENDPOINT_GROUP)(forward)
 
 
 for _name in ENDPOINT_METHODS:
     setattr(EndpointHost, _name, _forwarder(_name))
+
+
+def endpoint_actor(cls: Any = None, /, **options: Any) -> Any:
+    """`ray.remote` for a class that mixes in `EndpointHost`: the same
+    options, plus the endpoint's concurrency group. Use as ``@endpoint_actor``
+    or ``@endpoint_actor(num_gpus=1)``."""
+
+    def make(klass: Any) -> Any:
+        if not issubclass(klass, EndpointHost):
+            raise TypeError(f"{klass.__name__} does not mix in EndpointHost")
+        groups = {**options.get("concurrency_groups", {}), ENDPOINT_GROUP: ENDPOINT_CONCURRENCY}
+        return ray.remote(**{**options, "concurrency_groups": groups})(klass)
+
+    return make(cls) if cls is not None else make
+
+
+def on_endpoint_loop(host: Any, fn: Any, *args: Any) -> Any:
+    """Run ``fn(endpoint, *args)`` on the loop the hosted endpoint lives on
+    (for code that reaches an endpoint's internals through Ray's
+    ``__ray_call__``, which runs on the host's default loop: the test
+    harness). Waits for the answer."""
+    endpoint = getattr(host, "kvhandoff", host)
+    home = getattr(endpoint, "_home", None)
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if home is None or home is here or not home.is_running():
+        return fn(endpoint, *args)
+
+    async def call() -> Any:
+        return fn(endpoint, *args)
+
+    return asyncio.run_coroutine_threadsafe(call(), home).result()
 
 
 class _CtxRankHost(EndpointHost):
@@ -1625,8 +1676,8 @@ class _GenRankHost(EndpointHost):
         self.kvhandoff = GenRankCore(config, epoch)
 
 
-CtxRankActor = ray.remote(num_cpus=0)(_CtxRankHost)
-GenRankActor = ray.remote(num_cpus=0)(_GenRankHost)
+CtxRankActor = endpoint_actor(num_cpus=0)(_CtxRankHost)
+GenRankActor = endpoint_actor(num_cpus=0)(_GenRankHost)
 _ACTOR_CLASSES = {Role.CTX: CtxRankActor, Role.GEN: GenRankActor}
 
 

@@ -54,7 +54,7 @@ import torch  # noqa: E402
 from kvhandoff.actors._phases import hold_frames, release_frames  # noqa: E402
 from kvhandoff.actors.endpoint import EnginePlan, ctx_endpoint, gen_endpoint  # noqa: E402
 from kvhandoff.actors.engine import EngineDeployment  # noqa: E402
-from kvhandoff.actors.rank import EndpointHost  # noqa: E402
+from kvhandoff.actors.rank import EndpointHost, endpoint_actor  # noqa: E402
 from kvhandoff.protocol import HandoffTicket, Role  # noqa: E402
 from kvhandoff.topology import KVLayout  # noqa: E402
 
@@ -85,13 +85,14 @@ class _Worker(EndpointHost):
         make = ctx_endpoint if self.role is Role.CTX else gen_endpoint
         self.kvhandoff = make(plan, rank, self.pool)
 
-    # The model runs in a worker thread, never on the actor's event loop: the
-    # hosted endpoint answers its rounds and frames on that loop, and a rank
-    # that does not answer a round within its bound is taken for dead.
+    # The model runs right here, on the actor's default event loop, as an
+    # engine's forward pass would: the hosted endpoint has its own loop (the
+    # actor's "kvhandoff" concurrency group), so it keeps answering its rounds
+    # and frames while a forward pass holds this one.
 
     async def prefill(self, prompt: list[int], blocks: list[int]) -> int:
         """CTX: run the prompt; keep our KV heads in `blocks`; the first token."""
-        return await asyncio.to_thread(self._prefill, prompt, blocks)
+        return self._prefill(prompt, blocks)
 
     def _prefill(self, prompt: list[int], blocks: list[int]) -> int:
         kv, first = llama_kv.prefill(self.model, prompt)
@@ -102,14 +103,14 @@ class _Worker(EndpointHost):
 
     async def decode(self, blocks: list[int], prompt_len: int, first: int, max_new: int) -> list[int]:
         """GEN: rebuild the cache from our own blocks and decode greedily."""
-        return await asyncio.to_thread(self._decode, blocks, prompt_len, first, max_new)
+        return self._decode(blocks, prompt_len, first, max_new)
 
     def _decode(self, blocks: list[int], prompt_len: int, first: int, max_new: int) -> list[int]:
         cache = llama_kv.cache_from_pool(self.model, self.pool, blocks, prompt_len)
         return llama_kv.greedy_decode(self.model, cache, first, prompt_len, max_new)
 
 
-Worker = ray.remote(num_cpus=0)(_Worker)
+Worker = endpoint_actor(num_cpus=0)(_Worker)
 
 
 def plan_blocks(plan: EnginePlan, role: Role) -> int:

@@ -57,8 +57,6 @@ async def inside(handle: Any, fn: Callable[[Any], Any]) -> Any:
     """Run `fn(endpoint)` inside a real rank actor (Ray's `__ray_call__`) on the
     rank endpoint it hosts: how a test reads or arranges a rank's internals
     without a hook in its public API."""
-    return await handle.__ray_call__.remote(_on_endpoint, fn)
+    from kvhandoff.actors.rank import on_endpoint_loop
 
-
-def _on_endpoint(host: Any, fn: Callable[[Any], Any]) -> Any:
-    return fn(getattr(host, "kvhandoff", host))
+    return await handle.__ray_call__.remote(on_endpoint_loop, fn)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ from kvhandoff.actors._phases import hold_frames, release_frames
 from kvhandoff.actors.deployment import InvalidConfig, InvalidRequest
 from kvhandoff.actors.endpoint import EnginePlan, ctx_endpoint, gen_endpoint
 from kvhandoff.actors.engine import EngineDeployment, PublishRefused, StaleTicket
-from kvhandoff.actors.rank import EndpointHost
+from kvhandoff.actors.rank import EndpointHost, endpoint_actor
 from kvhandoff.protocol import HandoffTicket, Role, TicketError
 from kvhandoff.topology import KVLayout, heads_per_rank
 
@@ -57,7 +58,7 @@ def _view(kind: str, tensors: list[torch.Tensor], layer: int, kv: int) -> torch.
     return tensors[layer][:, kv] if kind == "paged" else tensors[2 * layer + kv]
 
 
-@ray.remote(num_cpus=0)
+@endpoint_actor(num_cpus=0)
 class Worker(EndpointHost):
     """An engine worker: its own tensors, its own writes, a hosted endpoint."""
 
@@ -93,6 +94,12 @@ class Worker(EndpointHost):
                 if not torch.equal(got, want):
                     return False
         return True
+
+    async def busy(self, seconds: float) -> float:
+        """The engine's own work on the actor's default loop, blocking it
+        (a forward pass run inline). Returns when it ended (monotonic)."""
+        time.sleep(seconds)
+        return time.monotonic()
 
     async def scribble(self, blocks: list[int]) -> None:
         """The engine reuses `blocks` for something else."""
@@ -319,6 +326,67 @@ async def test_unproven_gen_blocks_are_not_returned_until_the_proof_comes(ray_cl
         eng.give(Role.GEN, gen_blocks)
         eng.give(Role.CTX, ctx_blocks)
         await eng.check_clean()
+    finally:
+        await eng.dep.shutdown()
+        for w in eng.ctx + eng.gen:
+            ray.kill(w)
+
+
+async def test_a_front_end_in_another_handle_receives_and_an_abandoned_receive_hands_back(engine: Engine) -> None:
+    """`connect(plan)` finds the same deployment by name (as a decode
+    server's front end in another process would); a receive whose caller
+    goes away is cancelled in both instances by the deployment, and every
+    block comes back."""
+    other = await EngineDeployment.connect(engine.dep.plan)
+    ticket, ctx_blocks = await engine.prefill_and_publish("far", seed=31, tokens=10)
+    gen_blocks = engine.take(Role.GEN, 3)
+    result = await other.receive(ticket.encode(), gen_blocks)
+    assert result.outcome == "completed" and result.blocks_returned
+    assert all(await asyncio.gather(*(w.matches.remote(31, gen_blocks) for w in engine.gen)))
+    assert await other.returned(ticket, Role.CTX)
+    await other.shutdown()  # a connected handle stops nothing
+    engine.give(Role.CTX, ctx_blocks)
+
+    ticket, ctx_blocks = await engine.prefill_and_publish("gone", seed=32, tokens=10)
+    for ctx in engine.ctx:  # keep it from completing before the caller leaves
+        await hold_frames(ctx, "gone", Role.GEN, 0)
+    waiting = asyncio.ensure_future(engine.dep.receive(ticket, gen_blocks, timeout=60))
+    await asyncio.sleep(0.3)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    for ctx in engine.ctx:
+        await release_frames(ctx, "gone", Role.GEN, 0)
+    assert await engine.dep.returned(ticket, Role.GEN, timeout=60)
+    assert await engine.dep.returned(ticket, Role.CTX, timeout=60)
+    engine.give(Role.GEN, gen_blocks)
+    engine.give(Role.CTX, ctx_blocks)
+    await engine.check_clean()
+
+
+async def test_an_engine_blocking_its_own_loop_does_not_stall_the_endpoint(ray_cluster: Any) -> None:
+    """The endpoint lives in its own concurrency group (its own loop): while
+    every worker blocks its default loop far longer than the round bound,
+    handoffs still complete (the old failure: the rank missed a round vote,
+    was taken for dead, and the instance failed)."""
+    eng = await _engine(2, 1, "paged", "paged", round_timeout_s=1.0)
+    try:
+        ticket, ctx_blocks = await eng.prefill_and_publish("busy", seed=41, tokens=20)
+        gen_blocks = eng.take(Role.GEN, 5)
+        busy = [w.busy.remote(6.0) for w in eng.ctx + eng.gen]
+        await asyncio.sleep(0.5)  # the busy calls are running (their actors' default loops are blocked)
+        result = await eng.dep.receive(ticket, gen_blocks, timeout=30)
+        done_at = time.monotonic()
+        ended = await asyncio.gather(*busy)
+        assert result.outcome == "completed" and result.blocks_returned, result
+        assert done_at < min(ended), "the handoff waited for the engine's work"
+        assert all(await asyncio.gather(*(w.matches.remote(41, gen_blocks) for w in eng.gen)))
+        assert await eng.dep.returned(ticket, Role.CTX)
+        eng.give(Role.GEN, gen_blocks)
+        eng.give(Role.CTX, ctx_blocks)
+        await eng.check_clean()
+        stats = await eng.dep.stats()
+        assert all(c.get("state") == "running" for c in stats["coordinators"].values()), stats["coordinators"]
     finally:
         await eng.dep.shutdown()
         for w in eng.ctx + eng.gen:
