@@ -122,6 +122,9 @@ class BufferGeometry(NamedTuple):
     device_id: int
     regions: tuple[tuple[int, int], ...] = ()
     kind: str = "blocked"
+    #: The staging arena (actors/_staged.py), if the rank has one: (base,
+    #: slot bytes, slots per peer rank); empty: none (direct mode only).
+    staging: tuple[int, ...] = ()
 
     def region_table(self) -> tuple[tuple[int, int], ...]:
         """`(base, block stride)` of every region, region 0 first."""
@@ -542,6 +545,7 @@ class NixlTransport:
         # One asyncio actor thread drives the agent; keep the progress thread for UCX.
         self.agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
         self.registration = self.agent.register_memory(buffer.tensors)
+        self.arena_registration: object | None = None
         self.peers: set[str] = set()
         # Prepared descriptor lists: local per piece layout, remote per (peer, layout).
         self._local_lists: dict[tuple[Piece, ...], object] = {}
@@ -549,6 +553,13 @@ class NixlTransport:
         self.leaked: list[object] = []  # handles whose release failed: kept, never retried blindly
         self.posted_chunks = 0
         self.posted_bytes = 0
+
+    def register_arena(self, tensor: torch.Tensor) -> None:
+        """Register a staging arena (one tensor on the buffer's device) beside
+        the KV memory, once, before the metadata is published."""
+        if self.arena_registration is not None:
+            raise DataPlaneError("a staging arena is already registered")
+        self.arena_registration = self.agent.register_memory([tensor])
 
     # -- metadata -----------------------------------------------------------
     def metadata(self) -> bytes:
@@ -723,10 +734,13 @@ class NixlTransport:
             self._release_dlist(local)
         self._prepared.clear()
         self._local_lists.clear()
-        try:
-            self.agent.deregister_memory(self.registration)
-        except Exception as exc:
-            log.warning("deregister_memory failed: %s", exc)
+        for registration in (self.registration, self.arena_registration):
+            if registration is None:
+                continue
+            try:
+                self.agent.deregister_memory(registration)
+            except Exception as exc:
+                log.warning("deregister_memory failed: %s", exc)
 
 
 @dataclasses.dataclass

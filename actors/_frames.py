@@ -61,6 +61,7 @@ from kvhandoff.protocol import (
     FRAME_HEADER_LEN,
     FRAME_MAGIC,
     MAX_FRAME_LEN,
+    STAGE_MAGIC,
     DecodeError,
     FrameError,
     Message,
@@ -88,6 +89,10 @@ class NixlNotifChannel:
         self.transport = transport
         self.max_len = max_len
         self.counters: collections.Counter[str] = collections.Counter()
+        #: Staging notices (`kvhandoff.protocol.STAGE_MAGIC`) drained by `poll()`
+        #: are kept here, `(sender, payload)`, for the staged data plane; None:
+        #: they are dropped as garbage like any other non-frame.
+        self.stage_sink: list[tuple[str, bytes]] | None = None
 
     @property
     def name(self) -> str:
@@ -176,6 +181,10 @@ class NixlNotifChannel:
                 # The cap first: nothing looks inside an oversize payload.
                 if len(payload) > self.max_len:
                     self.counters["dropped_oversize"] += 1
+                    continue
+                if self.stage_sink is not None and payload[: len(STAGE_MAGIC)] == STAGE_MAGIC:
+                    self.counters["staged_received"] += 1
+                    self.stage_sink.append((name, bytes(payload)))
                     continue
                 if len(payload) < FRAME_HEADER_LEN or payload[:4] != FRAME_MAGIC:
                     self.counters["dropped_garbage"] += 1

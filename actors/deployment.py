@@ -73,6 +73,7 @@ import ray
 from kvhandoff.actors._coordinator import Coordinator
 from kvhandoff.actors._dataplane import FaultPlan
 from kvhandoff.actors._directory import Directory
+from kvhandoff.actors._stager import DATA_MODES
 from kvhandoff.actors.rank import RankActor, RankConfig
 from kvhandoff.protocol import (
     AdmissionRequest,
@@ -266,6 +267,9 @@ class Deployment:
         gen_overrides: dict[str, Any] | None = None,
         name: str | None = None,
         memory_kind: str = "blocked",
+        data_mode: str = "auto",
+        staging_window: int = 4,
+        staged_below: int = 0,
     ) -> Deployment:
         """Start the actors on the current Ray cluster (`ray.init()` it first, or
         let this call start a local one).
@@ -292,7 +296,15 @@ class Deployment:
         tail on a small, busy one.
 
         `memory_kind` lays every rank's KV out as an engine would
-        (topology/_memory.py: "blocked", "paged", "paged_hnd", "split")."""
+        (topology/_memory.py: "blocked", "paged", "paged_hnd", "split").
+
+        `data_mode` picks how chunks move (docs/design.md "Staged data
+        plane"): "auto" (staged where an edge's pieces are small, the measured
+        crossover), "direct" (one NIXL descriptor per piece) or "staged"
+        (always gathered into a staging slot, one WRITE per slot, scattered
+        on the GEN); `staging_window` is the slots per peer rank, each side;
+        `staged_below` overrides "auto"'s crossover (bytes of average piece;
+        0: the measured default for the device)."""
         self = cls()
         self.name = name or f"kvh-{uuid.uuid4().hex[:8]}"
         plans = self._plan(
@@ -315,6 +327,9 @@ class Deployment:
             ctx_overrides=ctx_overrides,
             gen_overrides=gen_overrides,
             memory_kind=memory_kind,
+            data_mode=data_mode,
+            staging_window=staging_window,
+            staged_below=staged_below,
         )
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
@@ -354,6 +369,9 @@ class Deployment:
         ctx_overrides: dict[str, Any] | None,
         gen_overrides: dict[str, Any] | None,
         memory_kind: Any = "blocked",
+        data_mode: Any = "auto",
+        staging_window: Any = 4,
+        staged_below: Any = 0,
     ) -> list[tuple[TopologySpec, list[RankConfig], list[dict[str, Any]]]]:
         """Everything that can be checked without an actor: the specs, the
         shard map, the rank configs. Raises `InvalidConfig`."""
@@ -378,6 +396,10 @@ class Deployment:
             raise InvalidConfig(
                 f"gpus_per_rank must be a fraction in (0, 1] or a whole number, got {_short(gpus_per_rank)}"
             )
+        if data_mode not in DATA_MODES:
+            raise InvalidConfig(f"data_mode must be one of {list(DATA_MODES)}, got {_short(data_mode)}")
+        _check_int("staging_window", staging_window, 1)
+        _check_int("staged_below", staged_below, 0)
         if control_frames not in ("ray", "nixl"):
             raise InvalidConfig(f"control_frames must be 'ray' or 'nixl', got {_short(control_frames)}")
         try:
@@ -426,6 +448,9 @@ class Deployment:
                     prepared_descriptors=prepared_descriptors,
                     frames=control_frames,
                     memory_kind=memory_kind,
+                    data_mode=data_mode,
+                    staging_window=staging_window,
+                    staged_below=staged_below,
                 )
                 for r in range(spec.tp)
             ]

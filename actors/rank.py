@@ -108,6 +108,14 @@ from kvhandoff.actors._dataplane import (
 from kvhandoff.actors._frames import NixlNotifChannel
 from kvhandoff.actors._member import RoundMember, RoundParticipant, VoteNews
 from kvhandoff.actors._pattern import POISON, expected_blocks, request_seed
+from kvhandoff.actors._staged import StagingArena
+from kvhandoff.actors._stager import (
+    DATA_MODES,
+    StagedReader,
+    StagedWriter,
+    decode_notice,
+    staged_below,
+)
 from kvhandoff.protocol import (
     DEFAULT_QUARANTINE_LIMIT,
     DEFAULT_TRANSFER_TIMEOUT,
@@ -153,6 +161,8 @@ from kvhandoff.protocol import (
     RoundDecision,
     RoundProposal,
     SendMessage,
+    StageAck,
+    StageWrite,
     StopPosting,
     UnknownSessionError,
     active_cancel,
@@ -251,6 +261,16 @@ class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: (None: the same). The CTX plans its pieces from both.
     memory_kind: str = "blocked"
     peer_memory_kind: str | None = None
+    #: How the CTX moves an edge's chunks (docs/design.md "Staged data
+    #: plane"): "direct" (one descriptor per piece, straight into the GEN
+    #: blocks), "staged" (gather into a slot, one WRITE per slot, the GEN
+    #: scatters it) or "auto" (staged for an edge whose pieces average under
+    #: `staged_below` bytes, the measured crossover; 0: the device's default).
+    #: Any mode but "direct" gives the rank a staging arena of
+    #: `staging_window` slots of `chunk_bytes` per peer rank, registered once.
+    data_mode: str = "auto"
+    staging_window: int = 4
+    staged_below: int = 0
 
 
 def agent_name(deployment: str, ns: RankNamespace, epoch: int) -> str:
@@ -299,7 +319,22 @@ class RankCore(RoundParticipant):
             self.transport = NixlTransport(name, self.buffer)
         if config.frames not in ("ray", "nixl"):
             raise ValueError(f"frames must be 'ray' or 'nixl', got {config.frames!r}")
-        self._notif = NixlNotifChannel(self.transport) if config.frames == "nixl" else None
+        if config.data_mode not in DATA_MODES:
+            raise ValueError(f"data_mode must be one of {DATA_MODES}, got {config.data_mode!r}")
+        if config.staging_window <= 0:
+            raise ValueError(f"staging_window must be positive, got {config.staging_window}")
+        # The staging arena: `staging_window` slots per peer rank, one chunk each.
+        self.arena: StagingArena | None = None
+        if config.data_mode != "direct":
+            slot_bytes = -(-config.chunk_bytes // 8) * 8
+            self.arena = StagingArena(config.staging_window * peer.tp, slot_bytes, self.buffer.device)
+            self.transport.register_arena(self.arena.tensor)
+        # Every NIXL notification is drained by one channel: control frames
+        # (frames="nixl") and staging notices (an arena) are told apart there.
+        self._channel = NixlNotifChannel(self.transport)
+        self._notif = self._channel if config.frames == "nixl" else None
+        if self.arena is not None:
+            self._channel.stage_sink = []
         # A topology without a transfer timeout (0) is unqualified and runs the
         # conservative path, but L1 still needs a bound: the protocol default.
         timeout = spec.transfer_timeout_s if spec.transfer_timeout_s > 0 else DEFAULT_TRANSFER_TIMEOUT
@@ -407,8 +442,8 @@ class RankCore(RoundParticipant):
 
     def _learn_agent(self, name: str, metadata: Any, geometry: BufferGeometry) -> None:
         """The directory gave us peer agent `name`, its NIXL metadata and buffer."""
-        if self._notif is not None and name not in self.transport.peers:
-            self.transport.add_peer(metadata)  # frames go to it as notifications
+        if (self._notif is not None or self.arena is not None) and name not in self.transport.peers:
+            self.transport.add_peer(metadata)  # frames (and staging ACKs) go to it as notifications
 
     # -- identity, directory, peers ---------------------------------------------
 
@@ -416,7 +451,10 @@ class RankCore(RoundParticipant):
         return ray.get_actor(f"{self.config.deployment}.directory")
 
     def _register(self) -> None:
-        entry = (self.our, self.transport.name, self.transport.metadata(), self.buffer.geometry())
+        geometry = self.buffer.geometry()
+        if self.arena is not None:
+            geometry = geometry._replace(staging=(self.arena.base, self.arena.slot_bytes, self.config.staging_window))
+        entry = (self.our, self.transport.name, self.transport.metadata(), geometry)
         context = ray.get_runtime_context()
         where = (context.get_node_id(), os.getpid())  # to confirm this process's death later
         # Fire-and-forget: the directory only stores it; lookups wait for it.
@@ -914,17 +952,25 @@ class RankCore(RoundParticipant):
         while True:
             now = time.monotonic()
             progressed = self._poll_chunks(now)
-            if self._notif is not None:
-                for _, frame in self._notif.poll():
+            if self._notif is not None or self.arena is not None:
+                for _, frame in self._channel.poll():
                     progressed = True
-                    await self.receive_frame(frame)
+                    if self._notif is not None:
+                        await self.receive_frame(frame)
+                    else:
+                        self.counters["nixl_frames_unexpected"] += 1
+                staged = self._channel.stage_sink
+                while staged:
+                    progressed = True
+                    sender, payload = staged.pop(0)
+                    self._on_stage(sender, payload, time.monotonic())
             if now - last_expire > 0.05:
                 last_expire = now
                 self._perform(self.side.expire(now))
             idle_sweeps = 0 if progressed else idle_sweeps + 1
-            if self._notif is not None and any(
+            if (self._notif is not None and any(
                 state is not ParentState.QUARANTINED for state in self.side.parents().values()
-            ):
+            )) or self._stage_polling():
                 # Frames arrive only when polled: poll at the short interval
                 # while a request is live (an empty poll costs a few µs).
                 await asyncio.sleep(self.config.poll_interval_s)
@@ -936,6 +982,21 @@ class RankCore(RoundParticipant):
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=0.25)
+
+    def _on_stage(self, sender: str, payload: bytes, now: float) -> None:
+        """A staging notice (a WRITE's, or an ACK) drained from NIXL."""
+        notice = decode_notice(payload)
+        if notice is None:
+            self.counters["staged_undecodable"] += 1
+            return
+        self._stage_notice(sender, notice, now)
+
+    def _stage_notice(self, sender: str, notice: Any, now: float) -> None:
+        self.counters["staged_misdirected"] += 1
+
+    def _stage_polling(self) -> bool:
+        """Whether staging notices are due: poll at the short interval."""
+        return False
 
     # -- outcomes, stats -------------------------------------------------------------------------
 
@@ -1031,7 +1092,11 @@ class RankCore(RoundParticipant):
             "violations": list(self.violations),
             "negotiated": negotiation_summary(self._negotiation),
             "conservative": self._conservative(),
+            "staging": self._staging_stats(),
         }
+
+    def _staging_stats(self) -> dict[str, Any]:
+        return {"mode": self.config.data_mode, "arena_slots": self.arena.slots if self.arena is not None else 0}
 
     async def buffer_base(self) -> int:
         return self.buffer.base
@@ -1077,14 +1142,33 @@ class CtxRankCore(RankCore):
         self._pieces: dict[tuple[tuple[int, int], int], tuple[Piece, ...]] = {}
         self._in_flight: dict[tuple[ContextTicket, int], Chunk] = {}
         self._peer_agent: dict[ContextTicket, str] = {}
+        self._writer: StagedWriter | None = None
         # Data phase per parent: [first post, last DONE, bytes] (perf_counter), bounded.
         self._xfer: collections.OrderedDict[ParentKey, list[float]] = collections.OrderedDict()
         super().__init__(config, epoch, tensors=tensors)  # last: it registers this rank
+        if self.arena is not None:
+            below = staged_below(self.buffer.device, config.staged_below)
+            self._writer = StagedWriter(self, self.arena, config.staging_window, below)
 
     # -- the role's hooks ---------------------------------------------------------------
 
     def _ctx_and_gen(self) -> tuple[TopologySpec, TopologySpec]:
         return self.config.spec, self.config.peer_spec
+
+    def _stage_notice(self, sender: str, notice: Any, now: float) -> None:
+        if self._writer is None or not isinstance(notice, StageAck):
+            self.counters["staged_misdirected"] += 1
+            return
+        self._writer.on_ack(sender, notice, now)
+
+    def _stage_polling(self) -> bool:
+        return self._writer is not None and self._writer.busy()
+
+    def _staging_stats(self) -> dict[str, Any]:
+        out = super()._staging_stats()
+        if self._writer is not None:
+            out.update(self._writer.stats())
+        return out
 
     def _make_side(self, transfer_timeout: float) -> CtxRank:
         return CtxRank(
@@ -1197,15 +1281,19 @@ class CtxRankCore(RankCore):
                 self.counters[f"poll_{type(exc).__name__}"] += 1
                 continue
             self._perform(actions)
+        if self._writer is not None and self._writer.poll(now):
+            progressed = True
         return progressed
 
     def _chunks_in_flight(self) -> int:
-        return len(self._in_flight)
+        return len(self._in_flight) + (self._writer.in_flight() if self._writer is not None else 0)
 
     def _forget(self, parent: ParentKey) -> None:
         for ticket in [t for t in self._chunks if t.parent == parent]:
             del self._chunks[ticket]
             self._peer_agent.pop(ticket, None)
+            if self._writer is not None:
+                self._writer.forget(ticket)
 
     def _tracking(self) -> int:
         return len(self._chunks) + len(self._peer_agent)
@@ -1274,8 +1362,14 @@ class CtxRankCore(RankCore):
         peer = self._peer_agent[ticket]
         try:
             geometry = self._gen_geometry(ticket, peer)
-            prepared = self._prepared_lists(peer, ticket.edge, geometry)
             plan = plans[index]
+            if (
+                self._writer is not None
+                and self._writer.wants(self._edge_pieces(ticket.edge), geometry)
+                and self._writer.post(ticket, index, plan, peer, geometry, now)
+            ):
+                return
+            prepared = self._prepared_lists(peer, ticket.edge, geometry)
             if prepared is None:
                 plan = resolve_regions(
                     plan, self._edge_pieces(ticket.edge), self.buffer.region_table(), geometry.region_table()
@@ -1393,7 +1487,25 @@ class GenRankCore(RankCore):
         self._release_when_ready: set[ParentKey] = set()
         # Bytes verified per parent, until it is released (`free` answers them).
         self._verified: dict[ParentKey, int] = {}
+        self._reader: StagedReader | None = None
         super().__init__(config, epoch, tensors=tensors)  # last: it registers this rank
+        if self.arena is not None:
+            self._reader = StagedReader(self, self.arena, config.staging_window)
+
+    def _stage_notice(self, sender: str, notice: Any, now: float) -> None:
+        if self._reader is None or not isinstance(notice, StageWrite):
+            self.counters["staged_misdirected"] += 1
+            return
+        self._reader.on_write(sender, notice, now)
+
+    def _stage_polling(self) -> bool:
+        return self._reader is not None and any(s is ParentState.INSTALLED for s in self.side.parents().values())
+
+    def _staging_stats(self) -> dict[str, Any]:
+        out = super()._staging_stats()
+        if self._reader is not None:
+            out.update(self._reader.stats())
+        return out
 
     # -- the role's hooks ---------------------------------------------------------------
 

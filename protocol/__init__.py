@@ -13,6 +13,7 @@ from . import (
     _registry,
     _rounds,
     _session,
+    _staging,
     _ticket,
     _wire,
 )
@@ -23,6 +24,7 @@ from ._pool import *  # noqa: F403
 from ._registry import *  # noqa: F403
 from ._rounds import *  # noqa: F403
 from ._session import *  # noqa: F403
+from ._staging import *  # noqa: F403
 from ._ticket import *  # noqa: F403
 from ._wire import *  # noqa: F403
 
@@ -36,4 +38,5 @@ __all__ = [
     *_registry.__all__,
     *_session.__all__,
     *_rounds.__all__,
+    *_staging.__all__,
 ]

@@ -17,12 +17,19 @@ def gen_bytes(tokens: int, gen_tp: int) -> int:
     return math.ceil(tokens / DEFAULT_LAYOUT.tokens_per_block) * block_bytes(DEFAULT_LAYOUT, gen_tp) * gen_tp
 
 
+def _slots_busy(s: dict) -> int:
+    """Staging slots a rank's writer holds that are not quarantined."""
+    st = s.get("staging", {})
+    return st.get("in_use", 0) - st.get("slots", {}).get("quarantined", 0) + st.get("queued", 0)
+
+
 async def settled_stats(dep: Deployment, timeout: float = 10.0) -> dict:
-    """Stats once no rank holds a lease any more (bounded: L1/L2)."""
+    """Stats once no rank holds a lease or a (not quarantined) staging slot
+    any more (bounded: L1/L2)."""
     deadline = time.monotonic() + timeout
     while True:
         stats = await dep.stats()
-        if all(s.get("leased") == 0 for s in stats["ranks"]) or time.monotonic() > deadline:
+        if all(s.get("leased") == 0 and not _slots_busy(s) for s in stats["ranks"]) or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.05)
 
@@ -40,8 +47,14 @@ async def wait_stats(dep: Deployment, ready: Callable[[dict], bool], timeout: fl
         await asyncio.sleep(0.05)
 
 
-def assert_clean(stats: dict, *, quarantined_ok: bool = False) -> None:
+def assert_clean(stats: dict, *, quarantined_ok: bool = False, slots_quarantined: int = 0) -> None:
+    """L2 on every rank: nothing leased, nothing leaked, no bookkeeping left;
+    no staging slot held, and exactly `slots_quarantined` quarantined in all."""
+    quarantined = 0
     for s in stats["ranks"]:
+        st = s.get("staging", {})
+        quarantined += st.get("slots", {}).get("quarantined", 0)
+        assert _slots_busy(s) == 0, st
         assert "error" not in s, s
         assert s["violations"] == [], s["violations"]  # S2
         assert s["leased"] == 0, s  # nothing still held: no leak (L2)
@@ -51,6 +64,8 @@ def assert_clean(stats: dict, *, quarantined_ok: bool = False) -> None:
         if not quarantined_ok:
             assert s["quarantined"] == 0, s
             assert s["in_flight_chunks"] == 0, s
+    if not quarantined_ok:
+        assert quarantined == slots_quarantined, [s.get("staging") for s in stats["ranks"]]
 
 
 async def inside(handle: Any, fn: Callable[[Any], Any]) -> Any:

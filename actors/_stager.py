@@ -1,0 +1,508 @@
+"""The staged data plane on the rank actors (docs/design.md "Staged data plane").
+
+`StagedWriter` (a CTX rank) turns a protocol chunk into: take a free slot
+pair toward the chunk's GEN rank, gather the chunk's pieces into our slot,
+post ONE WRITE of the slot into the GEN rank's matching slot carrying a
+`StageWrite` notice, poll it to DONE/ERR, and report the chunk to the
+protocol once the GEN rank's `StageAck` says the bytes were scattered into
+its blocks. The protocol's TERMINAL(COMPLETED) therefore always follows the
+last scatter. Chunks beyond the free slots wait in a queue per GEN rank (the
+slots are the credits); a table whose slots are all quarantined makes the
+chunk go direct, so a leaked slot never wedges a transfer.
+
+`StagedReader` (a GEN rank) scatters a slot when its notice arrives (the
+notice is sent after the WRITE's flush: the bytes are there), but only into
+the blocks of a lease that is live and installed for exactly that request
+(ParentKey with its attempts), and only for a slot of the sender's own
+partition and a generation it has not seen; it always answers with a
+`StageAck` (scattered or not), which is the writer's credit.
+
+Cancellation at any moment:
+- a queued chunk of an edge that stopped posting is reported failed without
+  a WRITE (nothing was posted: quiescent);
+- a posted slot drains like a direct chunk: polled to DONE/ERR, never
+  released in flight; an edge that is draining reports it at DONE (its
+  bytes do not matter any more), its slot stays held until the ACK;
+- the reader never scatters into a lease that ended, so a late notice after
+  the GEN rank released (and maybe reused) the blocks writes nothing.
+A LANDED slot whose ACK does not come within the transfer timeout is
+quarantined (`StagingSlots.expire`) and its chunk reported failed; it comes
+back with the reader's late ACK or when the reader's agent is replaced.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kvhandoff.actors._dataplane import (
+    Chunk,
+    ChunkPlan,
+    DataPlaneError,
+    Piece,
+    XferState,
+    edge_pieces,
+)
+from kvhandoff.actors._staged import StageMap, StagingArena, gather, scatter, stage_map, stage_unit
+from kvhandoff.protocol import (
+    ContextTicket,
+    DecodeError,
+    EdgeState,
+    ParentKey,
+    ParentState,
+    ProtocolError,
+    SlotError,
+    SlotGuard,
+    SlotRef,
+    StageAck,
+    StageWrite,
+    StagingSlots,
+    decode_stage,
+    encode_stage,
+)
+from kvhandoff.topology import memory_pieces
+
+if TYPE_CHECKING:
+    from kvhandoff.actors.rank import CtxRankCore, GenRankCore
+
+log = logging.getLogger("kvhandoff.staged")
+
+__all__ = ["DATA_MODES", "StagedWriter", "StagedReader", "staged_below", "STAGED_BELOW"]
+
+#: How a CTX rank moves an edge's chunks (`RankConfig.data_mode`).
+DATA_MODES = ("auto", "direct", "staged")
+
+#: "auto" stages an edge whose average piece is below this many bytes, per
+#: device kind: the crossover measured by `kvhandoff bench --sections paged`
+#: (docs/benchmarks.md "Staged vs direct"), where staged stops beating direct.
+STAGED_BELOW = {"cpu": 1 << 20, "cuda": 1 << 20}
+
+
+def staged_below(device: str, override: int = 0) -> int:
+    if override > 0:
+        return override
+    return STAGED_BELOW["cuda" if device.startswith("cuda") else "cpu"]
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
+
+
+@dataclasses.dataclass(eq=False)
+class _Write:
+    """One staged chunk from our slot to the peer's."""
+
+    ticket: ContextTicket
+    index: int
+    nbytes: int
+    gen_rank: int
+    ref: SlotRef
+    chunk: Chunk | None = None
+    polled: XferState | None = None  # DONE/ERR once polled terminal
+    ack: bool | None = None  # the reader's answer (scattered), once it came
+    reported: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class _Peer:
+    """Our partition toward one GEN rank's current agent."""
+
+    agent: str
+    base: int  # the peer arena's base address
+    slot_bytes: int
+    window: int  # the peer's slots per CTX rank
+    table: StagingSlots
+    queue: collections.deque[tuple[ContextTicket, int, ChunkPlan]] = dataclasses.field(default_factory=collections.deque)
+
+
+class StagedWriter:
+    """A CTX rank's staged chunks (module docstring)."""
+
+    def __init__(self, core: CtxRankCore, arena: StagingArena, window: int, below: int) -> None:
+        self.core = core
+        self.arena = arena
+        self.window = window
+        self.below = below
+        self._peers: dict[int, _Peer] = {}
+        self._writes: dict[tuple[str, int, int], _Write] = {}  # (agent, slot, generation)
+        self._posted: list[_Write] = []  # WRITEs not yet polled terminal
+        self._units: dict[tuple[Piece, ...], int] = {}
+        self._starts: dict[ContextTicket, np.ndarray] = {}
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # -- mode choice ----------------------------------------------------------------
+
+    def wants(self, pieces: tuple[Piece, ...], geometry: Any) -> bool:
+        """Whether an edge with `pieces` (per block pair) goes staged toward a
+        GEN rank with `geometry`: forced, or "auto" and its pieces average
+        under the crossover with more than one piece per chunk to merge."""
+        mode = self.core.config.data_mode
+        if mode == "direct" or not geometry.staging or not pieces:
+            return False
+        if mode == "staged":
+            return True
+        avg = sum(p[4] for p in pieces) / len(pieces)
+        return avg < self.below and avg * 2 <= self.core.config.chunk_bytes
+
+    # -- posting ------------------------------------------------------------------------
+
+    def _peer(self, gen_rank: int, agent: str, geometry: Any) -> _Peer | None:
+        base, slot_bytes, window = geometry.staging
+        p = self._peers.get(gen_rank)
+        if p is not None and p.agent != agent:
+            self.peer_gone(gen_rank)  # a new incarnation: the old one reads nothing any more
+            p = self._peers.get(gen_rank)
+        if p is None:
+            n = min(self.window, window)
+            if n <= 0:
+                return None
+            p = self._peers[gen_rank] = _Peer(agent, base, slot_bytes, window, StagingSlots(n))
+        return p
+
+    def post(self, ticket: ContextTicket, index: int, plan: ChunkPlan, agent: str, geometry: Any, now: float) -> bool:
+        """Post chunk `index` staged (or queue it for a slot): True. False: it
+        goes direct (no usable slot table, or it does not fit a slot)."""
+        p = self._peer(ticket.gen.ns.rank, agent, geometry)
+        if p is None or plan.nbytes > min(p.slot_bytes, self.arena.slot_bytes):
+            self.counters["staged_unfit"] += 1
+            return False
+        if not p.table.usable:
+            self.counters["staged_no_usable_slot"] += 1
+            return False
+        ref = p.table.acquire((ticket, index))
+        if ref is None:
+            p.queue.append((ticket, index, plan))
+            self.counters["staged_queued"] += 1
+            return True
+        self._start(p, ref, ticket, index, plan, now)
+        return True
+
+    def _unit(self, pieces: tuple[Piece, ...]) -> int:
+        u = self._units.get(pieces)
+        if u is None:
+            u = self._units[pieces] = stage_unit(pieces, 0, self.core.buffer.strides)
+        return u
+
+    def _start(self, p: _Peer, ref: SlotRef, ticket: ContextTicket, index: int, plan: ChunkPlan, now: float) -> None:
+        core = self.core
+        rank = core.config.rank
+        gen_rank = ticket.gen.ns.rank
+        w = _Write(ticket, index, plan.nbytes, gen_rank, ref)
+        local = gen_rank * self.window + ref.slot
+        remote = rank * p.window + ref.slot
+        try:
+            pieces = core._edge_pieces(ticket.edge)
+            slot = self.arena.slot(local)
+            gather(core.buffer, slot, stage_map(pieces, plan.local, 0, core.buffer, self._unit(pieces), slot.device))
+            _sync(slot)
+            start, end = self._rows(ticket, index)
+            notice = StageWrite(
+                request_id=ticket.request_id,
+                ctx_attempt=ticket.ctx_attempt,
+                gen_attempt=ticket.gen_attempt,
+                ctx_rank=rank,
+                ctx_epoch=core.our.epoch,
+                chunk=index,
+                start=start,
+                end=end,
+                max_piece=core.config.chunk_bytes,
+                slot=remote,
+                generation=ref.generation,
+                nbytes=plan.nbytes,
+            )
+            region = (self.arena.addr(local), p.base + remote * p.slot_bytes, plan.nbytes)
+            w.chunk = core.transport.post(p.agent, [region], notif=encode_stage(notice))
+        except Exception as exc:  # nothing reached the peer: the chunk failed before DMA
+            log.warning("rank %s: staged post failed: %r", core.ns, exc)
+            self.counters["staged_post_failed"] += 1
+            p.table.freed(ref)
+            self._report(w, False, now)
+            self._drain_queue(p, now)
+            return
+        self.counters["staged_chunks"] += 1
+        self.counters["staged_bytes"] += plan.nbytes
+        self._writes[(p.agent, remote, ref.generation)] = w
+        self._posted.append(w)
+        core._ensure_polling()
+
+    def _rows(self, ticket: ContextTicket, index: int) -> tuple[int, int]:
+        """Chunk `index`'s rows [start, end) of the edge's transfer order (row
+        k = pair k // P, piece k % P): `plan_chunks` cuts consecutive rows."""
+        starts = self._starts.get(ticket)
+        if starts is None:
+            plans = self.core._chunks[ticket][0]
+            starts = np.concatenate(([0], np.cumsum([len(pl.local) for pl in plans])))
+            self._starts[ticket] = starts
+        return int(starts[index]), int(starts[index + 1])
+
+    def forget(self, ticket: ContextTicket) -> None:
+        self._starts.pop(ticket, None)
+
+    def _drain_queue(self, p: _Peer, now: float) -> None:
+        """Start queued chunks on the slots that are free now; a queued chunk
+        whose edge stopped posting (cancelled) is reported failed, unposted."""
+        while p.queue:
+            ticket, index, plan = p.queue[0]
+            try:
+                posting = self.core.side.evidence(ticket).state is EdgeState.POSTING
+            except ProtocolError:
+                posting = False
+            if not posting:
+                p.queue.popleft()
+                self.counters["staged_unposted"] += 1
+                self._report(_Write(ticket, index, 0, 0, SlotRef(0, 0)), False, now)
+                continue
+            ref = p.table.acquire((ticket, index))
+            if ref is None:
+                return
+            p.queue.popleft()
+            self._start(p, ref, ticket, index, plan, now)
+
+    # -- progress ---------------------------------------------------------------------
+
+    def _report(self, w: _Write, ok: bool, now: float) -> None:
+        if w.reported:
+            return
+        w.reported = True
+        side = self.core.side
+        try:
+            actions = side.chunk_done(w.ticket, w.index, w.nbytes, now) if ok else side.chunk_failed(w.ticket, w.index, now)
+        except ProtocolError as exc:
+            self.counters[f"report_{type(exc).__name__}"] += 1
+            return
+        self.core._perform(actions)
+
+    def _posting(self, ticket: ContextTicket) -> bool:
+        try:
+            return self.core.side.evidence(ticket).state is EdgeState.POSTING
+        except ProtocolError:
+            return False
+
+    def poll(self, now: float) -> bool:
+        """Poll our posted WRITEs; report what is due; quarantine overdue slots."""
+        progressed = False
+        timeout = self.core.side.transfer_timeout
+        for w in list(self._posted):
+            assert w.chunk is not None
+            state = w.chunk.poll()
+            if state is XferState.PROC or state is XferState.PENDING:
+                continue
+            progressed = True
+            self._posted.remove(w)
+            w.chunk.release()
+            w.polled = state
+            p = self._peers.get(w.gen_rank)
+            if state is XferState.ERR:
+                # No notice was sent: the reader never reads the slot.
+                self._settle(p, w, scattered=False, now=now)
+                continue
+            if w.ack is not None:  # the ACK came first (the WRITE completed at post)
+                self._settle(p, w, scattered=w.ack, now=now)
+                continue
+            if p is not None and p.agent == self._agent_of(w):
+                with contextlib.suppress(SlotError):
+                    p.table.landed(w.ref, now + timeout)
+            if not self._posting(w.ticket):
+                # Cancelled meanwhile: the WRITE is over, the bytes do not
+                # matter; the reader scatters nothing into an ended lease.
+                self._report(w, True, now)
+        for p in list(self._peers.values()):
+            for ref, _ in p.table.expire(now):
+                self.counters["slots_quarantined"] += 1
+                w = self._writes.get((p.agent, self._remote(p, ref), ref.generation))
+                if w is not None:
+                    self._report(w, False, now)
+        return progressed
+
+    def _remote(self, p: _Peer, ref: SlotRef) -> int:
+        return self.core.config.rank * p.window + ref.slot
+
+    def _agent_of(self, w: _Write) -> str | None:
+        p = self._peers.get(w.gen_rank)
+        if p is None:
+            return None
+        key = (p.agent, self._remote(p, w.ref), w.ref.generation)
+        return p.agent if self._writes.get(key) is w else None
+
+    def _settle(self, p: _Peer | None, w: _Write, scattered: bool, now: float) -> None:
+        """The slot is free again (ACK, or ERR): report the chunk, next in queue."""
+        if p is not None:
+            key = (p.agent, self._remote(p, w.ref), w.ref.generation)
+            if self._writes.get(key) is w:
+                del self._writes[key]
+                try:
+                    p.table.freed(w.ref)
+                except SlotError:
+                    self.counters["slot_free_refused"] += 1
+        self._report(w, scattered and w.polled is XferState.DONE, now)
+        if p is not None:
+            self._drain_queue(p, now)
+
+    def on_ack(self, sender: str, ack: StageAck, now: float) -> None:
+        p = next((q for q in self._peers.values() if q.agent == sender), None)
+        if p is None:
+            self.counters["ack_unknown_sender"] += 1
+            return
+        w = self._writes.get((sender, ack.slot, ack.generation))
+        if w is None:
+            self.counters["ack_stale"] += 1
+            return
+        self.counters["acks" if ack.scattered else "acks_unscattered"] += 1
+        w.ack = ack.scattered
+        if w.polled is None:
+            return  # the WRITE is not polled terminal yet: `poll` settles it
+        self._settle(p, w, scattered=ack.scattered, now=now)
+
+    def peer_gone(self, gen_rank: int) -> None:
+        """GEN rank `gen_rank`'s agent was replaced or confirmed dead: nobody
+        reads its slots any more. LANDED/QUARANTINED slots are freed (their
+        chunks reported failed, if not yet); WRITING ones drain (polled to
+        DONE/ERR, then dropped); queued chunks are reported failed."""
+        p = self._peers.pop(gen_rank, None)
+        if p is None:
+            return
+        now = time.monotonic()
+        for ref, _ in p.table.reclaim_peer():
+            self.counters["slots_reclaimed"] += 1
+            w = self._writes.pop((p.agent, self._remote(p, ref), ref.generation), None)
+            if w is not None:
+                self._report(w, False, now)
+        for key in [k for k in self._writes if k[0] == p.agent]:
+            w = self._writes.pop(key)
+            w.ack = False  # its WRITE still drains in `poll`; reported failed then
+        while p.queue:
+            ticket, index, _ = p.queue.popleft()
+            self._report(_Write(ticket, index, 0, gen_rank, SlotRef(0, 0)), False, now)
+
+    # -- state --------------------------------------------------------------------------
+
+    def busy(self) -> bool:
+        return bool(self._posted or self._writes or any(p.queue for p in self._peers.values()))
+
+    def in_flight(self) -> int:
+        return len(self._posted) + sum(len(p.queue) for p in self._peers.values())
+
+    def stats(self) -> dict[str, Any]:
+        slots: collections.Counter[str] = collections.Counter()
+        for p in self._peers.values():
+            p.table.check_invariants()
+            slots.update(p.table.counts())
+        return {
+            "slots": dict(slots),
+            "in_use": sum(v for k, v in slots.items() if k != "free"),
+            "queued": sum(len(p.queue) for p in self._peers.values()),
+            "counters": dict(self.counters),
+        }
+
+
+class StagedReader:
+    """A GEN rank's side of the staged chunks (module docstring)."""
+
+    def __init__(self, core: GenRankCore, arena: StagingArena, window: int) -> None:
+        self.core = core
+        self.arena = arena
+        self.window = window
+        self.guard = SlotGuard()
+        self._pieces: dict[tuple[tuple[int, int], int], tuple[Piece, ...]] = {}
+        self._units: dict[tuple[Piece, ...], int] = {}
+        self.counters: collections.Counter[str] = collections.Counter()
+        #: Fault injection (tests; set through Ray's __ray_call__): ACKs to drop.
+        self._drop_acks = 0
+
+    def _edge_pieces(self, edge: tuple[int, int], max_piece: int) -> tuple[Piece, ...]:
+        key = (edge, max_piece)
+        found = self._pieces.get(key)
+        if found is None:
+            cfg = self.core.config
+            ctx_kind = cfg.peer_memory_kind or cfg.memory_kind
+            found = edge_pieces(memory_pieces(self.core.shards, edge, ctx_kind, cfg.memory_kind), max_piece)
+            if len(self._pieces) > 64:
+                self._pieces.clear()
+            self._pieces[key] = found
+        return found
+
+    def on_write(self, sender: str, msg: StageWrite, now: float) -> None:
+        core = self.core
+        scattered = False
+        try:
+            self._check_sender(sender, msg)
+            self.guard.admit(sender, msg.slot, msg.generation)
+        except (ProtocolError, DataPlaneError) as exc:
+            self.counters[f"refused_{type(exc).__name__}"] += 1
+            log.warning("rank %s: staged notice from %s refused: %s", core.ns, sender, exc)
+            return  # no ACK: not a slot of this writer, or a replay of one already answered
+        try:
+            scattered = self._scatter(msg)
+        except (ProtocolError, DataPlaneError) as exc:
+            self.counters[f"scatter_{type(exc).__name__}"] += 1
+            log.warning("rank %s: staged chunk from %s not scattered: %s", core.ns, sender, exc)
+        self.counters["scattered" if scattered else "not_scattered"] += 1
+        if self._drop_acks > 0:
+            self._drop_acks -= 1
+            self.counters["acks_dropped"] += 1
+            return
+        try:
+            core.transport.send_notif(sender, encode_stage(StageAck(slot=msg.slot, generation=msg.generation, scattered=scattered)))
+        except Exception as exc:
+            self.counters["ack_send_failed"] += 1
+            log.warning("rank %s: ACK to %s failed: %s", core.ns, sender, exc)
+
+    def _check_sender(self, sender: str, msg: StageWrite) -> None:
+        from kvhandoff.actors.rank import agent_name
+        from kvhandoff.protocol import RankNamespace, Role
+
+        cfg = self.core.config
+        if not msg.ctx_rank < cfg.peer_spec.tp:
+            raise DataPlaneError(f"CTX rank {msg.ctx_rank} of a TP {cfg.peer_spec.tp} instance")
+        ns = RankNamespace(instance_id=cfg.peer_spec.instance_id, role=Role.CTX, rank=msg.ctx_rank)
+        if sender != agent_name(cfg.deployment, ns, msg.ctx_epoch):
+            raise DataPlaneError(f"a notice naming CTX rank {msg.ctx_rank} epoch {msg.ctx_epoch} from {sender}")
+        if not msg.ctx_rank * self.window <= msg.slot < (msg.ctx_rank + 1) * self.window:
+            raise DataPlaneError(f"slot {msg.slot} is not in CTX rank {msg.ctx_rank}'s partition")
+        if not 0 < msg.max_piece <= self.arena.slot_bytes or msg.nbytes > self.arena.slot_bytes:
+            raise DataPlaneError(f"a chunk of {msg.nbytes} B (pieces of {msg.max_piece} B) for slots of {self.arena.slot_bytes} B")
+
+    def _scatter(self, msg: StageWrite) -> bool:
+        """Scatter the slot into the lease of exactly msg's request, if it is
+        live and installed here; False (nothing written) otherwise."""
+        core = self.core
+        parent = ParentKey(request_id=msg.request_id, ctx_attempt=msg.ctx_attempt, gen_attempt=msg.gen_attempt)
+        if core.side.parents().get(parent) is not ParentState.INSTALLED or not core.pool.holds(parent):
+            return False  # cancelled, released or quarantined: never write an ended lease
+        edge = (msg.ctx_rank, core.config.rank)
+        pieces = self._edge_pieces(edge, msg.max_piece)
+        lease = core.pool.lease_of(parent)
+        P = len(pieces)
+        if not P or msg.end <= msg.start or msg.end > len(lease) * P:
+            raise DataPlaneError(f"rows [{msg.start}, {msg.end}) of a lease of {len(lease)} blocks x {P} pieces")
+        rows = np.arange(msg.start, msg.end, dtype=np.int64)
+        blocks = np.fromiter((ref.block for ref in lease), dtype=np.int64, count=len(lease))
+        remote = blocks[rows // P] * P + rows % P
+        unit = self._units.get(pieces)
+        if unit is None:
+            unit = self._units[pieces] = stage_unit(pieces, 1, core.buffer.strides)
+        slot = self.arena.slot(msg.slot)
+        m: StageMap = stage_map(pieces, remote, 1, core.buffer, unit, slot.device)
+        if m.nbytes != msg.nbytes:
+            raise DataPlaneError(f"rows [{msg.start}, {msg.end}) hold {m.nbytes} B, the notice says {msg.nbytes}")
+        scatter(core.buffer, slot, m)
+        _sync(slot)
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return {"counters": dict(self.counters), "writers_seen": len(self.guard)}
+
+
+def decode_notice(payload: bytes) -> StageWrite | StageAck | None:
+    try:
+        return decode_stage(payload)
+    except DecodeError:
+        return None

@@ -1,0 +1,222 @@
+"""The staged data plane on real rank actors (docs/design.md "Staged data
+plane"): real Ray, real NIXL agents, real host bytes. Each chunk is gathered
+into a staging slot, moved with one WRITE into the GEN rank's slot and
+scattered into its blocks when the WRITE's notice arrives. GEN verifies every
+byte of every request (S2); every test ends with every block and every slot
+back (L2) and no slot quarantined unless the test made one leak."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from kvhandoff.actors._dataplane import FaultPlan
+from kvhandoff.actors.deployment import Deployment, InvalidConfig
+from kvhandoff.protocol import ParentKey, Role, StageWrite
+from kvhandoff.topology import KVLayout, block_bytes
+
+from .helpers import assert_clean, inside, settled_stats
+from .test_e2e import cancel_mid_dma
+
+pytestmark = pytest.mark.ray
+
+TIMEOUT = 20.0
+ROUND_TIMEOUT = 20.0
+PAGED = KVLayout(num_layers=3, num_kv_heads=4, head_dim=32, dtype="float16", tokens_per_block=8)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def total(layout: KVLayout, tokens: int, gen_tp: int) -> int:
+    return math.ceil(tokens / layout.tokens_per_block) * block_bytes(layout, gen_tp) * gen_tp
+
+
+def _staging(stats: dict, role: str) -> list[dict]:
+    return [s["staging"] for s in stats["ranks"] if s["role"] == role]
+
+
+def _sum(items: list[dict], key: str) -> int:
+    return sum(i.get("counters", {}).get(key, 0) for i in items)
+
+
+@pytest.mark.parametrize(
+    ("kind", "ctx_tp", "gen_tp", "window"),
+    [("paged", 2, 1, 4), ("split", 1, 2, 2), ("blocked", 2, 2, 1), ("paged_hnd", 2, 1, 1)],
+    ids=lambda v: str(v),
+)
+def test_staged_handoffs_verify_every_byte(ray_cluster, kind, ctx_tp, gen_tp, window) -> None:
+    """Forced staged: every chunk goes through a slot pair (no direct post at
+    all), sequential and concurrent requests reuse blocks and slots, a window
+    of 1 makes chunks queue for the slot, and every byte is verified."""
+
+    async def scenario():
+        dep = await Deployment.launch(
+            ctx_tp=ctx_tp, gen_tp=gen_tp, layout=PAGED, pool_blocks=24, chunk_bytes=8 << 10,
+            memory_kind=kind, round_timeout_s=ROUND_TIMEOUT, data_mode="staged", staging_window=window,
+        )
+        try:
+            results = [await dep.handoff(f"st-{i}", 21 + 17 * i, timeout=TIMEOUT) for i in range(2)]
+            results += await asyncio.gather(*(dep.handoff(f"st-c{i}", 9 + 11 * i, timeout=TIMEOUT) for i in range(3)))
+            return results, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    results, stats = run(scenario())
+    for r, n in zip(results, [21, 38, 9, 20, 31]):
+        assert r.outcome == "completed", r
+        assert r.bytes_verified == total(PAGED, n, gen_tp)
+    assert_clean(stats)
+    ctx, gen = _staging(stats, "ctx"), _staging(stats, "gen")
+    posted = sum(s["posted_chunks"] for s in stats["ranks"] if s["role"] == "ctx")
+    assert _sum(ctx, "staged_chunks") == posted > 0  # every WRITE was a slot's
+    assert _sum(ctx, "acks") == posted
+    assert _sum(gen, "scattered") == posted
+    assert all(c["counters"].get("posts_prepared", 0) + c["counters"].get("posts_built", 0) == 0 for c in stats["ranks"] if c["role"] == "ctx")
+    if window == 1:
+        assert _sum(ctx, "staged_queued") > 0  # chunks waited for their credit
+
+
+def test_auto_stages_small_pieces_and_posts_large_ones_direct(ray_cluster) -> None:
+    async def scenario(layout, kind):
+        dep = await Deployment.launch(
+            ctx_tp=2, gen_tp=1, layout=layout, pool_blocks=16, chunk_bytes=64 << 10,
+            memory_kind=kind, round_timeout_s=ROUND_TIMEOUT, staged_below=4 << 10,
+        )
+        try:
+            r = await dep.handoff("auto", 40, timeout=TIMEOUT)
+            return r, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    # paged, 8 tokens x 2 heads x 64 B: 1 KiB pieces -> staged
+    r, stats = run(scenario(PAGED, "paged"))
+    assert r.outcome == "completed", r
+    assert_clean(stats)
+    assert _sum(_staging(stats, "ctx"), "staged_chunks") > 0
+    # blocked with big blocks: the per-layer pieces are 8 KiB -> direct
+    big = KVLayout(num_layers=2, num_kv_heads=4, head_dim=128, dtype="float16", tokens_per_block=32)
+    r, stats = run(scenario(big, "blocked"))
+    assert r.outcome == "completed", r
+    assert_clean(stats)
+    assert _sum(_staging(stats, "ctx"), "staged_chunks") == 0
+    assert sum(s["counters"].get("posts_prepared", 0) for s in stats["ranks"]) > 0
+
+
+def test_launch_refuses_a_bad_data_mode_typed(ray_cluster) -> None:
+    with pytest.raises(InvalidConfig):
+        run(Deployment.launch(data_mode="bounce"))
+    with pytest.raises(InvalidConfig):
+        run(Deployment.launch(data_mode="staged", staging_window=0))
+
+
+@pytest.fixture(scope="module")
+def staged(ray_cluster):
+    """Staged forced, CTX 2 -> GEN 1, every chunk deferred (real late bytes)."""
+    dep = run(
+        Deployment.launch(
+            ctx_tp=2, gen_tp=1, layout=PAGED, pool_blocks=24, chunk_bytes=4 << 10, memory_kind="paged",
+            round_timeout_s=ROUND_TIMEOUT, data_mode="staged", staging_window=2,
+            fault_plan=FaultPlan(defer_s=0.05), transfer_timeout_s=3.0,
+        )
+    )
+    yield dep
+    run(dep.shutdown())
+
+
+def test_cancel_mid_dma_drains_slots_and_scatters_nothing_late(staged: Deployment) -> None:
+    """Slots in flight at the cancel drain like chunks; the GEN scatters none
+    of them into a lease that ended, every slot comes back, and the next
+    request through the same slots verifies every byte (S2)."""
+    dep = staged
+    result, phases = run(cancel_mid_dma(dep, "st-cancel"))
+    assert any("draining" in ph["edges"] for ph in phases), phases
+    assert result.outcome == "cancelled", result
+    stats = run(settled_stats(dep))
+    assert_clean(stats)
+    again = run(dep.handoff("st-after", 60, timeout=TIMEOUT))
+    assert again.outcome == "completed", again
+    assert_clean(run(settled_stats(dep)))
+
+
+def test_a_failed_slot_write_cancels_and_frees_the_slot(ray_cluster) -> None:
+    async def scenario():
+        dep = await Deployment.launch(
+            ctx_tp=1, gen_tp=1, layout=PAGED, pool_blocks=16, chunk_bytes=4 << 10, memory_kind="paged",
+            round_timeout_s=ROUND_TIMEOUT, data_mode="staged", staging_window=2, fault_plan=FaultPlan(fail_every=3),
+        )
+        try:
+            results = [await dep.handoff(f"st-err-{i}", 40, timeout=TIMEOUT) for i in range(3)]
+            return results, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    results, stats = run(scenario())
+    assert {r.outcome for r in results} == {"cancelled"}, results  # 5 chunks each: one fails
+    assert_clean(stats)
+
+
+def test_a_lost_ack_quarantines_one_slot_and_nothing_wedges(staged: Deployment) -> None:
+    """The GEN drops one ACK: that slot is quarantined after the transfer
+    timeout (its reader may still read it) and its request fails; the other
+    slot carries every later request, byte-exact."""
+    dep = staged
+    gen = run(dep.ranks(Role.GEN))[0]
+
+    def drop_one(core):
+        core._reader._drop_acks = 1
+        return 1
+
+    run(inside(gen, drop_one))
+    first = run(dep.handoff("st-lost-ack", 30, timeout=TIMEOUT))
+    assert first.outcome in ("cancelled", "failed"), first
+    later = [run(dep.handoff(f"st-after-lost-{i}", 50, timeout=TIMEOUT)) for i in range(3)]
+    assert all(r.outcome == "completed" for r in later), later
+    stats = run(settled_stats(dep))
+    assert_clean(stats, slots_quarantined=1)
+    ctx = _staging(stats, "ctx")
+    assert _sum(ctx, "slots_quarantined") == 1
+
+
+def test_a_notice_for_an_ended_lease_or_a_replay_writes_nothing(staged: Deployment) -> None:
+    """Straight into the real GEN rank: a notice for a request it no longer
+    holds is answered without a scatter; a replay of an answered generation
+    and a slot outside the sender's partition are refused."""
+    dep = staged
+    done = run(dep.handoff("st-ended", 30, timeout=TIMEOUT))
+    assert done.outcome == "completed"
+    parent: ParentKey = dep.parent("st-ended")
+    gen = run(dep.ranks(Role.GEN))[0]
+
+    def probe(core):
+        from kvhandoff.actors.rank import agent_name
+        from kvhandoff.protocol import RankNamespace
+
+        ns = RankNamespace(instance_id=core.config.peer_spec.instance_id, role=Role.CTX, rank=0)
+        sender = agent_name(core.config.deployment, ns, 0)
+        core.arena.tensor.fill_(0x5A)  # what a late slot would hold
+        before = core.buffer.tensor.clone()
+        reader = core._reader
+        counters = dict(reader.counters)
+        msg = StageWrite(
+            request_id=parent.request_id, ctx_attempt=parent.ctx_attempt, gen_attempt=parent.gen_attempt,
+            ctx_rank=0, ctx_epoch=0, chunk=0, start=0, end=4, max_piece=core.config.chunk_bytes,
+            slot=0, generation=10_000, nbytes=4096,
+        )
+        reader.on_write(sender, msg, 0.0)  # ended lease: not scattered
+        reader.on_write(sender, msg, 0.0)  # replay of generation 10_000: refused
+        reader.on_write(sender, StageWrite(**{**{f: getattr(msg, f) for f in msg.__struct_fields__}, "slot": 3, "generation": 10_001}), 0.0)
+        after = dict(reader.counters)
+        return (
+            bool(core.buffer.tensor.equal(before)),
+            after.get("not_scattered", 0) - counters.get("not_scattered", 0),
+            after.get("refused_StaleSlotError", 0) - counters.get("refused_StaleSlotError", 0),
+            after.get("refused_DataPlaneError", 0) - counters.get("refused_DataPlaneError", 0),
+        )
+
+    unchanged, not_scattered, stale, outside = run(inside(gen, probe))
+    assert unchanged  # not one byte of the pool was written
+    assert (not_scattered, stale, outside) == (1, 1, 1)
