@@ -62,9 +62,11 @@ from typing import Any
 
 import ray
 
+from kvhandoff.actors._stager import DATA_MODES, STAGED_BELOW
 from kvhandoff.actors.deployment import Deployment, HandoffResult
+from kvhandoff.actors.rank import on_endpoint_loop
 from kvhandoff.protocol import Role
-from kvhandoff.topology import KVLayout, block_bytes, shard_map
+from kvhandoff.topology import KVLayout, block_bytes, memory_pieces, shard_map
 
 __all__ = ["add_arguments", "run", "DATA_LAYOUT", "PAGE_LAYOUT"]
 
@@ -135,16 +137,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[64, 256],
         help="large handoff sizes in MiB (data section)",
     )
+    add(
+        "--data-mode",
+        choices=DATA_MODES,
+        default="auto",
+        help="Deployment.launch(data_mode=) of the data, control and cancel sections",
+    )
     add("--repeats", type=int, default=5, help="repeats per variant in the data and paged sections")
     add("--chunk-mib", type=int, default=16, help="WRITE chunk size in MiB (protocol and raw)")
     add("--paged-kib", type=_ints, default=[16, 64, 256, 1024], help="paged block sizes in KiB")
     add("--paged-mib", type=int, default=64, help="bytes moved per paged WRITE, in MiB")
     add(
         "--paged-layouts",
-        choices=("shared", "per-size"),
-        default="shared",
-        help="shared: runs of adjacent 16 KiB blocks on one deployment (same descriptors); "
-        "per-size: one deployment per block size (slower: a launch each)",
+        choices=("tp2", "shared", "per-size"),
+        default="tp2",
+        help="tp2: per piece size, a CTX TP=2 -> GEN TP=1 deployment whose shard pieces are that "
+        "size: raw direct, direct and staged handoffs, one contiguous raw WRITE, a copy; "
+        "shared: runs of adjacent 16 KiB blocks on one deployment (raw only); "
+        "per-size: one TP=1 deployment per block size (raw only)",
     )
     add("--small-tokens", type=int, default=16, help="tokens of a small handoff (control section)")
     add("--small-n", type=int, default=60, help="sequential small handoffs for latency p50/p99")
@@ -269,12 +279,13 @@ class _Bench:
     def rid(self, tag: str) -> str:
         return f"bench-{tag}-{next(self._ids)}"
 
-    async def launch(self, layout: KVLayout, pool_blocks: int, *, tp1: bool = False) -> Deployment:
+    async def launch(self, layout: KVLayout, pool_blocks: int, *, tp1: bool = False, tp2: bool = False) -> Deployment:
         a = self.args
         try:
             return await Deployment.launch(
-                ctx_tp=1 if tp1 else a.ctx_tp,
-                gen_tp=1 if tp1 else a.gen_tp,
+                ctx_tp=2 if tp2 else 1 if tp1 else a.ctx_tp,
+                gen_tp=1 if tp1 or tp2 else a.gen_tp,
+                data_mode="staged" if tp2 else a.data_mode,
                 layout=layout,
                 pool_blocks=pool_blocks,
                 memory=a.memory,
@@ -292,6 +303,7 @@ class _Bench:
     async def data_plane(self, dep: Deployment) -> list[dict[str, Any]]:
         a = self.args
         ctx = await dep.ranks(Role.CTX)
+        await _progressing(dep, 3600.0)
         smap = shard_map(dep.layout, a.ctx_tp, a.gen_tp)
         full = block_bytes(dep.layout, 1)
         mirror = _PoolMirror(self._data_pool_blocks())
@@ -392,6 +404,7 @@ class _Bench:
         """Runs of k adjacent blocks = one descriptor of k blocks (they merge)."""
         ctx = (await dep.ranks(Role.CTX))[0]
         smap = shard_map(dep.layout, 1, 1)
+        await _progressing(dep, 3600.0)
         rows = []
         for kib in self.args.paged_kib:
             k = kib * KiB // smap.ctx_block_bytes
@@ -424,6 +437,7 @@ class _Bench:
             dep = await self.launch(layout, 2 * self.args.paged_mib * MiB // (kib * KiB), tp1=True)
             try:
                 ctx = (await dep.ranks(Role.CTX))[0]
+                await _progressing(dep, 3600.0)
                 rows.append(await self._paged_one(ctx, shard_map(layout, 1, 1), kib, 1))
             finally:
                 await dep.shutdown()
@@ -477,6 +491,122 @@ class _Bench:
         )
         row["raw_over_copy_best"] = _ratio(min(copy_s), min(raw_s))
         row["raw_over_copy_median"] = _ratio(statistics.median(copy_s), statistics.median(raw_s))
+        return row
+
+    async def paged_tp2(self) -> list[dict[str, Any]]:
+        """Per piece size: one CTX TP=2 -> GEN TP=1 deployment (blocked
+        memory) whose layout makes every shard piece that size (a CTX rank
+        holds half the heads: per layer and K/V one piece, never contiguous
+        with the next one on the GEN side), in the staged data mode. Each
+        repeat times, rotated: `raw` (raw NIXL WRITEs of exactly the
+        handoff's pieces, one descriptor each, no protocol), `direct` and
+        `staged` (handoffs, data phase: first post to last DONE/scatter, the
+        slowest CTX rank), `contiguous` (one raw WRITE region per chunk of
+        the same bytes) and `copy` (a plain in-process copy)."""
+        rows = []
+        for kib in self.args.paged_kib:
+            layout = KVLayout(num_layers=2, num_kv_heads=8, head_dim=128, dtype="float16", tokens_per_block=kib)
+            smap = shard_map(layout, 2, 1)
+            sizes = {seg[-1] for e in smap.edges for seg in memory_pieces(smap, e, "blocked", "blocked")}
+            if sizes != {kib * KiB}:
+                self.notes.append(f"paged tp2: {kib} KiB layout has pieces of {sorted(sizes)} B")
+            gen_block = block_bytes(layout, 1)
+            blocks = max(1, self.args.paged_mib * MiB // gen_block)
+            dep = await self.launch(layout, 2 * blocks + 2, tp2=True)
+            try:
+                rows.append(await self._paged_tp2_one(dep, kib, blocks))
+            finally:
+                await dep.shutdown()
+        return rows
+
+    async def _paged_tp2_one(self, dep: Deployment, kib: int, blocks: int) -> dict[str, Any]:
+        a = self.args
+        layout = dep.layout
+        ctx = await dep.ranks(Role.CTX)
+        await _progressing(dep, 3600.0)
+        smap = shard_map(layout, 2, 1)
+        nbytes = blocks * block_bytes(layout, 1)
+        half = nbytes // 2
+        pieces = [len(memory_pieces(smap, e, "blocked", "blocked")) for e in smap.edges]
+        failures: collections.Counter[str] = collections.Counter()
+        samples: dict[str, list[float]] = {k: [] for k in ("raw", "direct", "staged", "contiguous", "copy")}
+        counts: dict[str, collections.Counter[str]] = {"direct": collections.Counter(), "staged": collections.Counter()}
+
+        async def handoff(mode: str) -> float | None:
+            await asyncio.gather(*(h.__ray_call__.remote(on_endpoint_loop, _set_data_mode, mode) for h in ctx))
+            before = await asyncio.gather(*(h.stats.remote() for h in ctx))
+            request = self.rid(f"tp2-{mode}-{kib}")
+            result = await _handoff(dep, request, blocks * layout.tokens_per_block, timeout=120.0)
+            if result.outcome != "completed":
+                failures[f"{mode}:{result.outcome}"] += 1
+                return None
+            after = await asyncio.gather(*(h.stats.remote() for h in ctx))
+            for b, x in zip(before, after):
+                for key in ("posts_prepared", "posts_built"):
+                    counts[mode]["direct_posts"] += x["counters"].get(key, 0) - b["counters"].get(key, 0)
+                sc = x["staging"].get("counters", {}).get("staged_chunks", 0)
+                counts[mode]["staged_posts"] += sc - b["staging"].get("counters", {}).get("staged_chunks", 0)
+            timings = await asyncio.gather(*(h.transfer_timings.remote() for h in ctx))
+            mine = [(sec, b) for per_rank in timings for r, sec, b in per_rank if r == request]
+            if not mine or sum(b for _, b in mine) != nbytes:
+                failures[f"{mode}:data_phase_missing"] += 1
+                return None
+            return max(sec for sec, _ in mine)
+
+        async def raw() -> float:
+            blocks_ = list(range(blocks))
+            done = await asyncio.gather(
+                *(h.raw_write.remote(0, blocks_, blocks_, a.chunk_mib * MiB) for h in ctx)
+            )
+            if sum(b for b, _ in done) != nbytes:
+                failures["raw_bytes_mismatch"] += 1
+            return max(sec for _, sec in done)
+
+        async def contiguous() -> float:
+            done = await asyncio.gather(
+                *(h.raw_contiguous.remote(0, half, r * half, a.chunk_mib * MiB) for r, h in enumerate(ctx))
+            )
+            return max(sec for _, sec in done)
+
+        async def copy() -> float:
+            return max(await asyncio.gather(*(h.copy_bench.remote(half, 1) for h in ctx)))
+
+        variants: dict[str, Callable[[], Awaitable[float | None]]] = {
+            "raw": raw, "direct": lambda: handoff("direct"), "staged": lambda: handoff("staged"),
+            "contiguous": contiguous, "copy": copy,
+        }
+        for fn in variants.values():  # warm-up: connections, caches, page faults
+            await fn()
+        failures.clear()
+        for c in counts.values():
+            c.clear()
+        for rep in range(a.repeats):
+            for name in _rotated(list(variants), rep):
+                seconds = await variants[name]()
+                if seconds is not None:
+                    samples[name].append(seconds)
+        row: dict[str, Any] = {
+            "block_kib": kib,
+            "piece_bytes": kib * KiB,
+            "pieces_per_block": pieces,
+            "descriptors": sum(pieces) * blocks,
+            "bytes": nbytes,
+            "posts": {mode: dict(c) for mode, c in counts.items()},
+        }
+        for name, secs in samples.items():
+            row[name] = _summary(secs, nbytes)
+        for tag, pick in (("best", min), ("median", statistics.median)):
+            t = {k: pick(v) if v else math.nan for k, v in samples.items()}
+            row[f"staged_over_direct_{tag}"] = _ratio(t["direct"], t["staged"])
+            row[f"staged_over_raw_{tag}"] = _ratio(t["raw"], t["staged"])
+            row[f"staged_over_contiguous_{tag}"] = _ratio(t["contiguous"], t["staged"])
+            row[f"direct_over_contiguous_{tag}"] = _ratio(t["contiguous"], t["direct"])
+            row[f"raw_over_copy_{tag}"] = _ratio(t["copy"], t["raw"])
+        below = STAGED_BELOW["cuda" if a.memory == "VRAM" else "cpu"]
+        row["auto_mode"] = "staged" if kib * KiB < below else "direct"
+        row["auto_over_contiguous_best"] = row[f"{row['auto_mode']}_over_contiguous_best"] if row["auto_mode"] == "staged" else row["direct_over_contiguous_best"]
+        if failures:
+            self.notes.append(f"paged tp2 {kib} KiB: {dict(failures)}")
         return row
 
     # -- 3. control plane ----------------------------------------------------------------
@@ -716,6 +846,9 @@ class _Bench:
         if sections & {"paged", "control"}:
             if "paged" in sections and a.paged_layouts == "per-size":
                 out["paged"] = await self.paged_per_size()
+            if "paged" in sections and a.paged_layouts == "tp2":
+                out["paged"] = await self.paged_tp2()
+                out["staged_below"] = {"cpu": STAGED_BELOW["cpu"], "cuda": STAGED_BELOW["cuda"]}
             need_shared = "control" in sections or (
                 "paged" in sections and a.paged_layouts == "shared"
             )
@@ -740,6 +873,30 @@ class _Bench:
         out["launch_s"] = launches
         out["wall_s"] = time.perf_counter() - started
         return out
+
+
+def _progress_for(core: Any, seconds: float) -> float:
+    """Bench-only (through __ray_call__): progress this rank's NIXL worker at
+    the short interval for `seconds` (a GEN rank is the target of the raw
+    baselines' WRITEs without holding a request; agents have no progress
+    thread)."""
+    core._progress_until = time.monotonic() + seconds
+    core._ensure_polling()
+    return seconds
+
+
+async def _progressing(dep: Deployment, seconds: float) -> None:
+    gens = await dep.ranks(Role.GEN)
+    await asyncio.gather(*(h.__ray_call__.remote(on_endpoint_loop, _progress_for, seconds) for h in gens))
+
+
+def _set_data_mode(core: Any, mode: str) -> str:
+    """Bench-only (run on a CTX rank's endpoint loop through Ray's
+    __ray_call__): switch its data mode between handoffs."""
+    import msgspec
+
+    core.config = msgspec.structs.replace(core.config, data_mode=mode)
+    return mode
 
 
 async def _handoff(
@@ -853,6 +1010,27 @@ def _targets(out: dict[str, Any]) -> list[dict[str, Any]]:
             0.95,
             "diagnostic: first chunk post to last DONE inside the protocol",
         )
+    cpu = out.get("machine", {}).get("memory") != "VRAM"
+    auto: list[float] = []
+    for row in out.get("paged", []):
+        if "staged" not in row:
+            continue
+        kib = row["block_kib"]
+        if kib in (16, 64):
+            add(f"staged handoff / contiguous raw NIXL @ {kib} KiB pieces (best)",
+                row["staged_over_contiguous_best"], ">=", 0.75,
+                "GPU target (H200x2)" if cpu else "")
+        if kib == 16:
+            add("staged handoff / direct handoff @ 16 KiB pieces (best)",
+                row["staged_over_direct_best"], ">=", 1.5, "" if cpu else "the CPU target, measured here too")
+        if row["auto_mode"] == "staged":
+            auto.append(row["staged_over_direct_best"])
+    if auto:
+        add("staged / direct where auto stages it, worst piece size (best)", min(auto), ">=", 1.0)
+    tp2 = [r["auto_over_contiguous_best"] for r in out.get("paged", []) if "auto_over_contiguous_best" in r]
+    if tp2:
+        add("TP2->TP1 handoff data phase (auto mode) / contiguous raw, worst piece size (best)",
+            min(tp2), ">=", 0.7, "GPU target (H200x2)" if cpu else "")
     for row in out.get("paged", []):
         if row["block_kib"] == 256:
             add(
@@ -985,7 +1163,34 @@ def render(out: dict[str, Any]) -> str:
                 rows,
             )
         )
-    if "paged" in out:
+    if "paged" in out and out["paged"] and "staged" in out["paged"][0]:
+
+        def g(r: dict[str, Any], key: str) -> str:
+            return f"{_fmt(r[key].get('best_gbps'))} ({_fmt(r[key].get('median_gbps'))})"
+
+        rows = [
+            [
+                r["block_kib"],
+                r["descriptors"],
+                g(r, "raw"),
+                g(r, "direct"),
+                g(r, "staged"),
+                g(r, "contiguous"),
+                g(r, "copy"),
+                f"{_fmt(r['staged_over_direct_best'])} ({_fmt(r['staged_over_direct_median'])})",
+                f"{_fmt(r['staged_over_contiguous_best'])} ({_fmt(r['staged_over_contiguous_median'])})",
+                r["auto_mode"],
+            ]
+            for r in out["paged"]
+        ]
+        parts.append(
+            _table(
+                "Pieces, CTX TP=2 -> GEN TP=1: raw direct, direct and staged handoffs, contiguous raw (GB/s, best (median))",
+                ["piece KiB", "descriptors", "raw", "direct", "staged", "contiguous", "copy", "staged/direct", "staged/contig", "auto"],
+                rows,
+            )
+        )
+    elif "paged" in out:
         rows = [
             [
                 r["block_kib"],

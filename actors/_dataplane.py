@@ -542,8 +542,12 @@ class NixlTransport:
 
         self.name = agent_name
         self.buffer = buffer
-        # One asyncio actor thread drives the agent; keep the progress thread for UCX.
-        self.agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
+        # One asyncio thread drives the agent, and progresses it: NIXL's UCX
+        # progress thread spun a whole core per agent even when idle (measured:
+        # docs/benchmarks.md), so there is none. check_xfer_state and
+        # get_new_notifs progress the worker; a WRITE target polls the latter
+        # while a WRITE may come (RankCore's poll loop).
+        self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.registration = self.agent.register_memory(buffer.tensors)
         self.arena_registration: object | None = None
         self.peers: set[str] = set()

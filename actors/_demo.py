@@ -185,6 +185,16 @@ class DemoReport:
     def quarantined(self) -> int:
         return sum(int(s.get("quarantined", 0)) for s in self.ranks if "error" not in s)
 
+    def leaked_slots(self) -> int:
+        return sum(_slots_held(s) for s in self.ranks if "error" not in s)
+
+    def staged_chunks(self) -> int:
+        return sum(
+            int(s.get("staging", {}).get("counters", {}).get("staged_chunks", 0))
+            for s in self.ranks
+            if "error" not in s
+        )
+
     def to_json(self) -> dict[str, Any]:
         outcomes = self.outcomes()
         latencies = self.latencies()
@@ -201,6 +211,8 @@ class DemoReport:
             "bytes_verified": self.bytes_verified(),
             "leaked_blocks": self.leaked(),
             "quarantined_blocks": self.quarantined(),
+            "leaked_slots": self.leaked_slots(),
+            "staged_chunks": self.staged_chunks(),
             "invariant_violations": list(self.violations),
             "ok": not self.violations,
             "wall_s": self.durations.get("total_s", 0.0),
@@ -219,6 +231,13 @@ class DemoReport:
 
 def _leaked(rank: dict[str, Any]) -> int:
     return int(rank["pool"]) - int(rank["free"]) - int(rank["quarantined"])
+
+
+def _slots_held(rank: dict[str, Any]) -> int:
+    """Staging slots a CTX rank still holds after the settle wait (writing,
+    landed or quarantined) plus chunks queued for one: leaked slots."""
+    st = rank.get("staging", {})
+    return int(st.get("in_use", 0)) + int(st.get("queued", 0))
 
 
 def _rank_summary(rank: dict[str, Any]) -> dict[str, Any]:
@@ -278,6 +297,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("DRAM", "VRAM"),
         default="DRAM",
         help="KV buffers in host (DRAM) or GPU (VRAM) memory",
+    )
+    parser.add_argument(
+        "--data-mode",
+        choices=("auto", "direct", "staged"),
+        default="auto",
+        help="how chunks move: auto (staged for small pieces), direct, or staged forced",
     )
     parser.add_argument(
         "--pool-blocks", type=_positive, default=1024, help="KV blocks per rank (default 1024)"
@@ -423,6 +448,7 @@ async def _run_async(args: argparse.Namespace, progress: _Progress) -> DemoRepor
             pool_blocks=args.pool_blocks,
             memory=args.memory,
             fault_plan=FaultPlan(defer_s=0.005) if args.chaos else None,
+            data_mode=args.data_mode,
             ctx_overrides=overrides,
             gen_overrides=overrides,
             start_timeout_s=args.start_timeout,
@@ -560,7 +586,12 @@ async def settle(dep: Any, limit_s: float) -> tuple[dict[str, Any], bool]:
         busy = [
             s
             for s in ranks
-            if "error" not in s and (s.get("leased", 0) or s.get("in_flight_chunks", 0))
+            if "error" not in s
+            and (
+                s.get("leased", 0)
+                or s.get("in_flight_chunks", 0)
+                or _slots_held(s) - s.get("staging", {}).get("slots", {}).get("quarantined", 0)
+            )
         ]
         if not busy or time.perf_counter() >= deadline:
             return stats, not busy
@@ -582,6 +613,10 @@ def check_invariants(report: DemoReport) -> list[str]:
             if "error" not in s and _leaked(s)
         )
         out.append(f"L2: {leaked} blocks leaked (pool - free - quarantined): {where}")
+    slots = report.leaked_slots()
+    if slots:
+        where = ", ".join(f"{s['role']}{s['rank']}={s.get('staging')}" for s in report.ranks if "error" not in s and _slots_held(s))
+        out.append(f"L2: {slots} staging slots held after the workload: {where}")
     if not report.settled and not leaked:
         out.append(f"L2: DMA chunks still in flight {SETTLE_S:.0f} s after the workload")
     for s in report.ranks:
@@ -656,6 +691,10 @@ def render_summary(report: DemoReport) -> str:
     )
     p50, p99 = j["latency_p50_s"], j["latency_p99_s"]
     lines.append(f"latency      completed p50 {_ms(p50)}  p99 {_ms(p99)}")
+    lines.append(
+        f"data plane   mode {report.args.get('data_mode', 'auto')}: {j['staged_chunks']} chunks staged, "
+        f"{j['leaked_slots']} staging slots leaked"
+    )
     lines.append("blocks       rank      pool   free  leased  quarantined  leaked")
     for s in report.ranks:
         if "error" in s:

@@ -82,7 +82,7 @@ DATA_MODES = ("auto", "direct", "staged")
 #: "auto" stages an edge whose average piece is below this many bytes, per
 #: device kind: the crossover measured by `kvhandoff bench --sections paged`
 #: (docs/benchmarks.md "Staged vs direct"), where staged stops beating direct.
-STAGED_BELOW = {"cpu": 1 << 20, "cuda": 1 << 20}
+STAGED_BELOW = {"cpu": 4 << 10, "cuda": 1 << 20}
 
 
 def staged_below(device: str, override: int = 0) -> int:
@@ -109,6 +109,8 @@ class _Write:
     polled: XferState | None = None  # DONE/ERR once polled terminal
     ack: bool | None = None  # the reader's answer (scattered), once it came
     reported: bool = False
+    posted_at: float = 0.0
+    done_at: float = 0.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -137,6 +139,8 @@ class StagedWriter:
         self._units: dict[tuple[Piece, ...], int] = {}
         self._starts: dict[ContextTicket, np.ndarray] = {}
         self.counters: collections.Counter[str] = collections.Counter()
+        #: Seconds spent gathering, and from post to DONE and from DONE to ACK, summed.
+        self.seconds: collections.Counter[str] = collections.Counter()
 
     # -- mode choice ----------------------------------------------------------------
 
@@ -201,8 +205,10 @@ class StagedWriter:
         try:
             pieces = core._edge_pieces(ticket.edge)
             slot = self.arena.slot(local)
+            t0 = time.perf_counter()
             gather(core.buffer, slot, stage_map(pieces, plan.local, 0, core.buffer, self._unit(pieces), slot.device))
             _sync(slot)
+            self.seconds["gather"] += time.perf_counter() - t0
             start, end = self._rows(ticket, index)
             notice = StageWrite(
                 request_id=ticket.request_id,
@@ -229,6 +235,7 @@ class StagedWriter:
             return
         self.counters["staged_chunks"] += 1
         self.counters["staged_bytes"] += plan.nbytes
+        w.posted_at = time.perf_counter()
         self._writes[(p.agent, remote, ref.generation)] = w
         self._posted.append(w)
         core._ensure_polling()
@@ -273,6 +280,10 @@ class StagedWriter:
             return
         w.reported = True
         side = self.core.side
+        timing = self.core._xfer.get(w.ticket.parent)
+        if ok and timing is not None:  # the data phase ends with the last scatter
+            timing[1] = time.perf_counter()
+            timing[2] += w.nbytes
         try:
             actions = side.chunk_done(w.ticket, w.index, w.nbytes, now) if ok else side.chunk_failed(w.ticket, w.index, now)
         except ProtocolError as exc:
@@ -299,6 +310,8 @@ class StagedWriter:
             self._posted.remove(w)
             w.chunk.release()
             w.polled = state
+            w.done_at = time.perf_counter()
+            self.seconds["write"] += w.done_at - w.posted_at
             p = self._peers.get(w.gen_rank)
             if state is XferState.ERR:
                 # No notice was sent: the reader never reads the slot.
@@ -356,6 +369,8 @@ class StagedWriter:
             self.counters["ack_stale"] += 1
             return
         self.counters["acks" if ack.scattered else "acks_unscattered"] += 1
+        if w.done_at:
+            self.seconds["ack_wait"] += time.perf_counter() - w.done_at
         w.ack = ack.scattered
         if w.polled is None:
             return  # the WRITE is not polled terminal yet: `poll` settles it
@@ -400,6 +415,7 @@ class StagedWriter:
             "in_use": sum(v for k, v in slots.items() if k != "free"),
             "queued": sum(len(p.queue) for p in self._peers.values()),
             "counters": dict(self.counters),
+            "seconds": dict(self.seconds),
         }
 
 
@@ -416,6 +432,7 @@ class StagedReader:
         self.counters: collections.Counter[str] = collections.Counter()
         #: Fault injection (tests; set through Ray's __ray_call__): ACKs to drop.
         self._drop_acks = 0
+        self.seconds: collections.Counter[str] = collections.Counter()
 
     def _edge_pieces(self, edge: tuple[int, int], max_piece: int) -> tuple[Piece, ...]:
         key = (edge, max_piece)
@@ -493,12 +510,14 @@ class StagedReader:
         m: StageMap = stage_map(pieces, remote, 1, core.buffer, unit, slot.device)
         if m.nbytes != msg.nbytes:
             raise DataPlaneError(f"rows [{msg.start}, {msg.end}) hold {m.nbytes} B, the notice says {msg.nbytes}")
+        t0 = time.perf_counter()
         scatter(core.buffer, slot, m)
         _sync(slot)
+        self.seconds["scatter"] += time.perf_counter() - t0
         return True
 
     def stats(self) -> dict[str, Any]:
-        return {"counters": dict(self.counters), "writers_seen": len(self.guard)}
+        return {"counters": dict(self.counters), "seconds": dict(self.seconds), "writers_seen": len(self.guard)}
 
 
 def decode_notice(payload: bytes) -> StageWrite | StageAck | None:

@@ -332,6 +332,9 @@ class RankCore(RoundParticipant):
         # Every NIXL notification is drained by one channel: control frames
         # (frames="nixl") and staging notices (an arena) are told apart there.
         self._channel = NixlNotifChannel(self.transport)
+        # Progress our worker at the short interval until then (the bench's raw
+        # baselines write into an idle GEN rank; set through __ray_call__).
+        self._progress_until = 0.0
         self._notif = self._channel if config.frames == "nixl" else None
         if self.arena is not None:
             self._channel.stage_sink = []
@@ -952,18 +955,19 @@ class RankCore(RoundParticipant):
         while True:
             now = time.monotonic()
             progressed = self._poll_chunks(now)
-            if self._notif is not None or self.arena is not None:
-                for _, frame in self._channel.poll():
-                    progressed = True
-                    if self._notif is not None:
-                        await self.receive_frame(frame)
-                    else:
-                        self.counters["nixl_frames_unexpected"] += 1
-                staged = self._channel.stage_sink
-                while staged:
-                    progressed = True
-                    sender, payload = staged.pop(0)
-                    self._on_stage(sender, payload, time.monotonic())
+            # Drains notifications (frames, staging notices) and progresses
+            # our NIXL worker: agents run without a progress thread.
+            for _, frame in self._channel.poll():
+                progressed = True
+                if self._notif is not None:
+                    await self.receive_frame(frame)
+                else:
+                    self.counters["nixl_frames_unexpected"] += 1
+            staged = self._channel.stage_sink
+            while staged:
+                progressed = True
+                sender, payload = staged.pop(0)
+                self._on_stage(sender, payload, time.monotonic())
             if now - last_expire > 0.05:
                 last_expire = now
                 self._perform(self.side.expire(now))
@@ -995,8 +999,10 @@ class RankCore(RoundParticipant):
         self.counters["staged_misdirected"] += 1
 
     def _stage_polling(self) -> bool:
-        """Whether staging notices are due: poll at the short interval."""
-        return False
+        """Whether to poll at the short interval: staging notices are due, or
+        our NIXL worker must progress (agents run without a progress thread,
+        which spun a core per rank: a WRITE target progresses in this loop)."""
+        return time.monotonic() < self._progress_until
 
     # -- outcomes, stats -------------------------------------------------------------------------
 
@@ -1162,7 +1168,7 @@ class CtxRankCore(RankCore):
         self._writer.on_ack(sender, notice, now)
 
     def _stage_polling(self) -> bool:
-        return self._writer is not None and self._writer.busy()
+        return (self._writer is not None and self._writer.busy()) or super()._stage_polling()
 
     def _staging_stats(self) -> dict[str, Any]:
         out = super()._staging_stats()
@@ -1449,6 +1455,37 @@ class CtxRankCore(RankCore):
         seconds = time.perf_counter() - start
         return sum(c.nbytes for c in chunks), seconds
 
+    async def raw_contiguous(self, gen_rank: int, nbytes: int, offset: int, chunk_bytes: int | None = None) -> tuple[int, float]:
+        """CTX: a raw NIXL WRITE of `nbytes` contiguous bytes of our region 0
+        into GEN rank `gen_rank`'s region 0 at `offset`, in chunks of
+        `chunk_bytes` (window 4), no protocol: the link's ceiling for the
+        same bytes a handoff moves in pieces. Returns (bytes, seconds)."""
+        entry = await self._directory().lookup.remote(Role.GEN.value, gen_rank)
+        (endpoint, name, metadata, geometry), _ = entry
+        self._learn_agent(name, metadata, geometry)
+        chunk_bytes = chunk_bytes or self.config.chunk_bytes
+        ours, theirs = self.buffer.region_table()[0], geometry.region_table()[0]
+        if nbytes > self.buffer.strides[0] * self.buffer.num_blocks or offset + nbytes > theirs[1] * geometry.num_blocks:
+            raise DataPlaneError(f"{nbytes} B at {offset} do not fit both pools")
+        work = [
+            [(ours[0] + o, theirs[0] + offset + o, min(chunk_bytes, nbytes - o))]
+            for o in range(0, nbytes, chunk_bytes)
+        ]
+        start = time.perf_counter()
+        posted: list[Chunk] = []
+        while work or posted:
+            while work and len(posted) < 4:
+                posted.append(NixlTransport.post(self.transport, name, work.pop(0)))
+            for chunk in list(posted):
+                if chunk.poll() in (XferState.DONE, XferState.ERR):
+                    if chunk.state is XferState.ERR:
+                        raise RuntimeError("raw NIXL WRITE failed")
+                    chunk.release()
+                    posted.remove(chunk)
+            if posted:
+                await asyncio.sleep(0)
+        return nbytes, time.perf_counter() - start
+
     async def transfer_timings(self) -> list[tuple[str, float, int]]:
         """CTX: (request id, seconds from first post to last DONE, bytes) of recent parents."""
         return [(p.request_id, t[1] - t[0], int(t[2])) for p, t in self._xfer.items() if t[1] > 0]
@@ -1499,7 +1536,9 @@ class GenRankCore(RankCore):
         self._reader.on_write(sender, notice, now)
 
     def _stage_polling(self) -> bool:
-        return self._reader is not None and any(s is ParentState.INSTALLED for s in self.side.parents().values())
+        # A WRITE may land while a parent is installed, cancelling or
+        # quarantined: the target's worker progresses meanwhile.
+        return super()._stage_polling() or any(s in _TARGET_STATES for s in self.side.parents().values())
 
     def _staging_stats(self) -> dict[str, Any]:
         out = super()._staging_stats()
@@ -1529,6 +1568,8 @@ class GenRankCore(RankCore):
         # before every GEN rank did: a CTX rank is prepared only with an OPEN
         # from each of its edges' GEN ranks.
         self._open(parent, now)
+        if _loop_running():
+            self._ensure_polling()  # WRITEs will come: progress the worker
 
     def _conservative(self) -> bool:
         return self.config.conservative or not active_cancel(self._negotiation)
@@ -1677,6 +1718,10 @@ class GenRankCore(RankCore):
         verified = self._verified.get(parent, 0)
         self._perform(actions)
         return verified
+
+
+#: GEN parent states in which a CTX WRITE may be in flight toward this rank.
+_TARGET_STATES = (ParentState.INSTALLED, ParentState.CANCELLING, ParentState.QUARANTINED)
 
 
 def _loop_running() -> bool:
