@@ -143,6 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="Deployment.launch(data_mode=) of the data, control and cancel sections",
     )
+    add("--staging-window", type=int, default=4, help="staging slots per peer rank, each side")
     add("--repeats", type=int, default=5, help="repeats per variant in the data and paged sections")
     add("--chunk-mib", type=int, default=16, help="WRITE chunk size in MiB (protocol and raw)")
     add("--paged-kib", type=_ints, default=[16, 64, 256, 1024], help="paged block sizes in KiB")
@@ -286,6 +287,7 @@ class _Bench:
                 ctx_tp=2 if tp2 else 1 if tp1 else a.ctx_tp,
                 gen_tp=1 if tp1 or tp2 else a.gen_tp,
                 data_mode="staged" if tp2 else a.data_mode,
+                staging_window=a.staging_window,
                 layout=layout,
                 pool_blocks=pool_blocks,
                 memory=a.memory,
@@ -816,6 +818,8 @@ class _Bench:
                 "gen_tp": a.gen_tp,
                 "repeats": a.repeats,
                 "chunk_mib": a.chunk_mib,
+                "data_mode": a.data_mode,
+                "staging_window": a.staging_window,
                 "data_layout_block_bytes": block_bytes(DATA_LAYOUT, 1),
                 "page_layout_block_bytes": block_bytes(PAGE_LAYOUT, 1),
             },

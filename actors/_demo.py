@@ -299,6 +299,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV buffers in host (DRAM) or GPU (VRAM) memory",
     )
     parser.add_argument(
+        "--gpus-per-rank",
+        type=float,
+        default=0.0,
+        help="VRAM: each rank's share of a GPU (default: the cluster's GPUs shared by all ranks, at most 1)",
+    )
+    parser.add_argument(
         "--data-mode",
         choices=("auto", "direct", "staged"),
         default="auto",
@@ -441,8 +447,18 @@ async def _run_async(args: argparse.Namespace, progress: _Progress) -> DemoRepor
     durations: dict[str, float] = {}
     overrides: dict[str, Any] = {"pp": 2} if args.unqualified else {}
     t = time.perf_counter()
+    gpus_per_rank = getattr(args, "gpus_per_rank", 0.0) or 1.0
+    if args.memory == "VRAM" and not getattr(args, "gpus_per_rank", 0.0):
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False)
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if gpus:  # every rank on a GPU: share them when there are fewer GPUs than ranks
+            gpus_per_rank = min(1.0, int(100 * gpus / (args.ctx_tp + args.gen_tp)) / 100)
     try:
         dep = await Deployment.launch(
+            gpus_per_rank=gpus_per_rank,
             ctx_tp=args.ctx_tp,
             gen_tp=args.gen_tp,
             pool_blocks=args.pool_blocks,

@@ -93,6 +93,11 @@ class NixlNotifChannel:
         #: are kept here, `(sender, payload)`, for the staged data plane; None:
         #: they are dropped as garbage like any other non-frame.
         self.stage_sink: list[tuple[str, bytes]] | None = None
+        # What get_new_notifs() returned and poll() has not handed out yet:
+        # a send progresses the agent's worker (agents run without a progress
+        # thread, so a notification leaves only when its sender progresses),
+        # and whatever that drained waits here for the next poll().
+        self._inbox: list[tuple[object, object]] = []
 
     @property
     def name(self) -> str:
@@ -123,13 +128,39 @@ class NixlNotifChannel:
         frame that is not bytes or not within [header, max_len] bytes.
         """
         frame = self._checked(peer, frame)
+        if not self._send(peer, frame):
+            return False
+        self.counters["sent"] += 1
+        return True
+
+    def send_stage(self, peer: str, payload: bytes) -> bool:
+        """Send a staging notice (`STAGE_MAGIC`, actors/_stager.py) to `peer`, one way."""
+        if peer not in self.transport.peers:
+            raise DataPlaneError(f"unknown peer agent {peer!r} (add_peer its metadata first)")
+        if not self._send(peer, payload):
+            return False
+        self.counters["staged_sent"] += 1
+        return True
+
+    def _send(self, peer: str, payload: bytes) -> bool:
         try:
-            self.transport.send_notif(peer, frame)
+            self.transport.send_notif(peer, payload)
         except Exception as exc:
             self.counters["send_failed"] += 1
             log.warning("send_notif to %s failed: %s", peer, exc)
             return False
-        self.counters["sent"] += 1
+        self._drain()  # progress: the notification leaves now, not at the next poll
+        return True
+
+    def _drain(self) -> bool:
+        try:
+            notifs = self.transport.agent.get_new_notifs()
+            items = list(notifs.items())
+        except Exception as exc:
+            self.counters["poll_failed"] += 1
+            log.warning("get_new_notifs failed: %s", exc)
+            return False
+        self._inbox.extend(items)
         return True
 
     def post_chunk(
@@ -155,18 +186,9 @@ class NixlNotifChannel:
     def poll(self) -> list[tuple[str, bytes]]:
         """Drain NIXL's new notifications: `[(sender agent, frame)]`, in arrival
         order per sender. Never raises; whatever is dropped is counted."""
-        try:
-            notifs = self.transport.agent.get_new_notifs()
-        except Exception as exc:
-            self.counters["poll_failed"] += 1
-            log.warning("get_new_notifs failed: %s", exc)
-            return []
+        self._drain()
+        items, self._inbox = self._inbox, []
         out: list[tuple[str, bytes]] = []
-        try:
-            items = list(notifs.items())
-        except Exception:
-            self.counters["poll_failed"] += 1
-            return []
         for sender, payloads in items:
             name = sender.decode(errors="replace") if isinstance(sender, bytes) else str(sender)
             try:

@@ -429,6 +429,7 @@ class StagedReader:
         self.guard = SlotGuard()
         self._pieces: dict[tuple[tuple[int, int], int], tuple[Piece, ...]] = {}
         self._units: dict[tuple[Piece, ...], int] = {}
+        self._blocks: dict[ParentKey, np.ndarray] = {}  # a live lease's block ids, in order
         self.counters: collections.Counter[str] = collections.Counter()
         #: Fault injection (tests; set through Ray's __ray_call__): ACKs to drop.
         self._drop_acks = 0
@@ -467,7 +468,9 @@ class StagedReader:
             self.counters["acks_dropped"] += 1
             return
         try:
-            core.transport.send_notif(sender, encode_stage(StageAck(slot=msg.slot, generation=msg.generation, scattered=scattered)))
+            ack = encode_stage(StageAck(slot=msg.slot, generation=msg.generation, scattered=scattered))
+            if not core._channel.send_stage(sender, ack):
+                self.counters["ack_send_failed"] += 1
         except Exception as exc:
             self.counters["ack_send_failed"] += 1
             log.warning("rank %s: ACK to %s failed: %s", core.ns, sender, exc)
@@ -501,7 +504,12 @@ class StagedReader:
         if not P or msg.end <= msg.start or msg.end > len(lease) * P:
             raise DataPlaneError(f"rows [{msg.start}, {msg.end}) of a lease of {len(lease)} blocks x {P} pieces")
         rows = np.arange(msg.start, msg.end, dtype=np.int64)
-        blocks = np.fromiter((ref.block for ref in lease), dtype=np.int64, count=len(lease))
+        blocks = self._blocks.get(parent)
+        if blocks is None or len(blocks) != len(lease):
+            blocks = np.fromiter((ref.block for ref in lease), dtype=np.int64, count=len(lease))
+            if len(self._blocks) > 1024:
+                self._blocks.clear()
+            self._blocks[parent] = blocks
         remote = blocks[rows // P] * P + rows % P
         unit = self._units.get(pieces)
         if unit is None:
@@ -515,6 +523,9 @@ class StagedReader:
         _sync(slot)
         self.seconds["scatter"] += time.perf_counter() - t0
         return True
+
+    def forget(self, parent: ParentKey) -> None:
+        self._blocks.pop(parent, None)
 
     def stats(self) -> dict[str, Any]:
         return {"counters": dict(self.counters), "seconds": dict(self.seconds), "writers_seen": len(self.guard)}

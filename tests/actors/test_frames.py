@@ -142,7 +142,9 @@ def test_oversize_and_garbage_are_dropped_and_counted_never_raised(channels, age
         a.send_notif(cb.name, payload)  # raw: a hostile peer does not use our send()
     sentinel = ready(7)
     ca.send(cb.name, sentinel)
-    got = poll_until(cb, lambda g: bool(g) and g[-1][1] == sentinel)
+    # The sender progresses too (agents have no progress thread): a 4 MiB
+    # notification leaves in several steps.
+    got = poll_until(cb, lambda g: bool(g) and g[-1][1] == sentinel, also=ca.poll)
     assert [f for _, f in got] == [at_cap, header_only_junk(64), sentinel]
     assert cb.counters["dropped_oversize"] == 3
     assert cb.counters["dropped_garbage"] == 3
@@ -169,6 +171,7 @@ def test_poll_messages_decodes_only_what_fits_the_cap(channels, agents, monkeypa
     while not msgs:
         assert time.monotonic() < deadline
         msgs.extend(cb.poll_messages())
+        ca.poll()  # the sender progresses too
     assert msgs == [(ca.name, cancel)]
     assert seen == [100, len(encode_frame(cancel))]  # the oversize one never reached a decoder
     assert cb.counters["dropped_oversize"] == 1
