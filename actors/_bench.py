@@ -143,6 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="Deployment.launch(data_mode=) of the data, control and cancel sections",
     )
+    add("--round-timeout-s", type=float, default=5.0, help="Deployment.launch(round_timeout_s=)")
     add("--staging-window", type=int, default=4, help="staging slots per peer rank, each side")
     add("--repeats", type=int, default=5, help="repeats per variant in the data and paged sections")
     add("--chunk-mib", type=int, default=16, help="WRITE chunk size in MiB (protocol and raw)")
@@ -292,6 +293,7 @@ class _Bench:
                 pool_blocks=pool_blocks,
                 memory=a.memory,
                 chunk_bytes=a.chunk_mib * MiB,
+                round_timeout_s=a.round_timeout_s,
                 gpus_per_rank=a.gpus_per_rank,
                 control_frames=a.control_frames,
                 start_timeout_s=a.start_timeout,
@@ -517,6 +519,8 @@ class _Bench:
             dep = await self.launch(layout, 2 * blocks + 2, tp2=True)
             try:
                 rows.append(await self._paged_tp2_one(dep, kib, blocks))
+            except Exception as exc:  # one size failing does not lose the others
+                self.notes.append(f"paged tp2 {kib} KiB failed: {type(exc).__name__}: {str(exc)[:300]}")
             finally:
                 await dep.shutdown()
         return rows
@@ -587,8 +591,14 @@ class _Bench:
                 seconds = await variants[name]()
                 if seconds is not None:
                     samples[name].append(seconds)
+        stats = await dep.stats()
         row: dict[str, Any] = {
             "block_kib": kib,
+            "staging": [
+                {"role": st["role"], "rank": st["rank"], **{k: st["staging"].get(k) for k in ("seconds", "counters", "slots")}}
+                for st in stats["ranks"]
+                if "error" not in st
+            ],
             "piece_bytes": kib * KiB,
             "pieces_per_block": pieces,
             "descriptors": sum(pieces) * blocks,

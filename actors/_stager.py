@@ -53,7 +53,6 @@ from kvhandoff.actors._dataplane import (
 from kvhandoff.actors._staged import StageMap, StagingArena, gather, scatter, stage_map, stage_unit
 from kvhandoff.protocol import (
     ContextTicket,
-    DecodeError,
     EdgeState,
     ParentKey,
     ParentState,
@@ -64,7 +63,6 @@ from kvhandoff.protocol import (
     StageAck,
     StageWrite,
     StagingSlots,
-    decode_stage,
     encode_stage,
 )
 from kvhandoff.topology import memory_pieces
@@ -529,10 +527,3 @@ class StagedReader:
 
     def stats(self) -> dict[str, Any]:
         return {"counters": dict(self.counters), "seconds": dict(self.seconds), "writers_seen": len(self.guard)}
-
-
-def decode_notice(payload: bytes) -> StageWrite | StageAck | None:
-    try:
-        return decode_stage(payload)
-    except DecodeError:
-        return None

@@ -113,7 +113,6 @@ from kvhandoff.actors._stager import (
     DATA_MODES,
     StagedReader,
     StagedWriter,
-    decode_notice,
     staged_below,
 )
 from kvhandoff.protocol import (
@@ -131,6 +130,7 @@ from kvhandoff.protocol import (
     CleanupSkipped,
     ContextTicket,
     CtxRank,
+    DecodeError,
     DecodeReady,
     Drain,
     Endpoint,
@@ -169,6 +169,7 @@ from kvhandoff.protocol import (
     agree,
     check_unnegotiated,
     decode_frame,
+    decode_stage,
     descriptor_frame,
     encode_frame,
     frame_version,
@@ -997,9 +998,11 @@ class RankCore(RoundParticipant):
 
     def _on_stage(self, sender: str, payload: bytes, now: float) -> None:
         """A staging notice (a WRITE's, or an ACK) drained from NIXL."""
-        notice = decode_notice(payload)
-        if notice is None:
+        try:
+            notice = decode_stage(payload)
+        except DecodeError as exc:
             self.counters["staged_undecodable"] += 1
+            log.warning("rank %s: undecodable staging notice from %s: %s", self.ns, sender, exc)
             return
         self._stage_notice(sender, notice, now)
 

@@ -68,7 +68,7 @@ STAGE_MAGIC = b"KVS1"
 MAX_STAGE_LEN = 512
 
 _U32 = Annotated[int, Meta(ge=0, lt=1 << 32)]
-_U64 = Annotated[int, Meta(ge=0, lt=1 << 62)]
+_U64 = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # msgspec bounds fit int64
 _Id = Annotated[str, Meta(min_length=1, max_length=128)]
 
 
@@ -84,7 +84,7 @@ class StageWrite(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fi
     ctx_attempt: _U32
     gen_attempt: _U32
     ctx_rank: _U32
-    ctx_epoch: _U32
+    ctx_epoch: _U64
     chunk: _U32
     start: _U64
     end: _U64
