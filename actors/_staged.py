@@ -83,6 +83,32 @@ class StageMap:
     parts: tuple[tuple[int, torch.Tensor, torch.Tensor | None], ...]
     #: numpy twins of the indices (host scatter).
     np_parts: tuple[tuple[int, np.ndarray, np.ndarray | None], ...]
+    #: One region, one unit per row: row k of the map is unit k (`rows`).
+    simple: bool = False
+
+    def rows(self, start: int, end: int) -> StageMap:
+        """The map of rows [start, end) of a `simple` map (a slice: no copy)."""
+        if not self.simple or not 0 <= start <= end <= len(self.np_parts[0][1]):
+            raise DataPlaneError(f"rows [{start}, {end}) of a map that cannot be sliced so")
+        r, ridx, _ = self.parts[0]
+        return StageMap(self.unit, (end - start) * self.unit, ((r, ridx[start:end], None),), ((r, self.np_parts[0][1][start:end], None),), True)
+
+
+_SIDES: dict[tuple[tuple[Piece, ...], int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+def _side_arrays(pieces: Sequence[Piece], side: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(region, offset, length) of every piece on `side`, int64 (cached per pieces)."""
+    key = (tuple(pieces), side)
+    found = _SIDES.get(key)
+    if found is None:
+        sr, so, dr, do, n = _piece_arrays(pieces)
+        region, offset = (sr, so) if side == 0 else (dr, do)
+        found = (region.astype(np.int64), offset.astype(np.int64), n.astype(np.int64))
+        if len(_SIDES) > 256:
+            _SIDES.clear()
+        _SIDES[key] = found
+    return found
 
 
 def _expand(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -101,20 +127,22 @@ def stage_map(
     chunk's prepared-list indices on that side (block * P + piece, the
     `ChunkPlan.local` / `.remote` arrays), in transfer order."""
     p = len(pieces)
-    sr, so, dr, do, n = _piece_arrays(pieces)
-    region_of, offset_of = (sr, so) if side == 0 else (dr, do)
-    rows = rows.astype(np.int64)
+    region_of, offset_of, n = _side_arrays(pieces, side)
+    rows = rows.astype(np.int64, copy=False)
     j = rows % p
     block = rows // p
-    region = region_of[j].astype(np.int64)
-    length = n[j].astype(np.int64)
+    region = region_of[j]
+    length = n[j]
     strides = np.array(memory.strides, dtype=np.int64)
     if len(region) and int(region.max()) >= len(strides):
         raise DataPlaneError(f"a piece names region {int(region.max())} of {len(strides)}")
     if len(block) and (int(block.min()) < 0 or int(block.max()) >= memory.num_blocks):
         raise DataPlaneError(f"a chunk names a block outside the pool of {memory.num_blocks}")
-    start = (block * strides[region] + offset_of[j].astype(np.int64)) // unit
+    start = (block * strides[region] + offset_of[j]) // unit
     count = length // unit
+    if len(region_of) and not region_of.any() and (n == unit).all():
+        # One region, every piece one unit (the common case): the rows are the units.
+        return StageMap(unit, int(length.sum()), ((0, torch.from_numpy(start).to(device), None),), ((0, start, None),), True)
     slot_start = np.concatenate(([0], np.cumsum(count)[:-1])) if len(count) else count
     parts = []
     np_parts = []
@@ -136,13 +164,16 @@ def stage_map(
     return StageMap(unit, int(length.sum()), tuple(parts), tuple(np_parts))
 
 
-def _word(unit: int) -> torch.dtype:
+def _word(unit: int, cuda: bool = False) -> torch.dtype:
+    # 16-byte words on a GPU (a bit copy: index kernels never do arithmetic).
+    if cuda and unit % 16 == 0:
+        return torch.complex128
     return torch.int64 if unit % 8 == 0 else torch.int32 if unit % 4 == 0 else torch.uint8
 
 
 def _rows(t: torch.Tensor, unit: int) -> torch.Tensor:
     """A flat uint8 tensor as rows of one unit, in the widest word that divides it."""
-    dtype = _word(unit)
+    dtype = _word(unit, t.is_cuda)
     size = torch.tensor([], dtype=dtype).element_size()
     return t.view(dtype).view(-1, unit // size) if dtype is not torch.uint8 else t.view(-1, unit)
 

@@ -80,7 +80,7 @@ DATA_MODES = ("auto", "direct", "staged")
 #: "auto" stages an edge whose average piece is below this many bytes, per
 #: device kind: the crossover measured by `kvhandoff bench --sections paged`
 #: (docs/benchmarks.md "Staged vs direct"), where staged stops beating direct.
-STAGED_BELOW = {"cpu": 4 << 10, "cuda": 1 << 20}
+STAGED_BELOW = {"cpu": 4 << 10, "cuda": 512 << 10}
 
 
 def staged_below(device: str, override: int = 0) -> int:
@@ -136,6 +136,7 @@ class StagedWriter:
         self._posted: list[_Write] = []  # WRITEs not yet polled terminal
         self._units: dict[tuple[Piece, ...], int] = {}
         self._starts: dict[ContextTicket, np.ndarray] = {}
+        self._maps: dict[ContextTicket, StageMap] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         #: Seconds spent gathering, and from post to DONE and from DONE to ACK, summed.
         self.seconds: collections.Counter[str] = collections.Counter()
@@ -204,7 +205,7 @@ class StagedWriter:
             pieces = core._edge_pieces(ticket.edge)
             slot = self.arena.slot(local)
             t0 = time.perf_counter()
-            gather(core.buffer, slot, stage_map(pieces, plan.local, 0, core.buffer, self._unit(pieces), slot.device))
+            gather(core.buffer, slot, self._map(ticket, index, plan, pieces, slot.device))
             _sync(slot)
             self.seconds["gather"] += time.perf_counter() - t0
             start, end = self._rows(ticket, index)
@@ -248,8 +249,23 @@ class StagedWriter:
             self._starts[ticket] = starts
         return int(starts[index]), int(starts[index + 1])
 
+    def _map(self, ticket: ContextTicket, index: int, plan: ChunkPlan, pieces: tuple[Piece, ...], device: Any) -> StageMap:
+        """Chunk `index`'s gather map: a slice of the edge's whole map when that
+        is simple (built once per edge session), else built for the chunk."""
+        full = self._maps.get(ticket)
+        if full is None:
+            plans = self.core._chunks[ticket][0]
+            rows = np.concatenate([pl.local for pl in plans]) if plans else np.zeros(0, np.int64)
+            full = stage_map(pieces, rows, 0, self.core.buffer, self._unit(pieces), device)
+            self._maps[ticket] = full
+        if full.simple:
+            start, end = self._rows(ticket, index)
+            return full.rows(start, end)
+        return stage_map(pieces, plan.local, 0, self.core.buffer, self._unit(pieces), device)
+
     def forget(self, ticket: ContextTicket) -> None:
         self._starts.pop(ticket, None)
+        self._maps.pop(ticket, None)
 
     def _drain_queue(self, p: _Peer, now: float) -> None:
         """Start queued chunks on the slots that are free now; a queued chunk
@@ -427,7 +443,7 @@ class StagedReader:
         self.guard = SlotGuard()
         self._pieces: dict[tuple[tuple[int, int], int], tuple[Piece, ...]] = {}
         self._units: dict[tuple[Piece, ...], int] = {}
-        self._blocks: dict[ParentKey, np.ndarray] = {}  # a live lease's block ids, in order
+        self._maps: dict[tuple[ParentKey, tuple[int, int], int], StageMap] = {}  # per edge session
         self.counters: collections.Counter[str] = collections.Counter()
         #: Fault injection (tests; set through Ray's __ray_call__): ACKs to drop.
         self._drop_acks = 0
@@ -501,19 +517,26 @@ class StagedReader:
         P = len(pieces)
         if not P or msg.end <= msg.start or msg.end > len(lease) * P:
             raise DataPlaneError(f"rows [{msg.start}, {msg.end}) of a lease of {len(lease)} blocks x {P} pieces")
-        rows = np.arange(msg.start, msg.end, dtype=np.int64)
-        blocks = self._blocks.get(parent)
-        if blocks is None or len(blocks) != len(lease):
-            blocks = np.fromiter((ref.block for ref in lease), dtype=np.int64, count=len(lease))
-            if len(self._blocks) > 1024:
-                self._blocks.clear()
-            self._blocks[parent] = blocks
-        remote = blocks[rows // P] * P + rows % P
         unit = self._units.get(pieces)
         if unit is None:
             unit = self._units[pieces] = stage_unit(pieces, 1, core.buffer.strides)
         slot = self.arena.slot(msg.slot)
-        m: StageMap = stage_map(pieces, remote, 1, core.buffer, unit, slot.device)
+        key = (parent, edge, msg.max_piece)
+        full = self._maps.get(key)
+        if full is None:
+            # The whole lease's map, once per edge session: a chunk is a slice of it.
+            rows = np.arange(len(lease) * P, dtype=np.int64)
+            blocks = np.fromiter((ref.block for ref in lease), dtype=np.int64, count=len(lease))
+            full = stage_map(pieces, blocks[rows // P] * P + rows % P, 1, core.buffer, unit, slot.device)
+            if len(self._maps) > 256:
+                self._maps.clear()
+            self._maps[key] = full
+        if full.simple:
+            m: StageMap = full.rows(msg.start, msg.end)
+        else:
+            rows = np.arange(msg.start, msg.end, dtype=np.int64)
+            blocks = np.fromiter((ref.block for ref in lease), dtype=np.int64, count=len(lease))
+            m = stage_map(pieces, blocks[rows // P] * P + rows % P, 1, core.buffer, unit, slot.device)
         if m.nbytes != msg.nbytes:
             raise DataPlaneError(f"rows [{msg.start}, {msg.end}) hold {m.nbytes} B, the notice says {msg.nbytes}")
         t0 = time.perf_counter()
@@ -523,7 +546,8 @@ class StagedReader:
         return True
 
     def forget(self, parent: ParentKey) -> None:
-        self._blocks.pop(parent, None)
+        for key in [k for k in self._maps if k[0] == parent]:
+            del self._maps[key]
 
     def stats(self) -> dict[str, Any]:
         return {"counters": dict(self.counters), "seconds": dict(self.seconds), "writers_seen": len(self.guard)}

@@ -85,6 +85,10 @@ class EnginePlan(msgspec.Struct, frozen=True, kw_only=True):
     lease_timeout_s: float = 30.0
     consume_timeout_s: float = 30.0
     control_frames: str = "ray"
+    #: The data plane (docs/design.md "Data plane"): "auto", "direct" or "staged".
+    data_mode: str = "auto"
+    staging_window: int = 4
+    staged_below: int = 0
 
     def spec(self, role: Role) -> TopologySpec:
         return self.ctx if role is Role.CTX else self.gen
@@ -113,6 +117,9 @@ def _config(plan: EnginePlan, role: Role, rank: int, tensors: Sequence[torch.Ten
         memory_kind=plan.ctx_memory if role is Role.CTX else plan.gen_memory,
         peer_memory_kind=plan.gen_memory if role is Role.CTX else plan.ctx_memory,
         restartable=False,
+        data_mode=plan.data_mode,
+        staging_window=plan.staging_window,
+        staged_below=plan.staged_below,
     )
 
 

@@ -67,6 +67,7 @@ import ray
 
 from kvhandoff.actors._coordinator import Coordinator
 from kvhandoff.actors._directory import Directory
+from kvhandoff.actors._stager import DATA_MODES
 from kvhandoff.actors.deployment import (
     DeploymentClosed,
     DeploymentError,
@@ -168,13 +169,19 @@ class EngineDeployment:
         round_timeout_s: float = 5.0,
         control_frames: str = "ray",
         name: str | None = None,
+        data_mode: str = "auto",
+        staging_window: int = 4,
+        staged_below: int = 0,
     ) -> EngineDeployment:
         """Check the configuration (`InvalidConfig`, before anything starts)
         and start the directory; `plan` is then ready for the engine's workers.
 
         ``ctx_memory`` / ``gen_memory`` name how each side's tensors hold the
         blocks ("blocked", "paged", "paged_hnd", "split": docs/design.md
-        "Memory kinds"); ``memory`` is where they live ("DRAM" or "VRAM")."""
+        "Memory kinds"); ``memory`` is where they live ("DRAM" or "VRAM").
+        ``data_mode`` / ``staging_window`` / ``staged_below`` pick the data
+        plane as in `Deployment.launch` (docs/design.md "Data plane"): paged
+        layouts move many small pieces, which "auto" stages."""
         _check_int("ctx_tp", ctx_tp, 1)
         _check_int("gen_tp", gen_tp, 1)
         _check_int("chunk_bytes", chunk_bytes, 1)
@@ -187,6 +194,10 @@ class EngineDeployment:
                 raise InvalidConfig(f"{field} must be a positive number of seconds, got {_short(value)}")
         if control_frames not in ("ray", "nixl"):
             raise InvalidConfig(f"control_frames must be 'ray' or 'nixl', got {_short(control_frames)}")
+        if data_mode not in DATA_MODES:
+            raise InvalidConfig(f"data_mode must be one of {list(DATA_MODES)}, got {_short(data_mode)}")
+        _check_int("staging_window", staging_window, 1)
+        _check_int("staged_below", staged_below, 0)
         if not isinstance(layout, KVLayout):
             raise InvalidConfig(f"layout must be a KVLayout, got {_short(layout)}")
         name = name or f"kvh-{uuid.uuid4().hex[:8]}"
@@ -216,6 +227,9 @@ class EngineDeployment:
             chunk_bytes=chunk_bytes,
             lease_timeout_s=float(lease_timeout_s),
             control_frames=control_frames,
+            data_mode=data_mode,
+            staging_window=staging_window,
+            staged_below=staged_below,
         )
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)

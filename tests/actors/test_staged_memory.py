@@ -73,3 +73,23 @@ def test_a_chunk_larger_than_the_slot_or_outside_the_pool_is_refused() -> None:
         StagingArena(2, 12)  # not a multiple of 8
     with pytest.raises(DataPlaneError):
         small.slot(1)
+
+
+def test_units_follow_offsets_that_are_not_multiples_of_the_lengths() -> None:
+    """Pieces of 16 B at offsets 8 and 40 of a 64 B block: the unit must be
+    8 B (the offsets count), and the slot holds exactly those bytes, in order."""
+    tensor = (torch.arange(4 * 64) % 251).to(torch.uint8).view(4, 64)
+    mem = KVMemory("blocked", [tensor], 4, 64)
+    pieces = ((0, 8, 0, 0, 16), (0, 40, 0, 16, 16))
+    unit = stage_unit(pieces, 0, mem.strides)
+    assert unit == 8
+    plan = plan_chunks(pieces, [(3, 0), (1, 1)], 64)[0]
+    slot = StagingArena(1, 64).slot(0)
+    gather(mem, slot, stage_map(pieces, plan.local, 0, mem, unit, "cpu"))
+    flat = tensor.view(-1)
+    want = torch.cat([flat[3 * 64 + 8 : 3 * 64 + 24], flat[3 * 64 + 40 : 3 * 64 + 56], flat[64 + 8 : 64 + 24], flat[64 + 40 : 64 + 56]])
+    assert torch.equal(slot[:64], want)
+    out = KVMemory("blocked", [torch.zeros(4, 64, dtype=torch.uint8)], 4, 64)
+    scatter(out, slot, stage_map(pieces, plan.local, 0, out, unit, "cpu"))
+    assert torch.equal(out.flat[0][3, 8:24], tensor[3, 8:24]) and torch.equal(out.flat[0][1, 40:56], tensor[1, 40:56])
+    assert int(out.flat[0][0].sum()) == 0 and int(out.flat[0][3, :8].sum()) == 0  # not one byte more
