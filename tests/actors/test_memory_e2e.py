@@ -51,7 +51,7 @@ def test_handoffs_verify_every_byte_in_engine_layouts(ray_cluster, kind, layout,
     async def scenario():
         dep = await Deployment.launch(
             ctx_tp=ctx_tp, gen_tp=gen_tp, layout=layout, pool_blocks=16, chunk_bytes=8 << 10,
-            memory_kind=kind, round_timeout_s=ROUND_TIMEOUT,
+            memory_kind=kind, round_timeout_s=ROUND_TIMEOUT, data_mode="direct",  # staged: test_staged.py
         )
         try:
             # Sequential, then concurrent: blocks are reused across requests.
@@ -82,7 +82,7 @@ def test_built_path_with_a_paged_kind(ray_cluster) -> None:
     async def scenario():
         dep = await Deployment.launch(
             ctx_tp=2, gen_tp=1, layout=FP16, pool_blocks=16, chunk_bytes=8 << 10, memory_kind="split",
-            prepared_descriptors=False, round_timeout_s=ROUND_TIMEOUT,
+            prepared_descriptors=False, round_timeout_s=ROUND_TIMEOUT, data_mode="direct",
         )
         try:
             return await dep.handoff("built", 40, timeout=TIMEOUT), await settled_stats(dep)
