@@ -445,8 +445,10 @@ class StagedReader:
         self._units: dict[tuple[Piece, ...], int] = {}
         self._maps: dict[tuple[ParentKey, tuple[int, int], int], StageMap] = {}  # per edge session
         self.counters: collections.Counter[str] = collections.Counter()
-        #: Fault injection (tests; set through Ray's __ray_call__): ACKs to drop.
+        #: Fault injection (tests; set through Ray's __ray_call__): ACKs to
+        #: drop; notices held (not scattered, not answered) while a list.
         self._drop_acks = 0
+        self._held: list[tuple[str, StageWrite, float]] | None = None
         self.seconds: collections.Counter[str] = collections.Counter()
 
     def _edge_pieces(self, edge: tuple[int, int], max_piece: int) -> tuple[Piece, ...]:
@@ -462,6 +464,9 @@ class StagedReader:
         return found
 
     def on_write(self, sender: str, msg: StageWrite, now: float) -> None:
+        if self._held is not None:
+            self._held.append((sender, msg, now))
+            return
         core = self.core
         scattered = False
         try:

@@ -220,3 +220,47 @@ def test_a_notice_for_an_ended_lease_or_a_replay_writes_nothing(staged: Deployme
     unchanged, not_scattered, stale, outside = run(inside(gen, probe))
     assert unchanged  # not one byte of the pool was written
     assert (not_scattered, stale, outside) == (1, 1, 1)
+
+
+def test_a_chunk_is_done_only_once_the_reader_scattered_it(staged: Deployment) -> None:
+    """The GEN holds its staging notices: every slot's WRITE is DONE (both
+    chunks of each edge fit the window of 2) but nothing is scattered. No
+    CTX edge may complete then (its TERMINAL would let the GEN verify blocks
+    that do not hold the bytes yet); once the notices go through, the
+    request completes with every byte verified."""
+    dep = staged
+    gen = run(dep.ranks(Role.GEN))[0]
+    ctx = run(dep.ranks(Role.CTX))
+
+    def hold(core):
+        core._reader._held = []
+        return 0
+
+    def release(core):
+        held, core._reader._held = core._reader._held or [], None
+        for sender, msg, now in held:
+            core._reader.on_write(sender, msg, now)
+        return len(held)
+
+    def landed(core):
+        return core._writer.stats()["slots"].get("landed", 0)
+
+    async def scenario():
+        await inside(gen, hold)
+        task = asyncio.ensure_future(dep.handoff("st-held", 8, timeout=TIMEOUT))  # 1 block: 2 chunks per edge
+        deadline = asyncio.get_running_loop().time() + TIMEOUT
+        while not task.done() and asyncio.get_running_loop().time() < deadline:
+            if sum(await asyncio.gather(*(inside(h, landed) for h in ctx))) >= 2 * len(ctx):
+                break  # every slot's bytes are in the GEN arena, unscattered
+            await asyncio.sleep(0.01)
+        parent = dep.parent("st-held")
+        phases = await asyncio.gather(*(h.phase.remote(parent) for h in ctx))
+        released = await inside(gen, release)
+        return phases, released, await task
+
+    phases, released, result = run(scenario())
+    assert all(ph["edges"] == ["posting"] for ph in phases), phases  # done only on the ACK
+    assert released == 2 * len(phases)
+    assert result.outcome == "completed", result
+    assert result.bytes_verified == total(PAGED, 8, 1)
+    assert_clean(run(settled_stats(dep)))
