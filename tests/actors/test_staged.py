@@ -222,13 +222,18 @@ def test_a_notice_for_an_ended_lease_or_a_replay_writes_nothing(staged: Deployme
     assert (not_scattered, stale, outside) == (1, 1, 1)
 
 
-def test_a_chunk_is_done_only_once_the_reader_scattered_it(staged: Deployment) -> None:
+def test_a_chunk_is_done_only_once_the_reader_scattered_it(ray_cluster) -> None:
     """The GEN holds its staging notices: every slot's WRITE is DONE (both
     chunks of each edge fit the window of 2) but nothing is scattered. No
     CTX edge may complete then (its TERMINAL would let the GEN verify blocks
     that do not hold the bytes yet); once the notices go through, the
     request completes with every byte verified."""
-    dep = staged
+    dep = run(
+        Deployment.launch(
+            ctx_tp=2, gen_tp=1, layout=PAGED, pool_blocks=8, chunk_bytes=4 << 10, memory_kind="paged",
+            round_timeout_s=ROUND_TIMEOUT, data_mode="staged", staging_window=2,
+        )
+    )
     gen = run(dep.ranks(Role.GEN))[0]
     ctx = run(dep.ranks(Role.CTX))
 
@@ -258,9 +263,13 @@ def test_a_chunk_is_done_only_once_the_reader_scattered_it(staged: Deployment) -
         released = await inside(gen, release)
         return phases, released, await task
 
-    phases, released, result = run(scenario())
+    try:
+        phases, released, result = run(scenario())
+        stats = run(settled_stats(dep))
+    finally:
+        run(dep.shutdown())
     assert all(ph["edges"] == ["posting"] for ph in phases), phases  # done only on the ACK
     assert released == 2 * len(phases)
     assert result.outcome == "completed", result
     assert result.bytes_verified == total(PAGED, 8, 1)
-    assert_clean(run(settled_stats(dep)))
+    assert_clean(stats)
