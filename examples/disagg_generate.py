@@ -273,6 +273,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     engine_missing = (ctx_blocks.n - len(ctx_blocks.free)) + (gen_blocks.n - len(gen_blocks.free))
     violations = [v for s in stats["ranks"] for v in s.get("violations", [])]
     bytes_moved = sum(s.get("posted_bytes", 0) for s in stats["ranks"])
+    staging = [s.get("staging", {}) for s in stats["ranks"]]
+    staged_chunks = sum(st.get("counters", {}).get("staged_chunks", 0) for st in staging)
+    slots_quarantined = sum(st.get("slots", {}).get("quarantined", 0) for st in staging)
     await dep.shutdown()
     for w in ctx + gen:
         ray.kill(w)
@@ -293,6 +296,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "engine_blocks_missing": engine_missing,
         "violations": violations,
         "kv_bytes_moved": bytes_moved,
+        # The data plane (docs/design.md): chunks that went gather -> one WRITE -> scatter.
+        "staged_chunks": staged_chunks,
+        "slots_quarantined": slots_quarantined,
         # `receive` of a completed request: claim, DMA, completion round, blocks back.
         "receive_ms_p50": round(sorted(receive_ms)[len(receive_ms) // 2], 2) if receive_ms else None,
         "receive_ms_max": round(max(receive_ms), 2) if receive_ms else None,
