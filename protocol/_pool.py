@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -190,8 +191,10 @@ class BlockPool:
         if n > len(self._free):
             raise PoolError(f"cannot lease {n} blocks: only {len(self._free)} free")
         refs = []
-        for _ in range(n):
-            block = next(iter(self._free))
+        # The n oldest free blocks, taken in one pass: deleting a dict's first
+        # key and iterating again skips every deleted slot (quadratic: 0.6 s
+        # for a 32,768-block lease).
+        for block in list(itertools.islice(self._free, n)):
             del self._free[block]
             self._generation[block] += 1
             self._state[block] = BlockState.LEASED
