@@ -76,6 +76,7 @@ from kvhandoff.actors._directory import Directory
 from kvhandoff.actors._stager import DATA_MODES
 from kvhandoff.actors.rank import RankActor, RankConfig
 from kvhandoff.protocol import (
+    MAX_REQUEST_BLOCKS,
     AdmissionRequest,
     Endpoint,
     MemoryKind,
@@ -596,6 +597,11 @@ class Deployment:
         except msgspec.ValidationError as exc:
             raise InvalidRequest(f"num_tokens={num_tokens}: {exc}") from None
         need = blocks_for_tokens(self.layout, num_tokens)
+        if need > MAX_REQUEST_BLOCKS:
+            raise InvalidRequest(
+                f"num_tokens={num_tokens} needs {need} blocks per rank; one request may lease at most "
+                f"{MAX_REQUEST_BLOCKS} (what one OPEN carries)"
+            )
         if need > self.pool_blocks:
             raise InvalidRequest(
                 f"num_tokens={num_tokens} needs {need} blocks; a rank's pool has only {self.pool_blocks}"

@@ -80,6 +80,7 @@ from kvhandoff.actors.deployment import (
 )
 from kvhandoff.actors.endpoint import EnginePlan
 from kvhandoff.protocol import (
+    MAX_REQUEST_BLOCKS,
     HandoffTicket,
     MemoryKind,
     ParentKey,
@@ -449,6 +450,8 @@ class EngineDeployment:
             raise InvalidRequest(f"blocks must be a sequence of block ids, got {_short(blocks)}") from None
         if len(ids) != need:
             raise InvalidRequest(f"{num_tokens} tokens need {need} blocks, got {len(ids)}")
+        if need > MAX_REQUEST_BLOCKS:
+            raise InvalidRequest(f"{num_tokens} tokens need {need} blocks; one request may lease at most {MAX_REQUEST_BLOCKS}")
         if any(not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < 2**32 for b in ids):
             raise InvalidRequest(f"block ids must be ints in [0, 2**32), got {_short(ids)}")
         if len(set(ids)) != len(ids):

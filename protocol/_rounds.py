@@ -68,6 +68,7 @@ import msgspec
 from msgspec import Meta
 
 from ._errors import RoundError, StaleError
+from ._messages import MAX_BLOCKS_PER_OPEN
 from ._ticket import DIGEST_LEN, ParentKey
 
 __all__ = [
@@ -91,8 +92,9 @@ __all__ = [
 
 #: Most parents one tuple of a round message may name (bounds decode work).
 MAX_ROUND_ITEMS = 4096
-#: Most block ids one admission may name (an engine's block table of one request).
-MAX_REQUEST_BLOCKS = 1 << 20
+#: Most block ids one admission may name (an engine's block table of one
+#: request): what one OPEN can carry to a GEN rank (`MAX_BLOCKS_PER_OPEN`).
+MAX_REQUEST_BLOCKS = MAX_BLOCKS_PER_OPEN
 
 _U63 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 _RoundNo = Annotated[int, Meta(ge=1, le=2**63 - 1)]

@@ -391,3 +391,12 @@ async def test_an_engine_blocking_its_own_loop_does_not_stall_the_endpoint(ray_c
         await eng.dep.shutdown()
         for w in eng.ctx + eng.gen:
             ray.kill(w)
+
+
+async def test_a_request_larger_than_one_open_is_refused_typed(engine: Engine) -> None:
+    from kvhandoff.protocol import MAX_BLOCKS_PER_OPEN
+
+    n = MAX_BLOCKS_PER_OPEN + 1
+    with pytest.raises(InvalidRequest):
+        await engine.dep.publish("too-big", n * LAYOUT.tokens_per_block, list(range(n)))
+    await engine.check_clean()

@@ -273,3 +273,18 @@ def test_a_chunk_is_done_only_once_the_reader_scattered_it(ray_cluster) -> None:
     assert result.outcome == "completed", result
     assert result.bytes_verified == total(PAGED, 8, 1)
     assert_clean(stats)
+
+
+def test_a_request_larger_than_one_open_is_refused_typed(staged: Deployment) -> None:
+    """More blocks per rank than one OPEN carries (MAX_BLOCKS_PER_OPEN) is an
+    InvalidRequest before any actor call: it used to break the GEN rank's
+    round apply (the OPEN frame exceeded the frame cap)."""
+    from kvhandoff.actors.deployment import InvalidRequest
+    from kvhandoff.protocol import MAX_BLOCKS_PER_OPEN
+
+    dep = staged
+    before = run(dep.stats())
+    with pytest.raises(InvalidRequest):
+        run(dep.handoff("too-big", (MAX_BLOCKS_PER_OPEN + 1) * PAGED.tokens_per_block, timeout=TIMEOUT))
+    after = run(dep.stats())
+    assert [(s["free"], s["leased"]) for s in after["ranks"]] == [(s["free"], s["leased"]) for s in before["ranks"]]
