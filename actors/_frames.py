@@ -152,6 +152,13 @@ class NixlNotifChannel:
         self._drain()  # progress: the notification leaves now, not at the next poll
         return True
 
+    def progress(self) -> None:
+        """Progress the agent's worker: with no progress thread, a sender's
+        notifications leave only while it progresses (`send` does once; a
+        rank's poll loop does every sweep). What arrives meanwhile is kept
+        for the next `poll()`."""
+        self._drain()
+
     def _drain(self) -> bool:
         try:
             notifs = self.transport.agent.get_new_notifs()

@@ -108,7 +108,9 @@ def test_frames_arrive_whole_and_in_order_both_ways(channels) -> None:
     sent[123] = encode_frame(samples()[0])  # an OPEN among them: kinds mix freely
     for frame in sent:
         assert ca.send(cb.name, frame)
-    got = poll_until(cb, lambda g: len(g) >= len(sent))
+    # The sender progresses too (no progress thread: a queued notification
+    # leaves only while its agent progresses).
+    got = poll_until(cb, lambda g: len(g) >= len(sent), also=ca.progress)
     assert got == [(ca.name, f) for f in sent]  # same bytes, same order, named sender
     # The other way, decoded.
     for i in range(300):
@@ -118,6 +120,7 @@ def test_frames_arrive_whole_and_in_order_both_ways(channels) -> None:
     while len(msgs) < 300:
         assert time.monotonic() < deadline
         msgs.extend(ca.poll_messages())
+        cb.progress()
     assert [(s, m.round_no) for s, m in msgs] == [(cb.name, 1000 + i) for i in range(300)]
     assert ca.counters["sent"] == 500 and cb.counters["received"] == 500
     assert cb.counters["sent"] == 300 and ca.counters["received"] == 300
@@ -144,7 +147,7 @@ def test_oversize_and_garbage_are_dropped_and_counted_never_raised(channels, age
     ca.send(cb.name, sentinel)
     # The sender progresses too (agents have no progress thread): a 4 MiB
     # notification leaves in several steps.
-    got = poll_until(cb, lambda g: bool(g) and g[-1][1] == sentinel, also=ca.poll)
+    got = poll_until(cb, lambda g: bool(g) and g[-1][1] == sentinel, also=ca.progress)
     assert [f for _, f in got] == [at_cap, header_only_junk(64), sentinel]
     assert cb.counters["dropped_oversize"] == 3
     assert cb.counters["dropped_garbage"] == 3
@@ -171,7 +174,7 @@ def test_poll_messages_decodes_only_what_fits_the_cap(channels, agents, monkeypa
     while not msgs:
         assert time.monotonic() < deadline
         msgs.extend(cb.poll_messages())
-        ca.poll()  # the sender progresses too
+        ca.progress()  # the sender progresses too
     assert msgs == [(ca.name, cancel)]
     assert seen == [100, len(encode_frame(cancel))]  # the oversize one never reached a decoder
     assert cb.counters["dropped_oversize"] == 1
@@ -259,6 +262,11 @@ class Peer:
         self.transport = NixlTransport(name, self.buffer)
         self.channel = NixlNotifChannel(self.transport)
         self.got: list[tuple[str, bytes]] = []
+        self._flushing = False
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._flusher = asyncio.get_running_loop().create_task(self._flush())
 
     def metadata(self) -> bytes:
         return self.transport.metadata()
@@ -267,11 +275,22 @@ class Peer:
         return self.transport.add_peer(md)
 
     def send_ready(self, peer: str, start: int, n: int) -> int:
-        return sum(self.channel.send(peer, ready(i)) for i in range(start, start + n))
+        sent = sum(self.channel.send(peer, ready(i)) for i in range(start, start + n))
+        self._flushing = True
+        return sent
+
+    async def _flush(self) -> None:
+        # No progress thread: keep progressing so queued notifications leave
+        # (a rank's poll loop does this every sweep).
+        while True:
+            if self._flushing:
+                self.channel.progress()
+            await asyncio.sleep(0.001)
 
     def send_raw(self, peer: str, payloads: list[bytes]) -> None:
         for p in payloads:
             self.transport.send_notif(peer, p)
+        self._flushing = True
 
     async def collect(self, n: int) -> list[tuple[str, int]]:
         """Poll (yielding to the loop) until n frames arrived; their round numbers."""
@@ -324,6 +343,7 @@ def peers(ray_cluster):
     a, b = Peer.remote(f"fr-ra{n}"), Peer.remote(f"fr-rb{n}")
     ray.get(a.add_peer.remote(ray.get(b.metadata.remote())))
     ray.get(b.add_peer.remote(ray.get(a.metadata.remote())))
+    ray.get([a.start.remote(), b.start.remote()])
     yield a, b, f"fr-ra{n}", f"fr-rb{n}"
     for h in (a, b):
         ray.kill(h)
