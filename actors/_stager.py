@@ -89,11 +89,6 @@ def staged_below(device: str, override: int = 0) -> int:
     return STAGED_BELOW["cuda" if device.startswith("cuda") else "cpu"]
 
 
-def _sync(t: torch.Tensor) -> None:
-    if t.is_cuda:
-        torch.cuda.current_stream(t.device).synchronize()
-
-
 @dataclasses.dataclass(eq=False)
 class _Write:
     """One staged chunk from our slot to the peer's."""
@@ -109,6 +104,10 @@ class _Write:
     reported: bool = False
     posted_at: float = 0.0
     done_at: float = 0.0
+    gather_at: float = 0.0
+    notice: StageWrite | None = None
+    region: tuple[int, int, int] | None = None
+    gathered: Any = None  # the gather's CUDA event (a GPU slot)
 
 
 @dataclasses.dataclass(eq=False)
@@ -134,6 +133,7 @@ class StagedWriter:
         self._peers: dict[int, _Peer] = {}
         self._writes: dict[tuple[str, int, int], _Write] = {}  # (agent, slot, generation)
         self._posted: list[_Write] = []  # WRITEs not yet polled terminal
+        self._gathering: collections.deque[tuple[_Peer, _Write]] = collections.deque()  # GPU gathers launched
         self._units: dict[tuple[Piece, ...], int] = {}
         self._starts: dict[ContextTicket, np.ndarray] = {}
         self._maps: dict[ContextTicket, StageMap] = {}
@@ -195,6 +195,10 @@ class StagedWriter:
         return u
 
     def _start(self, p: _Peer, ref: SlotRef, ticket: ContextTicket, index: int, plan: ChunkPlan, now: float) -> None:
+        """Gather chunk `index` into our slot `ref` and post its WRITE. On a GPU
+        the gather is only launched here: `poll` posts the WRITE once its event
+        says the slot is full, so the gathers of a window queue back to back
+        on the device while this loop goes on."""
         core = self.core
         rank = core.config.rank
         gen_rank = ticket.gen.ns.rank
@@ -204,12 +208,11 @@ class StagedWriter:
         try:
             pieces = core._edge_pieces(ticket.edge)
             slot = self.arena.slot(local)
-            t0 = time.perf_counter()
+            w.gather_at = time.perf_counter()
             gather(core.buffer, slot, self._map(ticket, index, plan, pieces, slot.device))
-            _sync(slot)
-            self.seconds["gather"] += time.perf_counter() - t0
+            self.seconds["gather_call"] += time.perf_counter() - w.gather_at
             start, end = self._rows(ticket, index)
-            notice = StageWrite(
+            w.notice = StageWrite(
                 request_id=ticket.request_id,
                 ctx_attempt=ticket.ctx_attempt,
                 gen_attempt=ticket.gen_attempt,
@@ -223,21 +226,66 @@ class StagedWriter:
                 generation=ref.generation,
                 nbytes=plan.nbytes,
             )
-            region = (self.arena.addr(local), p.base + remote * p.slot_bytes, plan.nbytes)
-            w.chunk = core.transport.post(p.agent, [region], notif=encode_stage(notice))
+            w.region = (self.arena.addr(local), p.base + remote * p.slot_bytes, plan.nbytes)
         except Exception as exc:  # nothing reached the peer: the chunk failed before DMA
-            log.warning("rank %s: staged post failed: %r", core.ns, exc)
-            self.counters["staged_post_failed"] += 1
-            p.table.freed(ref)
-            self._report(w, False, now)
-            self._drain_queue(p, now)
+            self._unposted(p, w, exc, now)
             return
+        if slot.is_cuda:
+            w.gathered = torch.cuda.Event()
+            w.gathered.record(torch.cuda.current_stream(slot.device))
+            self._gathering.append((p, w))
+            core._ensure_polling()
+            return
+        self._send(p, w, now)
+
+    def _unposted(self, p: _Peer, w: _Write, exc: Exception, now: float) -> None:
+        log.warning("rank %s: staged post failed: %r", self.core.ns, exc)
+        self.counters["staged_post_failed"] += 1
+        p.table.freed(w.ref)
+        self._report(w, False, now)
+        self._drain_queue(p, now)
+
+    def _send(self, p: _Peer, w: _Write, now: float) -> None:
+        """Post the WRITE of a gathered slot, with its notice."""
+        self.seconds["gather"] += time.perf_counter() - w.gather_at
+        assert w.notice is not None and w.region is not None
+        t0 = time.perf_counter()
+        try:
+            w.chunk = self.core.transport.post(p.agent, [w.region], notif=encode_stage(w.notice))
+        except Exception as exc:  # nothing reached the peer: the chunk failed before DMA
+            self._unposted(p, w, exc, now)
+            return
+        self.seconds["post_call"] += time.perf_counter() - t0
         self.counters["staged_chunks"] += 1
-        self.counters["staged_bytes"] += plan.nbytes
+        self.counters["staged_bytes"] += w.nbytes
         w.posted_at = time.perf_counter()
-        self._writes[(p.agent, remote, ref.generation)] = w
+        self._writes[(p.agent, w.notice.slot, w.ref.generation)] = w
         self._posted.append(w)
-        core._ensure_polling()
+        self.core._ensure_polling()
+
+    def _post_gathered(self, now: float) -> bool:
+        """Post the WRITEs whose gathers finished (in launch order: one stream).
+        A chunk whose edge stopped posting, or whose GEN agent was replaced,
+        meanwhile is reported failed without a WRITE and its slot freed."""
+        progressed = False
+        while self._gathering:
+            p, w = self._gathering[0]
+            assert w.gathered is not None
+            if not w.gathered.query():
+                break
+            self._gathering.popleft()
+            progressed = True
+            if self._peers.get(w.gen_rank) is not p:  # peer_gone: its table is gone too
+                self.counters["staged_unposted"] += 1
+                self._report(w, False, now)
+            elif not self._posting(w.ticket):
+                self.counters["staged_unposted"] += 1
+                p.table.freed(w.ref)
+                self._report(w, False, now)
+                self._drain_queue(p, now)
+            else:
+                self._send(p, w, now)
+        return progressed
 
     def _rows(self, ticket: ContextTicket, index: int) -> tuple[int, int]:
         """Chunk `index`'s rows [start, end) of the edge's transfer order (row
@@ -313,7 +361,7 @@ class StagedWriter:
 
     def poll(self, now: float) -> bool:
         """Poll our posted WRITEs; report what is due; quarantine overdue slots."""
-        progressed = False
+        progressed = self._post_gathered(now)
         timeout = self.core.side.transfer_timeout
         for w in list(self._posted):
             assert w.chunk is not None
@@ -414,10 +462,10 @@ class StagedWriter:
     # -- state --------------------------------------------------------------------------
 
     def busy(self) -> bool:
-        return bool(self._posted or self._writes or any(p.queue for p in self._peers.values()))
+        return bool(self._posted or self._writes or self._gathering or any(p.queue for p in self._peers.values()))
 
     def in_flight(self) -> int:
-        return len(self._posted) + sum(len(p.queue) for p in self._peers.values())
+        return len(self._posted) + len(self._gathering) + sum(len(p.queue) for p in self._peers.values())
 
     def stats(self) -> dict[str, Any]:
         slots: collections.Counter[str] = collections.Counter()
@@ -449,6 +497,8 @@ class StagedReader:
         #: drop; notices held (not scattered, not answered) while a list.
         self._drop_acks = 0
         self._held: list[tuple[str, StageWrite, float]] | None = None
+        #: GPU scatters launched, not yet ACKed: (sender, notice, CUDA event, launched at).
+        self._pending: collections.deque[tuple[str, StageWrite, Any, float]] = collections.deque()
         self.seconds: collections.Counter[str] = collections.Counter()
 
     def _edge_pieces(self, edge: tuple[int, int], max_piece: int) -> tuple[Piece, ...]:
@@ -469,6 +519,7 @@ class StagedReader:
             return
         core = self.core
         scattered = False
+        t0 = time.perf_counter()
         try:
             self._check_sender(sender, msg)
             self.guard.admit(sender, msg.slot, msg.generation)
@@ -476,23 +527,56 @@ class StagedReader:
             self.counters[f"refused_{type(exc).__name__}"] += 1
             log.warning("rank %s: staged notice from %s refused: %s", core.ns, sender, exc)
             return  # no ACK: not a slot of this writer, or a replay of one already answered
+        event = None
         try:
-            scattered = self._scatter(msg)
+            scattered, event = self._scatter(msg)
         except (ProtocolError, DataPlaneError) as exc:
             self.counters[f"scatter_{type(exc).__name__}"] += 1
             log.warning("rank %s: staged chunk from %s not scattered: %s", core.ns, sender, exc)
         self.counters["scattered" if scattered else "not_scattered"] += 1
+        self.seconds["notice_call"] += time.perf_counter() - t0
+        if event is not None:  # a GPU scatter: ACK once it ran (`poll`)
+            self._pending.append((sender, msg, event, time.perf_counter()))
+            return
+        self._ack(sender, msg, scattered)
+
+    def _ack(self, sender: str, msg: StageWrite, scattered: bool) -> None:
+        """Answer a notice: the writer's slot is free again (its credit)."""
         if self._drop_acks > 0:
             self._drop_acks -= 1
             self.counters["acks_dropped"] += 1
             return
+        t0 = time.perf_counter()
         try:
             ack = encode_stage(StageAck(slot=msg.slot, generation=msg.generation, scattered=scattered))
-            if not core._channel.send_stage(sender, ack):
+            if not self.core._channel.send_stage(sender, ack):
                 self.counters["ack_send_failed"] += 1
         except Exception as exc:
             self.counters["ack_send_failed"] += 1
-            log.warning("rank %s: ACK to %s failed: %s", core.ns, sender, exc)
+            log.warning("rank %s: ACK to %s failed: %s", self.core.ns, sender, exc)
+        self.seconds["ack_call"] += time.perf_counter() - t0
+
+    def poll(self) -> bool:
+        """ACK the GPU scatters that ran (in launch order: one stream). The ACK
+        is what frees the writer's slot and reports the chunk DONE: it never
+        comes before the scatter finished reading our slot and writing the blocks."""
+        progressed = False
+        while self._pending and self._pending[0][2].query():
+            sender, msg, _, launched = self._pending.popleft()
+            self.seconds["scatter_wait"] += time.perf_counter() - launched
+            self._ack(sender, msg, True)
+            progressed = True
+        return progressed
+
+    def settle(self) -> None:
+        """Wait for every launched scatter (microseconds: they are queued
+        kernels). Called before blocks go back to the pool: a block is never
+        reused while one of our scatters may still write it."""
+        if self._pending:
+            self._pending[-1][2].synchronize()
+
+    def pending(self) -> int:
+        return len(self._pending)
 
     def _check_sender(self, sender: str, msg: StageWrite) -> None:
         from kvhandoff.actors.rank import agent_name
@@ -509,13 +593,15 @@ class StagedReader:
         if not 0 < msg.max_piece <= self.arena.slot_bytes or msg.nbytes > self.arena.slot_bytes:
             raise DataPlaneError(f"a chunk of {msg.nbytes} B (pieces of {msg.max_piece} B) for slots of {self.arena.slot_bytes} B")
 
-    def _scatter(self, msg: StageWrite) -> bool:
+    def _scatter(self, msg: StageWrite) -> tuple[bool, Any]:
         """Scatter the slot into the lease of exactly msg's request, if it is
-        live and installed here; False (nothing written) otherwise."""
+        live and installed here; False (nothing written) otherwise. With the
+        CUDA event that marks the scatter's end on a GPU (None on the host,
+        where it ran already)."""
         core = self.core
         parent = ParentKey(request_id=msg.request_id, ctx_attempt=msg.ctx_attempt, gen_attempt=msg.gen_attempt)
         if core.side.parents().get(parent) is not ParentState.INSTALLED or not core.pool.holds(parent):
-            return False  # cancelled, released or quarantined: never write an ended lease
+            return False, None  # cancelled, released or quarantined: never write an ended lease
         edge = (msg.ctx_rank, core.config.rank)
         pieces = self._edge_pieces(edge, msg.max_piece)
         lease = core.pool.lease_of(parent)
@@ -546,9 +632,12 @@ class StagedReader:
             raise DataPlaneError(f"rows [{msg.start}, {msg.end}) hold {m.nbytes} B, the notice says {msg.nbytes}")
         t0 = time.perf_counter()
         scatter(core.buffer, slot, m)
-        _sync(slot)
-        self.seconds["scatter"] += time.perf_counter() - t0
-        return True
+        self.seconds["scatter_call"] += time.perf_counter() - t0
+        if slot.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(slot.device))
+            return True, event
+        return True, None
 
     def forget(self, parent: ParentKey) -> None:
         for key in [k for k in self._maps if k[0] == parent]:

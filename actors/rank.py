@@ -1549,7 +1549,18 @@ class GenRankCore(RankCore):
     def _stage_polling(self) -> bool:
         # A WRITE may land while a parent is installed, cancelling or
         # quarantined: the target's worker progresses meanwhile.
-        return super()._stage_polling() or any(s in _TARGET_STATES for s in self.side.parents().values())
+        return (
+            super()._stage_polling()
+            or (self._reader is not None and self._reader.pending() > 0)
+            or any(s in _TARGET_STATES for s in self.side.parents().values())
+        )
+
+    def _poll_chunks(self, now: float) -> bool:
+        # GPU scatters that ran are ACKed here (the writer's credits).
+        return self._reader is not None and self._reader.poll()
+
+    def _chunks_in_flight(self) -> int:
+        return self._reader.pending() if self._reader is not None else 0
 
     def _staging_stats(self) -> dict[str, Any]:
         out = super()._staging_stats()
@@ -1612,6 +1623,8 @@ class GenRankCore(RankCore):
         self._perform(actions)
 
     def _releasing(self, parent: ParentKey, blocks: tuple[Any, ...]) -> None:
+        if self._reader is not None:
+            self._reader.settle()  # no scatter of ours may still write these blocks
         if self.config.synthetic:
             # A late write to a freed block shows on the next verify. Only where
             # bytes are verified: filling a 1 GiB request costs ~0.5 s of host
