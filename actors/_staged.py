@@ -120,6 +120,16 @@ def _expand(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(starts - offsets, counts) + np.arange(total, dtype=np.int64)
 
 
+def _to_device(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """An index vector on `device`. To a GPU through pinned memory and an
+    asynchronous copy: a copy from pageable memory would wait for every kernel
+    queued on the stream (the gathers and scatters of the chunks before)."""
+    t = torch.from_numpy(a)
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def stage_map(
     pieces: Sequence[Piece], rows: np.ndarray, side: int, memory: KVMemory, unit: int, device: torch.device | str
 ) -> StageMap:
@@ -142,7 +152,7 @@ def stage_map(
     count = length // unit
     if len(region_of) and not region_of.any() and (n == unit).all():
         # One region, every piece one unit (the common case): the rows are the units.
-        return StageMap(unit, int(length.sum()), ((0, torch.from_numpy(start).to(device), None),), ((0, start, None),), True)
+        return StageMap(unit, int(length.sum()), ((0, _to_device(start, device), None),), ((0, start, None),), True)
     slot_start = np.concatenate(([0], np.cumsum(count)[:-1])) if len(count) else count
     parts = []
     np_parts = []
@@ -157,8 +167,8 @@ def stage_map(
         parts.append(
             (
                 r,
-                torch.from_numpy(ridx).to(device),
-                None if sidx is None else torch.from_numpy(sidx).to(device),
+                _to_device(ridx, device),
+                None if sidx is None else _to_device(sidx, device),
             )
         )
     return StageMap(unit, int(length.sum()), tuple(parts), tuple(np_parts))

@@ -117,6 +117,7 @@ class BlockPool:
         # of a named block for `lease_blocks`.
         self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
         self._leases: dict[Hashable, _Lease] = {}
+        self._quarantined = 0  # blocks in QUARANTINED, kept as they move (O(1) `counts`)
         self._closed: collections.OrderedDict[Hashable, Cleanup] = collections.OrderedDict()
 
     # ---- queries -------------------------------------------------------
@@ -126,8 +127,10 @@ class BlockPool:
         return self._num_blocks
 
     def counts(self) -> PoolCounts:
-        """Count blocks per state (O(1) for free, O(blocks) for the rest)."""
-        quarantined = sum(1 for s in self._state if s is BlockState.QUARANTINED)
+        """Count blocks per state, O(1): ranks ask on every action they perform
+        (the admission stop), so a scan of a 65,536-block pool is not affordable.
+        `check_invariants` checks the counts against a scan."""
+        quarantined = self._quarantined
         free = len(self._free)
         return PoolCounts(
             free=free,
@@ -271,6 +274,7 @@ class BlockPool:
             return Cleanup.ALREADY_QUARANTINED
         for ref in lease.refs:
             self._state[ref.block] = BlockState.QUARANTINED
+        self._quarantined += len(lease.refs)
         lease.state = _LeaseState.QUARANTINED
         return Cleanup.QUARANTINED
 
@@ -287,6 +291,7 @@ class BlockPool:
         lease = self._leases.get(owner)
         if lease is None or lease.state is not _LeaseState.QUARANTINED:
             raise LeaseError(f"owner {owner!r} holds no quarantined lease")
+        self._quarantined -= len(lease.refs)
         self._free_blocks(lease)
         del self._leases[owner]
         self._remember_closed(owner, Cleanup.RELEASED)
@@ -321,6 +326,9 @@ class BlockPool:
         c = self.counts()
         if c.free + c.leased + c.quarantined != c.total:
             raise PoolError(f"counts do not add up: {c}")
+        scanned = sum(1 for s in self._state if s is BlockState.QUARANTINED)
+        if scanned != c.quarantined:
+            raise PoolError(f"{scanned} blocks are QUARANTINED, the count says {c.quarantined}")
 
     # ---- internals -----------------------------------------------------
 
