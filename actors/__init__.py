@@ -8,22 +8,74 @@ host over their own KV tensors: `EndpointHost`, `ctx_endpoint`,
 client API (used by the CLI, the Ray job and the notebook) and the CLI.
 """
 
-from ._coordinator import AdmissionStopped, Coordinator, RoundTimeout, TopologyFailed
-from ._dataplane import FaultPlan
-from .deployment import (
-    DEFAULT_LAYOUT,
-    Deployment,
-    DeploymentClosed,
-    DeploymentError,
-    HandoffResult,
-    InvalidConfig,
-    InvalidRequest,
-    LaunchFailed,
-    SyncDeployment,
-)
-from .endpoint import EnginePlan, ctx_endpoint, endpoint_actor, gen_endpoint
-from .engine import EngineDeployment, EngineResult, PublishRefused, StaleTicket
-from .rank import ENDPOINT_METHODS, EndpointHost, RankActor, RankConfig
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# The names load on first use (PEP 562), so `import kvhandoff.actors.cli` and
+# `kvhandoff --help` import no Ray, torch or NIXL. Each public name and the
+# submodule that defines it:
+_SOURCES = {
+    "AdmissionStopped": "_coordinator",
+    "Coordinator": "_coordinator",
+    "RoundTimeout": "_coordinator",
+    "TopologyFailed": "_coordinator",
+    "FaultPlan": "_dataplane",
+    "DEFAULT_LAYOUT": "deployment",
+    "Deployment": "deployment",
+    "DeploymentClosed": "deployment",
+    "DeploymentError": "deployment",
+    "HandoffResult": "deployment",
+    "InvalidConfig": "deployment",
+    "InvalidRequest": "deployment",
+    "LaunchFailed": "deployment",
+    "SyncDeployment": "deployment",
+    "EnginePlan": "endpoint",
+    "ctx_endpoint": "endpoint",
+    "endpoint_actor": "endpoint",
+    "gen_endpoint": "endpoint",
+    "EngineDeployment": "engine",
+    "EngineResult": "engine",
+    "PublishRefused": "engine",
+    "StaleTicket": "engine",
+    "ENDPOINT_METHODS": "rank",
+    "EndpointHost": "rank",
+    "RankActor": "rank",
+    "RankConfig": "rank",
+}
+
+if TYPE_CHECKING:
+    from ._coordinator import AdmissionStopped, Coordinator, RoundTimeout, TopologyFailed
+    from ._dataplane import FaultPlan
+    from .deployment import (
+        DEFAULT_LAYOUT,
+        Deployment,
+        DeploymentClosed,
+        DeploymentError,
+        HandoffResult,
+        InvalidConfig,
+        InvalidRequest,
+        LaunchFailed,
+        SyncDeployment,
+    )
+    from .endpoint import EnginePlan, ctx_endpoint, endpoint_actor, gen_endpoint
+    from .engine import EngineDeployment, EngineResult, PublishRefused, StaleTicket
+    from .rank import ENDPOINT_METHODS, EndpointHost, RankActor, RankConfig
+
+
+def __getattr__(name: str) -> Any:
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{source}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SOURCES})
+
 
 __all__ = [
     "EngineDeployment",

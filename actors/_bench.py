@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import itertools
 import json
 import logging
@@ -62,13 +63,15 @@ from typing import Any
 
 import ray
 
-from kvhandoff.actors._stager import DATA_MODES, STAGED_BELOW
+from kvhandoff.actors._console import Reporter
+from kvhandoff.actors._flags import SECTIONS
+from kvhandoff.actors._stager import STAGED_BELOW
 from kvhandoff.actors.deployment import Deployment, HandoffResult
 from kvhandoff.actors.rank import on_endpoint_loop
 from kvhandoff.protocol import Role
 from kvhandoff.topology import KVLayout, block_bytes, memory_pieces, shard_map
 
-__all__ = ["add_arguments", "run", "DATA_LAYOUT", "PAGE_LAYOUT"]
+__all__ = ["run", "DATA_LAYOUT", "PAGE_LAYOUT"]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -83,134 +86,6 @@ DATA_LAYOUT = KVLayout(
 PAGE_LAYOUT = KVLayout(
     num_layers=1, num_kv_heads=8, head_dim=128, dtype="float16", tokens_per_block=4
 )
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from exc
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-SECTIONS = ("data", "paged", "control", "cancel", "frames")
-#: What runs without `--sections` (frames is asked for by name).
-DEFAULT_SECTIONS = ("data", "paged", "control", "cancel")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `kvhandoff bench` flags (defaults: a run under ~2 minutes on 2 CPU cores)."""
-    add = parser.add_argument
-    add("--json", action="store_true", help="print one JSON object instead of tables")
-    add(
-        "--sections",
-        default=",".join(DEFAULT_SECTIONS),
-        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but frames)",
-    )
-    add(
-        "--memory",
-        choices=("DRAM", "VRAM"),
-        default="DRAM",
-        help="KV buffer memory (VRAM needs one GPU per rank)",
-    )
-    add(
-        "--control-frames",
-        choices=("ray", "nixl"),
-        default="ray",
-        help="how control frames travel between ranks (Deployment.launch(control_frames=))",
-    )
-    add(
-        "--gpus-per-rank",
-        type=float,
-        default=1.0,
-        help="VRAM: each rank's share of a GPU (0.5: a CTX and a GEN rank share one)",
-    )
-    add("--ctx-tp", type=int, default=1, help="CTX tensor-parallel size (data/control/cancel)")
-    add("--gen-tp", type=int, default=1, help="GEN tensor-parallel size (data/control/cancel)")
-    add(
-        "--sizes-mib",
-        type=_ints,
-        default=[64, 256],
-        help="large handoff sizes in MiB (data section)",
-    )
-    add(
-        "--data-mode",
-        choices=DATA_MODES,
-        default="auto",
-        help="Deployment.launch(data_mode=) of the data, control and cancel sections",
-    )
-    add("--round-timeout-s", type=float, default=5.0, help="Deployment.launch(round_timeout_s=)")
-    add("--staging-window", type=int, default=4, help="staging slots per peer rank, each side")
-    add("--repeats", type=int, default=5, help="repeats per variant in the data and paged sections")
-    add("--chunk-mib", type=int, default=16, help="WRITE chunk size in MiB (protocol and raw)")
-    add("--paged-kib", type=_ints, default=[16, 64, 256, 1024], help="paged block sizes in KiB")
-    add("--paged-mib", type=int, default=64, help="bytes moved per paged WRITE, in MiB")
-    add(
-        "--paged-layouts",
-        choices=("tp2", "shared", "per-size"),
-        default="tp2",
-        help="tp2: per piece size, a CTX TP=2 -> GEN TP=1 deployment whose shard pieces are that "
-        "size: raw direct, direct and staged handoffs, one contiguous raw WRITE, a copy; "
-        "shared: runs of adjacent 16 KiB blocks on one deployment (raw only); "
-        "per-size: one TP=1 deployment per block size (raw only)",
-    )
-    add("--small-tokens", type=int, default=16, help="tokens of a small handoff (control section)")
-    add("--small-n", type=int, default=60, help="sequential small handoffs for latency p50/p99")
-    add(
-        "--concurrency",
-        type=_ints,
-        default=[1, 8, 32],
-        help="concurrent small handoffs for the rate",
-    )
-    add(
-        "--sustain-s", type=float, default=3.0, help="seconds of sustained handoffs per concurrency"
-    )
-    add("--ping-n", type=int, default=1000, help="pipelined ping.remote() calls per rate sample")
-    add("--frames-n", type=int, default=2000, help="ping-pong round trips per frame size (frames)")
-    add("--frames-burst", type=int, default=10000, help="frames per one-way burst (frames)")
-    add("--frames-bytes", type=_ints, default=[200, 2048], help="frame sizes in bytes (frames)")
-    add("--cancels", type=int, default=20, help="cancelled in-flight handoffs (cancel section)")
-    add("--seed", type=int, default=0, help="seed for the cancel delays")
-    add(
-        "--cancel-timeout-s",
-        type=float,
-        default=3.0,
-        help="wait for a cancelled trial's release before calling it leaked",
-    )
-    add(
-        "--cancel-spare",
-        type=int,
-        default=8,
-        help="spare handoffs' worth of pool blocks for leaked cancel trials",
-    )
-    add(
-        "--ucx-tls",
-        default=None,
-        help="set UCX_TLS before starting Ray (e.g. tcp: DMA stays in flight longer)",
-    )
-    add("--address", default=None, help="an existing Ray cluster (default: start a local one)")
-    add(
-        "--start-timeout",
-        type=_positive_seconds,
-        default=600.0,
-        help="seconds the rank actors may take to start (default %(default)g); a rank that "
-        "dies while starting fails the launch at once",
-    )
-
-
-def _positive_seconds(text: str) -> float:
-    # ArgumentTypeError carries the whole message (argparse would name this function).
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
 
 
 class _LaunchFailed(RuntimeError):
@@ -271,8 +146,9 @@ class _PoolMirror:
 class _Bench:
     """One benchmark run: shared state (request ids, results) across sections."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, reporter: Reporter) -> None:
         self.args = args
+        self.reporter = reporter
         self._ids = itertools.count()
         self.results: dict[str, Any] = {}
         self.notes: list[str] = []
@@ -283,22 +159,28 @@ class _Bench:
 
     async def launch(self, layout: KVLayout, pool_blocks: int, *, tp1: bool = False, tp2: bool = False) -> Deployment:
         a = self.args
+        ctx_tp, gen_tp = (2 if tp2 else 1 if tp1 else a.ctx_tp), (1 if tp1 or tp2 else a.gen_tp)
+        launching = (
+            f"launching CTX tp={ctx_tp} -> GEN tp={gen_tp} "
+            f"({block_bytes(layout, 1) // KiB} KiB blocks, {a.memory})"
+        )
         try:
-            return await Deployment.launch(
-                ctx_tp=2 if tp2 else 1 if tp1 else a.ctx_tp,
-                gen_tp=1 if tp1 or tp2 else a.gen_tp,
-                data_mode="staged" if tp2 else a.data_mode,
-                staging_window=a.staging_window,
-                layout=layout,
-                pool_blocks=pool_blocks,
-                memory=a.memory,
-                chunk_bytes=a.chunk_mib * MiB,
-                round_timeout_s=a.round_timeout_s,
-                gpus_per_rank=a.gpus_per_rank,
-                control_frames=a.control_frames,
-                start_timeout_s=a.start_timeout,
-                synthetic=False,  # time the protocol and the data plane, not the test pattern
-            )
+            with self.reporter.step(launching, done="ranks ready"):
+                return await Deployment.launch(
+                    ctx_tp=ctx_tp,
+                    gen_tp=gen_tp,
+                    data_mode="staged" if tp2 else a.data_mode,
+                    staging_window=a.staging_window,
+                    layout=layout,
+                    pool_blocks=pool_blocks,
+                    memory=a.memory,
+                    chunk_bytes=a.chunk_mib * MiB,
+                    round_timeout_s=a.round_timeout_s,
+                    gpus_per_rank=a.gpus_per_rank,
+                    control_frames=a.control_frames,
+                    start_timeout_s=a.start_timeout,
+                    synthetic=False,  # time the protocol and the data plane, not the test pattern
+                )
         except Exception as exc:  # InvalidConfig, LaunchFailed: one line, no traceback
             raise _LaunchFailed(f"{type(exc).__name__}: {exc}") from exc
 
@@ -370,6 +252,7 @@ class _Bench:
                         samples[mib]["raw"].append(seconds)
                     else:
                         samples[mib]["copy"].append(await copy(mib))
+            self.reporter.line(f"data: repeat {rep + 1}/{a.repeats} done")
 
         rows = []
         for mib, n in sizes:
@@ -519,6 +402,7 @@ class _Bench:
             dep = await self.launch(layout, 2 * blocks + 2, tp2=True)
             try:
                 rows.append(await self._paged_tp2_one(dep, kib, blocks))
+                self.reporter.line(f"paged: {kib} KiB pieces done")
             except Exception as exc:  # one size failing does not lose the others
                 self.notes.append(f"paged tp2 {kib} KiB failed: {type(exc).__name__}: {str(exc)[:300]}")
             finally:
@@ -809,6 +693,9 @@ class _Bench:
 
     # -- the run ---------------------------------------------------------------------------
 
+    def _section(self, name: str, what: str) -> contextlib.AbstractContextManager[None]:
+        return self.reporter.step(f"{name}: {what}", done=f"{name} done")
+
     async def run(self) -> dict[str, Any]:
         a = self.args
         sections = set(a.sections.split(","))
@@ -847,21 +734,25 @@ class _Bench:
             try:
                 max_delay = 0.1
                 if "data" in sections:
-                    out["data"] = await self.data_plane(dep)
+                    with self._section("data", f"{','.join(map(str, a.sizes_mib))} MiB handoffs"):
+                        out["data"] = await self.data_plane(dep)
                     smallest = min(out["data"], key=lambda r: r["size_mib"])
                     max_delay = smallest["e2e"].get("median_s", max_delay)
                     out["chunk_s"] = (
                         a.chunk_mib * MiB / (smallest["raw"].get("median_gbps", math.nan) * 1e9)
                     )
                 if "cancel" in sections:
-                    out["cancel"] = await self.cancel_to_release(dep, max_delay)
+                    with self._section("cancel", f"{a.cancels} cancelled handoffs"):
+                        out["cancel"] = await self.cancel_to_release(dep, max_delay)
             finally:
                 await dep.shutdown()
         if sections & {"paged", "control"}:
             if "paged" in sections and a.paged_layouts == "per-size":
-                out["paged"] = await self.paged_per_size()
+                with self._section("paged", "one deployment per block size"):
+                    out["paged"] = await self.paged_per_size()
             if "paged" in sections and a.paged_layouts == "tp2":
-                out["paged"] = await self.paged_tp2()
+                with self._section("paged", "one CTX tp=2 -> GEN tp=1 deployment per piece size"):
+                    out["paged"] = await self.paged_tp2()
                 out["staged_below"] = {"cpu": STAGED_BELOW["cpu"], "cuda": STAGED_BELOW["cuda"]}
             need_shared = "control" in sections or (
                 "paged" in sections and a.paged_layouts == "shared"
@@ -874,13 +765,16 @@ class _Bench:
                 dep = await timed_launch(lambda: self.launch(PAGE_LAYOUT, pool))
                 try:
                     if "paged" in sections and a.paged_layouts == "shared":
-                        out["paged"] = await self.paged_shared(dep)
+                        with self._section("paged", "runs of 16 KiB blocks"):
+                            out["paged"] = await self.paged_shared(dep)
                     if "control" in sections:
-                        out["control"] = await self.control_plane(dep)
+                        with self._section("control", "small-handoff latency and rate"):
+                            out["control"] = await self.control_plane(dep)
                 finally:
                     await dep.shutdown()
         if "frames" in sections:
-            out["frames"] = await self.frames()
+            with self._section("frames", "control frames, Ray calls vs NIXL notifications"):
+                out["frames"] = await self.frames()
         out["targets"] = _targets(out)
         out["notes"] = self.notes
         out["machine"]["loadavg_end"] = os.getloadavg()
@@ -1365,29 +1259,43 @@ def _jsonable(value: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Run the selected sections; print tables (or `--json`). Exit 0 when every
-    run section produced numbers (targets not met is a finding, not an error)."""
+    run section produced numbers (targets not met is a finding, not an error).
+
+    `args` are the `kvhandoff bench` flags (actors/_flags.py). Progress goes to
+    stderr (actors/_console.py); with `--json`, none."""
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
         print(f"unknown sections: {sorted(unknown)} (choose from {SECTIONS})", file=sys.stderr)
         return 2
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls  # inherited by the Ray workers we start
+    reporter = Reporter("kvhandoff bench", quiet=args.json)
     started_ray = False
     if not ray.is_initialized():
         # Ray's own INFO/WARNING lines would bury the tables (and a one-line error).
         kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.ERROR}
         if args.address:
             kw["address"] = args.address
-        ray.init(**kw)
+        elif not os.environ.get("RAY_ADDRESS"):
+            # A new cluster, even if another one runs on this machine (Ray
+            # would join the latest one); RAY_AUTH_MODE: see cli.py.
+            kw["address"] = "local"
+        where = args.address or os.environ.get("RAY_ADDRESS")
+        with reporter.step(f"joining the Ray cluster at {where}" if where else "starting a local Ray cluster", done="Ray ready"):
+            ray.init(**kw)
         started_ray = True
+    failed: _LaunchFailed | None = None
     try:
-        out = asyncio.run(_Bench(args).run())
+        out = asyncio.run(_Bench(args, reporter).run())
     except _LaunchFailed as exc:
-        print(f"kvhandoff bench: could not launch the deployment: {exc}", file=sys.stderr)
-        return 2
+        failed = exc
     finally:
         if started_ray:
-            ray.shutdown()
+            with reporter.step("stopping Ray", done="Ray stopped"):
+                ray.shutdown()
+    if failed is not None:  # one line, the last
+        print(f"kvhandoff bench: could not launch the deployment: {failed}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(_jsonable(out), default=str))
     else:

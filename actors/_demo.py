@@ -7,13 +7,14 @@ What it does, with no flags:
 2. launches a CTX instance (tp=2) and a GEN instance (tp=1) of rank actors on
    host memory, with NIXL over UCX (`Deployment.launch`);
 3. runs a mixed workload: a few hundred requests of log-uniform sizes, a
-   bounded number in flight, and about a third of them cancelled. The cancels
-   are spread over every phase: half at an exact phase (the harness in actors/_phases.py:
-   before OPEN, before READY, mid-DMA, after completion) and half by a
-   concurrent `cancel()` after a random delay, which lands wherever the
-   request happens to be (admission included);
-4. waits (bounded) until no rank holds a leased block, then prints a summary
-   and checks the invariants:
+   bounded number in flight, and `--cancel-rate` of them (30%) cancelled. The
+   cancels are spread over every phase: at least one in each way as soon as
+   there are enough requests, then half at an exact phase (the harness in
+   actors/_phases.py: before OPEN, before READY, mid-DMA, after completion)
+   and half by a concurrent `cancel()` after a random delay, which lands
+   wherever the request happens to be (admission included);
+4. waits (bounded) until no rank holds a leased block, stops what it started,
+   then prints a summary and checks the invariants:
    - L1: every request returned a terminal outcome within its bound, and none
      ended as "timeout";
    - L2: leaked = pool - free - quarantined, summed over every rank, is 0;
@@ -25,9 +26,11 @@ What it does, with no flags:
 Exit status: 0 when every invariant holds, 1 when one does not (each is
 printed), 2 when the deployment could not be launched.
 
-`--json` prints exactly one JSON object on stdout and nothing else (no
-progress bar; stderr only carries errors). The progress bar is also off when
-stderr is not a terminal.
+Progress goes to stderr (actors/_console.py): a live display in a terminal,
+plain lines otherwise. The summary goes to stdout: tables whose parts add up
+to the wall time and whose notes say what each count means, the expected
+refusals of a clean run included. `--json` prints exactly one JSON object on
+stdout and nothing else (no progress; stderr only carries errors).
 """
 
 from __future__ import annotations
@@ -44,9 +47,12 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any
 
-__all__ = ["add_arguments", "run", "plan_workload", "Planned", "DemoReport"]
+from kvhandoff.actors._console import Reporter, is_terminal
+from kvhandoff.actors._flags import MAX_TOKENS, MIN_TOKENS, REQUEST_TIMEOUT_S
+
+__all__ = ["run", "plan_workload", "Planned", "DemoReport"]
 
 #: The exact phases the harness (actors/_phases.py) reaches (docs/design.md "Lifecycle").
 EXACT_PHASES = ("before_open", "before_ready", "mid_dma", "after_complete")
@@ -55,17 +61,6 @@ EXACT_PHASES = ("before_open", "before_ready", "mid_dma", "after_complete")
 DELAYED = "random_delay"
 #: Outcomes a handoff may end with (deployment.HandoffResult.outcome).
 OUTCOMES = ("completed", "cancelled", "rejected", "failed", "timeout")
-
-# Request sizes: log-uniform, so most requests are short and a few are long,
-# like real prompts; and cheap enough for a 2-core machine.
-MIN_TOKENS = 16
-MAX_TOKENS = 1024
-#: Default per-request timeout passed to `handoff` (`--timeout`). It bounds the
-#: whole handoff; L1's bound (`run_workload`) is twice that plus slack.
-REQUEST_TIMEOUT_S = 15.0
-#: Default bound on starting the rank actors (`--start-timeout`): generous,
-#: since a launch waits on progress and a rank that died fails it at once.
-START_TIMEOUT_S = 600.0
 #: After the workload, how long ranks may take to give back every leased block.
 SETTLE_S = 20.0
 #: Range of the random delay before a concurrent cancel (seconds), log-uniform:
@@ -90,6 +85,12 @@ class Planned:
     cancel_delay_s: float = 0.0
 
 
+def cancel_ways(exact_phases: bool) -> tuple[str, ...]:
+    """The ways a request may be cancelled: every exact phase and a random
+    delay when the harness can drive the ranks, else random delays only."""
+    return (*EXACT_PHASES, DELAYED) if exact_phases else (DELAYED,)
+
+
 def plan_workload(
     requests: int,
     cancel_rate: float,
@@ -101,30 +102,45 @@ def plan_workload(
 ) -> list[Planned]:
     """A deterministic workload for `seed`.
 
-    About `cancel_rate` of the requests are cancelled. When `exact_phases` (the
-    harness can drive the deployment's rank actors), the cancels alternate between
-    an exact phase (round-robin over EXACT_PHASES, so every phase is exercised
-    even in a short run) and a random delay; otherwise all use random delays.
+    `cancel_rate` of the requests (rounded) are cancelled, and when it is above
+    0 at least one in each of `cancel_ways(exact_phases)`, as far as there are
+    requests: a short run (`--requests 5`) still cancels in every way. The
+    first cancels take each way once; the rest alternate between an exact
+    phase (round-robin over EXACT_PHASES) and a random delay. Which requests
+    are cancelled, and in which way, is drawn from the seed.
     """
     rng = random.Random(seed)
     run_id = f"{seed:x}-{rng.getrandbits(32):08x}"  # request ids unique per run
+    low, high = math.log(min_tokens), math.log(max_tokens)
+    sizes = [int(math.exp(rng.uniform(low, high))) for _ in range(requests)]
+    ways = cancel_ways(exact_phases)
+    n_cancels = math.floor(cancel_rate * requests + 0.5)
+    if cancel_rate > 0:
+        n_cancels = max(n_cancels, len(ways))
+    n_cancels = min(n_cancels, requests)
+    kinds = [ways[k] if k < len(ways) else _alternate(k - len(ways), exact_phases) for k in range(n_cancels)]
+    rng.shuffle(kinds)
+    cancelled = dict(zip(sorted(rng.sample(range(requests), n_cancels)), kinds))
     plan: list[Planned] = []
-    n_cancels = 0
-    for i in range(requests):
-        tokens = int(math.exp(rng.uniform(math.log(min_tokens), math.log(max_tokens))))
+    for i, tokens in enumerate(sizes):
         request_id = f"demo-{run_id}-{i}"
-        if rng.random() >= cancel_rate:
+        kind = cancelled.get(i)
+        if kind is None:
             plan.append(Planned(request_id, tokens))
-            continue
-        if exact_phases and n_cancels % 2 == 0:
-            phase = EXACT_PHASES[(n_cancels // 2) % len(EXACT_PHASES)]
-            plan.append(Planned(request_id, tokens, cancel=phase))
-        else:
-            low, high = math.log(MIN_CANCEL_DELAY_S), math.log(MAX_CANCEL_DELAY_S)
-            delay = math.exp(rng.uniform(low, high))
+        elif kind == DELAYED:
+            low_s, high_s = math.log(MIN_CANCEL_DELAY_S), math.log(MAX_CANCEL_DELAY_S)
+            delay = math.exp(rng.uniform(low_s, high_s))
             plan.append(Planned(request_id, tokens, cancel=DELAYED, cancel_delay_s=delay))
-        n_cancels += 1
+        else:
+            plan.append(Planned(request_id, tokens, cancel=kind))
     return plan
+
+
+def _alternate(k: int, exact_phases: bool) -> str:
+    """The way of the k-th cancel after the first of each way."""
+    if exact_phases and k % 2 == 0:
+        return EXACT_PHASES[(k // 2) % len(EXACT_PHASES)]
+    return DELAYED
 
 
 @dataclass
@@ -195,6 +211,29 @@ class DemoReport:
             if "error" not in s
         )
 
+    def time_parts(self) -> list[tuple[str, float]]:
+        """The parts of the wall time, in order, then "other" (what no part
+        measured): they add up to `durations["total_s"]`."""
+        parts = [(label, self.durations[key]) for key, label in TIME_PARTS if key in self.durations]
+        total = self.durations.get("total_s", 0.0)
+        other = self.durations.get("other_s", max(0.0, total - sum(s for _, s in parts)))
+        return [*parts, ("other", other)]
+
+    def notes(self) -> list[str]:
+        """What else a reader needs to read the numbers (in the table and the JSON)."""
+        out: list[str] = []
+        ways = cancel_ways(bool(self.args.get("cancel_at_phases")))
+        planned = {r.planned.cancel for r in self.results}
+        missing = [w for w in ways if w not in planned]
+        if not float(self.args.get("cancel_rate", 0.0)):
+            out.append("no request was cancelled (--cancel-rate 0)")
+        elif missing:
+            out.append(
+                f"{len(self.results)} requests are too few to cancel in every way: no cancel "
+                f"{', '.join(missing)} (every way needs --requests >= {len(ways)})"
+            )
+        return out
+
     def to_json(self) -> dict[str, Any]:
         outcomes = self.outcomes()
         latencies = self.latencies()
@@ -226,6 +265,7 @@ class DemoReport:
             "counters": self.counters(),
             "ranks": [_rank_summary(s) for s in self.ranks],
             "config": dict(self.args),
+            "notes": self.notes(),
         }
 
 
@@ -269,170 +309,63 @@ def _percentile(sorted_values: list[float], pct: float) -> float | None:
     return sorted_values[min(k, len(sorted_values) - 1)]
 
 
-# -- command line -----------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `kvhandoff demo` flags; every one has a default (the embedded demo)."""
-    parser.add_argument(
-        "--ctx-tp", type=_positive, default=2, help="CTX (prefill) tensor parallelism (default 2)"
-    )
-    parser.add_argument(
-        "--gen-tp", type=_positive, default=1, help="GEN (decode) tensor parallelism (default 1)"
-    )
-    parser.add_argument(
-        "--requests", type=_positive, default=300, help="number of requests (default 300)"
-    )
-    parser.add_argument(
-        "--cancel-rate",
-        type=_rate,
-        default=0.3,
-        help="fraction of requests cancelled, 0..1 (default 0.3)",
-    )
-    parser.add_argument(
-        "--concurrency", type=_positive, default=16, help="requests in flight at once (default 16)"
-    )
-    parser.add_argument(
-        "--memory",
-        choices=("DRAM", "VRAM"),
-        default="DRAM",
-        help="KV buffers in host (DRAM) or GPU (VRAM) memory",
-    )
-    parser.add_argument(
-        "--gpus-per-rank",
-        type=float,
-        default=0.0,
-        help="VRAM: each rank's share of a GPU (default: the cluster's GPUs shared by all ranks, at most 1)",
-    )
-    parser.add_argument(
-        "--data-mode",
-        choices=("auto", "direct", "staged"),
-        default="auto",
-        help="how chunks move: auto (staged for small pieces), direct, or staged forced",
-    )
-    parser.add_argument(
-        "--pool-blocks", type=_positive, default=1024, help="KV blocks per rank (default 1024)"
-    )
-    parser.add_argument(
-        "--max-tokens",
-        type=_positive,
-        default=MAX_TOKENS,
-        help=f"largest request, in tokens (sizes are log-uniform from {MIN_TOKENS}; default {MAX_TOKENS})",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    parser.add_argument(
-        "--timeout",
-        type=_positive_float,
-        default=REQUEST_TIMEOUT_S,
-        help=f"per-request handoff timeout in seconds (default {REQUEST_TIMEOUT_S:g})",
-    )
-    parser.add_argument(
-        "--start-timeout",
-        type=_positive_float,
-        default=START_TIMEOUT_S,
-        help="seconds the rank actors may take to start (default %(default)g); a rank that "
-        "dies while starting fails the launch at once",
-    )
-    parser.add_argument(
-        "--json", action="store_true", help="print one JSON object on stdout and nothing else"
-    )
-    parser.add_argument(
-        "--unqualified",
-        action="store_true",
-        help="use pp=2 on both sides: outside the qualified scope, so the conservative path runs "
-        "(a cancel waits for the transfer to finish)",
-    )
-    parser.add_argument(
-        "--chaos",
-        action="store_true",
-        help="defer every DMA chunk's real post by 5 ms, so cancels meet DMA genuinely in flight",
-    )
-
-
-# Flag types raise ArgumentTypeError with the whole message: for a ValueError
-# argparse would print the function's name ("invalid _positive value").
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}")
-    return value
+# -- the command ------------------------------------------------------------------------
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo; returns the exit status (0 only if every invariant holds)."""
+    """Run the demo; returns the exit status (0 only if every invariant holds).
+
+    `args` are the `kvhandoff demo` flags (actors/_flags.py)."""
     # Before Ray (and therefore any worker) starts: workers inherit it.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     t0 = time.perf_counter()
-    progress = _Progress(sys.stderr, enabled=not args.json and sys.stderr.isatty())
-    progress.note(
-        f"starting Ray and launching CTX tp={args.ctx_tp} -> GEN tp={args.gen_tp} "
-        f"({args.memory}, NIXL/UCX)..."
-    )
-    import ray
-
+    reporter = Reporter("kvhandoff demo", quiet=args.json)
+    joining = bool(os.environ.get("RAY_ADDRESS"))  # inside `ray job submit` or a cluster: join it
     started_ray = False
-    if not ray.is_initialized():
-        quiet = {"log_to_driver": False, "logging_level": logging.ERROR}
-        try:
-            if os.environ.get("RAY_ADDRESS"):  # inside `ray job submit` or a cluster: join it
-                ray.init(**quiet)
-            else:
-                ray.init(num_cpus=2, include_dashboard=False, **quiet)
-        except Exception as exc:
-            print(f"kvhandoff demo: could not start Ray: {exc}", file=sys.stderr)
-            return 2
-        started_ray = True
-    ray_init_s = time.perf_counter() - t0
     try:
-        report = asyncio.run(_run_async(args, progress))
-    except _LaunchFailed as exc:
-        print(f"kvhandoff demo: could not launch the deployment: {exc}", file=sys.stderr)
+        with reporter.step(
+            "joining the Ray cluster at $RAY_ADDRESS" if joining else "starting a local Ray cluster (2 CPUs)",
+            done="Ray ready",
+        ):
+            import ray
+
+            if not ray.is_initialized():
+                quiet = {"log_to_driver": False, "logging_level": logging.ERROR}
+                if joining:
+                    ray.init(**quiet)
+                else:  # a new cluster, even if another one runs on this machine (RAY_AUTH_MODE: cli.py)
+                    ray.init(address="local", num_cpus=2, include_dashboard=False, **quiet)
+                started_ray = True
+    except Exception as exc:
+        print(f"kvhandoff demo: could not start Ray: {exc}", file=sys.stderr)
         return 2
+    ray_init_s = time.perf_counter() - t0
+    failed: _LaunchFailed | None = None
+    try:
+        report = asyncio.run(_run_async(args, reporter))
+    except _LaunchFailed as exc:
+        failed = exc
     finally:
+        t = time.perf_counter()
         if started_ray:
-            t = time.perf_counter()
-            ray.shutdown()
-            ray_shutdown_s = time.perf_counter() - t
-        else:
-            ray_shutdown_s = 0.0
-    report.durations = {
-        "ray_init_s": ray_init_s,
-        **report.durations,
-        "ray_shutdown_s": ray_shutdown_s,
-        "total_s": time.perf_counter() - t0,
-    }
+            with reporter.step("stopping Ray", done="Ray stopped"):
+                ray.shutdown()
+        ray_shutdown_s = time.perf_counter() - t
+    if failed is not None:  # one line, the last
+        print(f"kvhandoff demo: could not launch the deployment: {failed}", file=sys.stderr)
+        return 2
+    parts = {"ray_init_s": ray_init_s, **report.durations, "ray_shutdown_s": ray_shutdown_s}
+    total_s = time.perf_counter() - t0
+    # The parts add up to the total: what no part measured (planning the
+    # workload, asyncio.run, the report) is `other_s`.
+    report.durations = {**parts, "other_s": max(0.0, total_s - sum(parts.values())), "total_s": total_s}
     if args.json:
         print(json.dumps(report.to_json()))
         for violation in report.violations:
             # Errors go to stderr too, so that `--json` callers see why it failed.
             print(f"kvhandoff demo: invariant violated: {violation}", file=sys.stderr)
     else:
-        print(render_summary(report))
+        print_summary(report)
     return 0 if not report.violations else 1
 
 
@@ -440,36 +373,41 @@ class _LaunchFailed(RuntimeError):
     """The deployment did not come up (nothing to check)."""
 
 
-async def _run_async(args: argparse.Namespace, progress: _Progress) -> DemoReport:
+async def _run_async(args: argparse.Namespace, reporter: Reporter) -> DemoReport:
+    t = time.perf_counter()
     from kvhandoff.actors._dataplane import FaultPlan
     from kvhandoff.actors.deployment import Deployment
 
-    durations: dict[str, float] = {}
+    durations: dict[str, float] = {"import_s": time.perf_counter() - t}  # torch, NIXL, ...
     overrides: dict[str, Any] = {"pp": 2} if args.unqualified else {}
     t = time.perf_counter()
     gpus_per_rank = getattr(args, "gpus_per_rank", 0.0) or 1.0
     if args.memory == "VRAM" and not getattr(args, "gpus_per_rank", 0.0):
         import ray
 
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False)
         gpus = ray.cluster_resources().get("GPU", 0)
         if gpus:  # every rank on a GPU: share them when there are fewer GPUs than ranks
             gpus_per_rank = min(1.0, int(100 * gpus / (args.ctx_tp + args.gen_tp)) / 100)
+    launching = (
+        f"launching CTX tp={args.ctx_tp} -> GEN tp={args.gen_tp} ({args.memory}, NIXL/UCX"
+        + (", pp=2: unqualified" if args.unqualified else "")
+        + ")"
+    )
     try:
-        dep = await Deployment.launch(
-            gpus_per_rank=gpus_per_rank,
-            ctx_tp=args.ctx_tp,
-            gen_tp=args.gen_tp,
-            pool_blocks=args.pool_blocks,
-            memory=args.memory,
-            fault_plan=FaultPlan(defer_s=0.005) if args.chaos else None,
-            data_mode=args.data_mode,
-            ctx_overrides=overrides,
-            gen_overrides=overrides,
-            start_timeout_s=args.start_timeout,
-            name=f"kvh-demo-{os.getpid()}",
-        )
+        with reporter.step(launching, done="ranks ready"):
+            dep = await Deployment.launch(
+                gpus_per_rank=gpus_per_rank,
+                ctx_tp=args.ctx_tp,
+                gen_tp=args.gen_tp,
+                pool_blocks=args.pool_blocks,
+                memory=args.memory,
+                fault_plan=FaultPlan(defer_s=0.005) if args.chaos else None,
+                data_mode=args.data_mode,
+                ctx_overrides=overrides,
+                gen_overrides=overrides,
+                start_timeout_s=args.start_timeout,
+                name=f"kvh-demo-{os.getpid()}",
+            )
     except Exception as exc:  # InvalidConfig, LaunchFailed: one line, no traceback
         raise _LaunchFailed(f"{type(exc).__name__}: {exc}") from exc
     durations["launch_s"] = time.perf_counter() - t
@@ -483,13 +421,19 @@ async def _run_async(args: argparse.Namespace, progress: _Progress) -> DemoRepor
             min_tokens=min(MIN_TOKENS, args.max_tokens),
             max_tokens=args.max_tokens,
         )
-        progress.start(len(plan))
+        cancels = sum(p.cancel is not None for p in plan)
         t = time.perf_counter()
-        results = await run_workload(dep, plan, args.concurrency, progress, args.timeout)
+        reporter.start_requests(
+            len(plan), f"running {len(plan)} requests, {args.concurrency} in flight, {cancels} cancelled"
+        )
+        try:
+            results = await run_workload(dep, plan, args.concurrency, reporter, args.timeout)
+        finally:
+            reporter.end_requests()
         durations["workload_s"] = time.perf_counter() - t
-        progress.close()
         t = time.perf_counter()
-        stats, settled = await settle(dep, SETTLE_S)
+        with reporter.step("waiting until every rank gave back its blocks", done="blocks settled"):
+            stats, settled = await settle(dep, SETTLE_S)
         durations["settle_s"] = time.perf_counter() - t
     finally:
         t = time.perf_counter()
@@ -511,6 +455,7 @@ async def _run_async(args: argparse.Namespace, progress: _Progress) -> DemoRepor
             "unqualified": bool(args.unqualified),
             "chaos": bool(args.chaos),
             "cancel_at_phases": exact,
+            "data_mode": args.data_mode,
         },
         qualified=bool(dep.qualified),
         unqualified_reasons=list(dep.unqualified_reasons),
@@ -529,7 +474,7 @@ async def run_workload(
     dep: Any,
     plan: list[Planned],
     concurrency: int,
-    progress: _Progress,
+    progress: Reporter,
     timeout: float = REQUEST_TIMEOUT_S,
 ) -> list[Finished]:
     """Run every planned request, at most `concurrency` at once."""
@@ -561,7 +506,7 @@ async def run_workload(
                 finished = Finished(
                     planned, "error", 0, 0.0, time.perf_counter() - start, repr(exc)
                 )
-            progress.update(finished.outcome)
+            progress.request_done(finished.outcome)
             return finished
 
     return list(await asyncio.gather(*(one(p) for p in plan)))
@@ -661,79 +606,188 @@ def check_invariants(report: DemoReport) -> list[str]:
 
 # -- output ---------------------------------------------------------------------------
 
+#: What each way of cancelling does (the summary's notes).
+WAY_NOTES = {
+    "before_open": "both sides admitted, no OPEN sent yet",
+    "before_ready": "OPENs sent, no CTX rank decided yet",
+    "mid_dma": "a chunk was posted; completed if every byte landed first",
+    "after_complete": "after completion: a no-op, so completed",
+    DELAYED: "cancel() after a random delay, in any phase; completed if after completion",
+}
+#: The protocol counters a clean run shows: a label, and why they are expected there.
+COUNTER_LABELS = {
+    "refused_StaleError": "refused: stale",
+    "refused_UnknownSessionError": "refused: unknown",
+    "frames_reject": "REJECT frames",
+    "cancel_deferred": "cancels deferred",
+}
+COUNTER_NOTES = {
+    "refused_StaleError": "frames for a closed session or an older attempt (a RECEIPT that "
+    "crossed the completion round, frames after a cancel): refused by the generation checks, "
+    "nothing changed (S3). Expected on a clean run: the protocol working",
+    "refused_UnknownSessionError": "frames for a session never opened here (a cancel ahead of "
+    "its OPEN): refused, nothing changed (S3). Expected with cancels",
+    "frames_reject": "REJECT frames answering OPENs of requests already cancelled or ended. "
+    "Expected with cancels; not rejected requests (see outcomes)",
+    "cancel_deferred": "cancels that waited for their decided transfer (conservative path)",
+}
+#: Any other refusal.
+REFUSED_NOTE = "frames or requests refused by the protocol's checks: nothing changed (S3)"
+#: The parts of the wall time, in order (`durations` in the JSON object).
+TIME_PARTS = (
+    ("ray_init_s", "Ray start"),
+    ("import_s", "imports"),
+    ("launch_s", "launch"),
+    ("workload_s", "run"),
+    ("settle_s", "settle"),
+    ("shutdown_s", "shutdown"),
+    ("ray_shutdown_s", "Ray stop"),
+)
 
-def render_summary(report: DemoReport) -> str:
-    """The human-readable summary table."""
+
+def summary_tables(report: DemoReport) -> list[Any]:
+    """The summary as rich tables: the run, then the blocks of every rank."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
     j = report.to_json()
-    max_tokens = report.args.get("max_tokens", MAX_TOKENS)
-    lines = ["", "kvhandoff demo", "=" * 62]
-    lines.append(
-        f"topology     CTX tp={report.args['ctx_tp']} -> GEN tp={report.args['gen_tp']}, "
-        f"{report.args['memory']}, {report.args['pool_blocks']} blocks/rank"
-        + (", chaos (deferred DMA)" if report.args["chaos"] else "")
+    args = report.args
+    table = Table(title="kvhandoff demo", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("", style="bold", no_wrap=True)
+    table.add_column("value", max_width=30)
+    table.add_column("what it means", style="dim", ratio=1, overflow="fold")
+    table.add_row(
+        "topology",
+        f"CTX tp={args['ctx_tp']} -> GEN tp={args['gen_tp']}, {args['memory']}, "
+        f"{args['pool_blocks']} blocks/rank" + (", chaos (deferred DMA)" if args.get("chaos") else ""),
+        "",
     )
     if report.qualified:
-        lines.append(
-            "scope        qualified: active protocol (cancel interrupts DMA between chunks)"
-        )
+        table.add_row("scope", "qualified", "active protocol: a cancel stops DMA between chunks")
     else:
-        lines.append(
-            "scope        UNQUALIFIED: conservative path (a cancel waits for the transfer to finish)"
-        )
-        for reason in report.unqualified_reasons:
-            lines.append(f"               - {reason}")
         deferred = j["counters"].get("cancel_deferred", 0)
-        lines.append(
-            f"               {deferred} cancels waited for their decided transfer to finish"
+        table.add_row(
+            "scope",
+            Text("UNQUALIFIED", style="yellow"),
+            "conservative path: a cancel waits for the transfer to finish ("
+            + "; ".join(report.unqualified_reasons)
+            + f"); {deferred} cancels waited",
         )
-    lines.append(
-        f"workload     {j['requests']} requests, {min(MIN_TOKENS, max_tokens)}..{max_tokens} tokens, "
-        f"{report.args['concurrency']} in flight, cancel rate {report.args['cancel_rate']:.0%}, seed {report.args['seed']}"
+    max_tokens = args.get("max_tokens", MAX_TOKENS)
+    table.add_row(
+        "workload",
+        f"{j['requests']} requests, {min(MIN_TOKENS, max_tokens)}..{max_tokens} tokens, "
+        f"{args['concurrency']} in flight, seed {args['seed']}",
+        "",
     )
-    lines.append("-" * 62)
-    lines.append(
-        "outcomes     "
-        + "  ".join(f"{k} {v}" for k, v in j["outcomes"].items() if v or k in OUTCOMES[:4])
+    cancels = sum(r.planned.cancel is not None for r in report.results)
+    asked = math.floor(args["cancel_rate"] * len(report.results) + 0.5)
+    table.add_row(
+        "cancels",
+        f"{cancels} of {len(report.results)} (--cancel-rate {args['cancel_rate']:g})",
+        f"{asked} asked, raised to one in each way below" if cancels > asked
+        else "each way below at least once, when there are enough requests",
+    )
+    table.add_row(
+        "outcomes",
+        ", ".join(f"{k} {v}" for k, v in j["outcomes"].items() if v or k in OUTCOMES[:4]),
+        "every request ended (L1)",
     )
     for way, counts in j["cancel_mix"].items():
-        if way == "none":
-            continue
-        lines.append(
-            f"  cancel {way:<15} " + "  ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        if way != "none":
+            table.add_row(
+                f"  cancel {way}",
+                ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
+                WAY_NOTES.get(way, ""),
+            )
+    table.add_row(
+        "bytes completed",
+        _mib(j["bytes_verified"]),
+        "completed requests' KV, every byte verified on GEN (S2); JSON bytes_verified",
+    )
+    table.add_row(
+        "bytes GEN checked",
+        _mib(j["counters"].get("bytes_verified", 0)),
+        "what GEN verified, requests cancelled after their bytes landed included; "
+        "JSON counters.bytes_verified",
+    )
+    table.add_row(
+        "throughput",
+        f"{j['handoffs_per_s']:.1f} completed/s, {j['requests_per_s']:.1f} requests/s",
+        "over the run",
+    )
+    table.add_row(
+        "latency",
+        f"p50 {_ms(j['latency_p50_s'])}, p99 {_ms(j['latency_p99_s'])}",
+        "completed requests, handoff() to result",
+    )
+    table.add_row(
+        "data plane",
+        f"{args.get('data_mode', 'auto')}: {j['staged_chunks']} chunks staged",
+        f"{j['leaked_slots']} staging slots leaked",
+    )
+    for name, count in j["counters"].items():
+        if name in COUNTER_NOTES or name.startswith("refused_"):
+            label = COUNTER_LABELS.get(name, name.replace("refused_", "refused: "))
+            note = f"{COUNTER_NOTES.get(name, REFUSED_NOTE)}; JSON counters.{name}"
+            table.add_row(label, str(count), note)
+    total = report.durations.get("total_s", 0.0)
+    parts = report.time_parts()
+    table.add_row(
+        "wall time",
+        f"{total:.1f} s",
+        " + ".join(f"{label} {seconds:.1f}" for label, seconds in parts),
+    )
+    for note in j["notes"]:
+        table.add_row("note", "", note)
+    if report.violations:
+        table.add_row(
+            "invariants",
+            Text(f"VIOLATED ({len(report.violations)})", style="bold red"),
+            "\n".join(report.violations),
         )
-    lines.append(f"bytes        {_mib(j['bytes_verified'])} verified byte for byte on GEN (S2)")
-    lines.append(
-        f"throughput   {j['handoffs_per_s']:.1f} completed handoffs/s ({j['requests_per_s']:.1f} requests/s)"
-    )
-    p50, p99 = j["latency_p50_s"], j["latency_p99_s"]
-    lines.append(f"latency      completed p50 {_ms(p50)}  p99 {_ms(p99)}")
-    lines.append(
-        f"data plane   mode {report.args.get('data_mode', 'auto')}: {j['staged_chunks']} chunks staged, "
-        f"{j['leaked_slots']} staging slots leaked"
-    )
-    lines.append("blocks       rank      pool   free  leased  quarantined  leaked")
+    else:
+        table.add_row(
+            "invariants",
+            Text("OK", style="bold green"),
+            "L1 (all terminal, no timeout), L2 (0 leaked), S2 (bytes verified), S4 (pools)",
+        )
+    blocks = Table(title="blocks per rank", title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("rank", "pool", "free", "leased", "quarantined", "leaked"):
+        blocks.add_column(column, justify="left" if column == "rank" else "right")
     for s in report.ranks:
         if "error" in s:
-            lines.append(f"             error: {s['error']}")
+            blocks.add_row(Text(f"error: {s['error']}", style="red"), "", "", "", "", "")
             continue
-        name = f"{s['role']}{s['rank']}"
-        lines.append(
-            f"             {name:<8}{s['pool']:>6}{s['free']:>7}{s['leased']:>8}{s['quarantined']:>13}{_leaked(s):>8}"
+        blocks.add_row(
+            f"{s['role']}{s['rank']}",
+            *(str(s[k]) for k in ("pool", "free", "leased", "quarantined")),
+            str(_leaked(s)),
         )
-    d = report.durations
-    lines.append(
-        f"wall time    {d.get('total_s', 0):.1f} s (launch {d.get('launch_s', 0):.1f} s, "
-        f"workload {d.get('workload_s', 0):.1f} s, settle {d.get('settle_s', 0):.1f} s)"
-    )
-    lines.append("-" * 62)
-    if report.violations:
-        lines.append(f"INVARIANTS VIOLATED ({len(report.violations)}):")
-        lines.extend(f"  - {v}" for v in report.violations)
+    return [table, blocks]
+
+
+def print_summary(report: DemoReport) -> None:
+    """The summary on stdout: styled in a terminal, plain text otherwise."""
+    if is_terminal(sys.stdout):
+        from rich.console import Console
+
+        Console(highlight=False).print(*summary_tables(report))
     else:
-        lines.append(
-            "invariants   OK: L1 (all terminal, no timeout), L2 (0 leaked), S2 (bytes verified), S4 (pools)"
-        )
-    return "\n".join(lines)
+        print(render_summary(report))
+
+
+def render_summary(report: DemoReport, width: int = 100) -> str:
+    """The summary as plain text (no escape sequences)."""
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    console = Console(file=out, width=width, color_system=None, force_terminal=False, highlight=False)
+    console.print(*summary_tables(report))
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines()).strip("\n")
 
 
 def _mib(n: int) -> str:
@@ -742,52 +796,3 @@ def _mib(n: int) -> str:
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
-
-
-class _Progress:
-    """A plain-text progress bar on stderr (only when it is a terminal)."""
-
-    WIDTH = 30
-
-    def __init__(self, stream: TextIO, *, enabled: bool) -> None:
-        self.stream = stream
-        self.enabled = enabled
-        self.total = 0
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.started = 0.0
-        self.last_draw = 0.0
-
-    def note(self, text: str) -> None:
-        if self.enabled:
-            self.stream.write(text + "\n")
-            self.stream.flush()
-
-    def start(self, total: int) -> None:
-        self.total = total
-        self.started = time.perf_counter()
-        self._draw(force=True)
-
-    def update(self, outcome: str) -> None:
-        self.counts[outcome] += 1
-        self._draw(force=sum(self.counts.values()) == self.total)
-
-    def _draw(self, *, force: bool = False) -> None:
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if not force and now - self.last_draw < 0.1:
-            return
-        self.last_draw = now
-        done = sum(self.counts.values())
-        filled = self.WIDTH * done // max(self.total, 1)
-        rate = done / (now - self.started) if now > self.started else 0.0
-        tail = " ".join(f"{k[:4]} {v}" for k, v in sorted(self.counts.items()))
-        self.stream.write(
-            f"\r[{'#' * filled}{'.' * (self.WIDTH - filled)}] {done}/{self.total} {rate:5.1f}/s {tail}  "
-        )
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,8 @@ JSON_FIELDS = {
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)  # always a fresh local cluster in the child
+    for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "RAY_AUTH_MODE"):
+        env.pop(name, None)  # no styling on request; the auth mode the CLI picks
     env["NIXL_LOG_LEVEL"] = "WARN"
     return env
 
@@ -97,7 +100,12 @@ def test_demo_json_reports_every_field_and_holds_the_invariants() -> None:
         assert set(EXACT_PHASES) <= kinds
     assert report["completed"] > 0 and report["bytes_verified"] > 0
     assert report["qualified"] is True
-    assert {"launch_s", "workload_s", "total_s"} <= set(report["durations"])
+    durations = report["durations"]
+    assert {"ray_init_s", "launch_s", "workload_s", "settle_s", "other_s", "total_s"} <= set(durations)
+    # The parts add up to the wall time: what none measured is `other_s`.
+    parts = sum(v for k, v in durations.items() if k != "total_s")
+    assert parts == pytest.approx(durations["total_s"], abs=1e-6) and report["wall_s"] == durations["total_s"]
+    assert report["notes"] == []
     # The invariants: exit 0 if and only if no violation; and here none may occur.
     assert (proc.returncode == 0) == (report["invariant_violations"] == [])
     assert report["invariant_violations"] == [], report["invariant_violations"]
@@ -119,6 +127,7 @@ def test_ray_job_example_runs_and_leaks_nothing() -> None:
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "job-2: completed" in proc.stdout
+    assert "Token authentication" not in proc.stderr, proc.stderr  # RAY_AUTH_MODE is explicit
     assert "job-cancel-race:" in proc.stdout
     assert proc.stdout.strip().endswith("ok")
 
@@ -157,12 +166,48 @@ def test_bad_flag_values_get_a_plain_error(argv: list[str]) -> None:
 @pytest.mark.parametrize("command", ["demo", "bench"])
 def test_launch_failure_is_one_line(command: str) -> None:
     """A configuration that can never work (3 ranks for 8 KV heads) is refused
-    before any actor starts, in one line on stderr, exit status 2."""
-    proc = _cli(command, "--ctx-tp", "3", "--sections" if command == "bench" else "--json", *(["control"] if command == "bench" else []))
+    before any actor starts, in one line on stderr, exit status 2: with
+    `--json` the only line; otherwise the last, after the progress lines."""
+    quiet = command == "demo"
+    extra = ["--json"] if quiet else ["--sections", "control"]
+    proc = _cli(command, "--ctx-tp", "3", *extra)
     assert proc.returncode == 2, proc
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"kvhandoff {command}: could not launch the deployment: InvalidConfig"), lines
+    assert lines[-1].startswith(f"kvhandoff {command}: could not launch the deployment: InvalidConfig"), lines
+    assert sum("could not launch" in line for line in lines) == 1 and "Traceback" not in proc.stderr
+    if quiet:
+        assert len(lines) == 1, proc.stderr
+    else:  # progress: one line per step, each prefixed, none about the launch that failed
+        assert all(line.startswith(f"kvhandoff {command}: ") for line in lines), lines
+        assert not any("ranks ready" in line for line in lines), lines
+
+
+@pytest.mark.ray
+def test_demo_without_a_terminal_prints_progress_lines_and_a_plain_summary() -> None:
+    """stderr is a pipe: progress is plain lines (starting Ray, launching, the
+    requests, settling, stopping), the summary on stdout is a plain table, and
+    nothing anywhere is an escape sequence. Five requests cancel in every way."""
+    proc = _cli("demo", "--requests", "5", "--pool-blocks", "256", "--timeout", "10")
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "\x1b" not in proc.stdout and "\x1b" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert all(line.startswith("kvhandoff demo: ") for line in lines), proc.stderr
+    for expected in (
+        r"starting a local Ray cluster \(2 CPUs\)\.\.\.",
+        r"Ray ready \(\d+\.\d s\)",
+        r"launching CTX tp=2 -> GEN tp=1 \(DRAM, NIXL/UCX\)\.\.\.",
+        r"ranks ready \(\d+\.\d s\)",
+        r"requests 5/5: .*",
+        r"blocks settled \(\d+\.\d s\)",
+        r"Ray stopped \(\d+\.\d s\)",
+    ):
+        assert any(re.fullmatch("kvhandoff demo: " + expected, line) for line in lines), (expected, lines)
+    assert "Token authentication" not in proc.stderr
+    summary = " ".join(proc.stdout.split())
+    assert re.search(r"invariants OK", summary), proc.stdout
+    for way in (*EXACT_PHASES, DELAYED):
+        assert f"cancel {way}" in summary, (way, proc.stdout)
+    assert re.search(r"wall time \d+\.\d s Ray start [\d.]+ \+ imports", summary), proc.stdout
 
 
 def test_notebook_is_valid_json_with_async_code_and_no_outputs() -> None:
@@ -252,7 +297,7 @@ def test_invariants_hold_on_a_clean_report_and_summary_says_so() -> None:
         4,
     )
     assert j["handoffs_per_s"] == 0.5 and j["latency_p50_s"] == pytest.approx(0.01)
-    assert "invariants   OK" in render_summary(report)
+    assert re.search(r"invariants\s+OK", render_summary(report))
 
 
 def test_each_violated_invariant_is_reported() -> None:
@@ -277,4 +322,5 @@ def test_each_violated_invariant_is_reported() -> None:
     ):
         assert tag in text, tag
     report.violations = check_invariants(report)
-    assert "INVARIANTS VIOLATED" in render_summary(report)
+    text = " ".join(render_summary(report).split())
+    assert "invariants VIOLATED (6)" in text and "L2: 4 blocks leaked" in text

@@ -1,0 +1,297 @@
+"""The `kvhandoff demo` and `kvhandoff bench` flags, and nothing heavy.
+
+`kvhandoff --help` builds every parser: this module imports only the standard
+library (no Ray, torch, NIXL or numpy: a test checks it), so help and flag
+errors come back at once. The subcommands' bodies (`actors/_demo.py`,
+`actors/_bench.py`) are imported only after the flags parsed, and take their
+defaults from here.
+
+Every count is checked by its type: argparse refuses a bad value with exit
+status 2 and one line naming the flag and what it expected. The types raise
+`ArgumentTypeError`, whose message argparse prints as it is (for a
+`ValueError` it would print the type function's name instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["add_demo_arguments", "add_bench_arguments"]
+
+# -- demo defaults ------------------------------------------------------------------------
+
+# Request sizes: log-uniform, so most requests are short and a few are long,
+# like real prompts; and cheap enough for a 2-core machine.
+MIN_TOKENS = 16
+MAX_TOKENS = 1024
+#: Default per-request timeout passed to `handoff` (`--timeout`). It bounds the
+#: whole handoff; L1's bound (`_demo.run_workload`) is twice that plus slack.
+REQUEST_TIMEOUT_S = 15.0
+#: Default bound on starting the rank actors (`--start-timeout`): generous,
+#: since a launch waits on progress and a rank that died fails it at once.
+START_TIMEOUT_S = 600.0
+
+# -- bench choices --------------------------------------------------------------------------
+
+SECTIONS = ("data", "paged", "control", "cancel", "frames")
+#: What runs without `--sections` (frames is asked for by name).
+DEFAULT_SECTIONS = ("data", "paged", "control", "cancel")
+#: `Deployment.launch(data_mode=)`; the same tuple as `_stager.DATA_MODES`
+#: (a test checks it), repeated here so that parsing imports no data plane.
+DATA_MODES = ("auto", "direct", "staged")
+
+
+# -- flag types -------------------------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """Comma-separated positive integers ("64,256")."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive integers, got {text!r}"
+        )
+    return values
+
+
+def sections(text: str) -> str:
+    """A comma-separated subset of SECTIONS (kept as the string `_bench` reads)."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names or set(names) - set(SECTIONS):
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated subset of {','.join(SECTIONS)}, got {text!r}"
+        )
+    return ",".join(names)
+
+
+def _adder(parser: argparse.ArgumentParser) -> Callable[..., Any]:
+    """`parser.add_argument` that appends "(default: ...)" to the help of
+    every flag whose default says something (not None, not a switch's False)."""
+
+    def add(*flags: str, help: str, **kw: Any) -> Any:
+        default = kw.get("default")
+        if default is not None and default is not False:
+            help += " (default: %(default)s)"
+        return parser.add_argument(*flags, help=help, **kw)
+
+    return add
+
+
+# -- kvhandoff demo ------------------------------------------------------------------------------
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `kvhandoff demo` flags; every one has a default (the embedded demo)."""
+    add = _adder(parser)
+    add("--ctx-tp", type=positive_int, default=2, help="CTX (prefill) tensor parallelism")
+    add("--gen-tp", type=positive_int, default=1, help="GEN (decode) tensor parallelism")
+    add("--requests", type=positive_int, default=300, help="number of requests")
+    add(
+        "--cancel-rate",
+        type=rate,
+        default=0.3,
+        help="fraction of requests cancelled, 0..1; when above 0 at least one request is "
+        "cancelled in each way (every exact phase and a random delay) if there are enough requests",
+    )
+    add("--concurrency", type=positive_int, default=16, help="requests in flight at once")
+    add(
+        "--memory",
+        choices=("DRAM", "VRAM"),
+        default="DRAM",
+        help="KV buffers in host (DRAM) or GPU (VRAM) memory",
+    )
+    add(
+        "--gpus-per-rank",
+        type=non_negative_float,
+        default=0.0,
+        help="VRAM: each rank's share of a GPU; 0: the cluster's GPUs shared by all ranks, at most 1",
+    )
+    add(
+        "--data-mode",
+        choices=DATA_MODES,
+        default="auto",
+        help="how chunks move: auto (staged for small pieces), direct, or staged forced",
+    )
+    add("--pool-blocks", type=positive_int, default=1024, help="KV blocks per rank")
+    add(
+        "--max-tokens",
+        type=positive_int,
+        default=MAX_TOKENS,
+        help=f"largest request, in tokens (sizes are log-uniform from {MIN_TOKENS})",
+    )
+    add("--seed", type=int, default=0, help="workload seed")
+    add(
+        "--timeout",
+        type=positive_float,
+        default=REQUEST_TIMEOUT_S,
+        help="per-request handoff timeout in seconds",
+    )
+    add(
+        "--start-timeout",
+        type=positive_float,
+        default=START_TIMEOUT_S,
+        help="seconds the rank actors may take to start; a rank that dies while starting "
+        "fails the launch at once",
+    )
+    add(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout and nothing else (no progress on stderr)",
+    )
+    add(
+        "--unqualified",
+        action="store_true",
+        help="use pp=2 on both sides: outside the qualified scope, so the conservative path runs "
+        "(a cancel waits for the transfer to finish)",
+    )
+    add(
+        "--chaos",
+        action="store_true",
+        help="defer every DMA chunk's real post by 5 ms, so cancels meet DMA genuinely in flight",
+    )
+
+
+# -- kvhandoff bench -------------------------------------------------------------------------------
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `kvhandoff bench` flags (defaults: a run under ~2 minutes on 2 CPU cores)."""
+    add = _adder(parser)
+    add("--json", action="store_true", help="print one JSON object instead of tables")
+    add(
+        "--sections",
+        type=sections,
+        default=",".join(DEFAULT_SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)}",
+    )
+    add(
+        "--memory",
+        choices=("DRAM", "VRAM"),
+        default="DRAM",
+        help="KV buffer memory (VRAM needs one GPU per rank)",
+    )
+    add(
+        "--control-frames",
+        choices=("ray", "nixl"),
+        default="ray",
+        help="how control frames travel between ranks (Deployment.launch(control_frames=))",
+    )
+    add(
+        "--gpus-per-rank",
+        type=positive_float,
+        default=1.0,
+        help="VRAM: each rank's share of a GPU (0.5: a CTX and a GEN rank share one)",
+    )
+    add("--ctx-tp", type=positive_int, default=1, help="CTX tensor-parallel size (data/control/cancel)")
+    add("--gen-tp", type=positive_int, default=1, help="GEN tensor-parallel size (data/control/cancel)")
+    # List defaults are strings: argparse runs them through the type, and the
+    # help shows them as they are typed.
+    add("--sizes-mib", type=positive_ints, default="64,256", help="large handoff sizes in MiB (data section)")
+    add(
+        "--data-mode",
+        choices=DATA_MODES,
+        default="auto",
+        help="Deployment.launch(data_mode=) of the data, control and cancel sections",
+    )
+    add("--round-timeout-s", type=positive_float, default=5.0, help="Deployment.launch(round_timeout_s=)")
+    add("--staging-window", type=positive_int, default=4, help="staging slots per peer rank, each side")
+    add("--repeats", type=positive_int, default=5, help="repeats per variant in the data and paged sections")
+    add("--chunk-mib", type=positive_int, default=16, help="WRITE chunk size in MiB (protocol and raw)")
+    add("--paged-kib", type=positive_ints, default="16,64,256,1024", help="paged block sizes in KiB")
+    add("--paged-mib", type=positive_int, default=64, help="bytes moved per paged WRITE, in MiB")
+    add(
+        "--paged-layouts",
+        choices=("tp2", "shared", "per-size"),
+        default="tp2",
+        help="tp2: per piece size, a CTX TP=2 -> GEN TP=1 deployment whose shard pieces are that "
+        "size: raw direct, direct and staged handoffs, one contiguous raw WRITE, a copy; "
+        "shared: runs of adjacent 16 KiB blocks on one deployment (raw only); "
+        "per-size: one TP=1 deployment per block size (raw only)",
+    )
+    add("--small-tokens", type=positive_int, default=16, help="tokens of a small handoff (control section)")
+    add("--small-n", type=positive_int, default=60, help="sequential small handoffs for latency p50/p99")
+    add("--concurrency", type=positive_ints, default="1,8,32", help="concurrent small handoffs for the rate")
+    add("--sustain-s", type=positive_float, default=3.0, help="seconds of sustained handoffs per concurrency")
+    add("--ping-n", type=positive_int, default=1000, help="pipelined ping.remote() calls per rate sample")
+    add("--frames-n", type=positive_int, default=2000, help="ping-pong round trips per frame size (frames)")
+    add("--frames-burst", type=positive_int, default=10000, help="frames per one-way burst (frames)")
+    add("--frames-bytes", type=positive_ints, default="200,2048", help="frame sizes in bytes (frames)")
+    add("--cancels", type=positive_int, default=20, help="cancelled in-flight handoffs (cancel section)")
+    add("--seed", type=int, default=0, help="seed for the cancel delays")
+    add(
+        "--cancel-timeout-s",
+        type=positive_float,
+        default=3.0,
+        help="wait for a cancelled trial's release before calling it leaked",
+    )
+    add(
+        "--cancel-spare",
+        type=non_negative_int,
+        default=8,
+        help="spare handoffs' worth of pool blocks for leaked cancel trials",
+    )
+    add("--ucx-tls", default=None, help="set UCX_TLS before starting Ray (e.g. tcp: DMA stays in flight longer)")
+    add("--address", default=None, help="an existing Ray cluster (default: start a local one)")
+    add(
+        "--start-timeout",
+        type=positive_float,
+        default=600.0,
+        help="seconds the rank actors may take to start; a rank that dies while starting "
+        "fails the launch at once",
+    )
