@@ -105,7 +105,7 @@ def main() -> int:
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr)
     print("ok" if not failures else f"{len(failures)} failures")
-    return 0  # MUT
+    return 0 if not failures else 1
 
 
 if __name__ == "__main__":
