@@ -210,15 +210,6 @@ def test_demo_without_a_terminal_prints_progress_lines_and_a_plain_summary() -> 
     assert re.search(r"wall time \d+\.\d s Ray start [\d.]+ \+ imports", summary), proc.stdout
 
 
-def test_notebook_is_valid_json_with_async_code_and_no_outputs() -> None:
-    notebook = json.loads((ROOT / "examples" / "notebook.ipynb").read_text())
-    assert notebook["nbformat"] == 4
-    code = [c for c in notebook["cells"] if c["cell_type"] == "code"]
-    assert code and all(c["outputs"] == [] and c["execution_count"] is None for c in code)
-    source = "".join("".join(c["source"]) for c in code)
-    assert "await Deployment.launch(" in source and "await dep.shutdown()" in source
-
-
 # -- the plan and the checks, without Ray ---------------------------------------------------
 
 
