@@ -245,6 +245,17 @@ def test_progress_is_silent_when_quiet_and_live_in_a_terminal(monkeypatch: pytes
     reporter.end_requests()
     assert quiet.getvalue() == ""
     monkeypatch.setenv("TERM", "xterm")
+    from rich.console import Console
+    from rich.errors import LiveError
+
+    set_live = Console.set_live
+
+    def one_at_a_time(self: Console, live: object) -> bool:  # rich before 15: no nesting
+        if getattr(self, "_live_stack", None) or getattr(self, "_live", None):
+            raise LiveError("Only one live display may be active at once")
+        return set_live(self, live)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Console, "set_live", one_at_a_time)
     terminal = _Terminal()
     live = Reporter("kvhandoff bench", quiet=False, stream=terminal)
     assert live.live
