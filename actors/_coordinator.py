@@ -75,6 +75,7 @@ from typing import Any
 import msgspec
 import ray
 
+from kvhandoff.actors._metrics import InstanceMetrics
 from kvhandoff.protocol import (
     MAX_ROUND_ITEMS,
     AdmissionRequest,
@@ -214,6 +215,8 @@ class CoordinatorCore:
         self._next_epoch = first_epoch
         self._epochs: list[int] = []
         self._leader: RoundLeader | None = None
+        # Exported through Ray (actors/_metrics.py): rounds, restarts, admission.
+        self._metrics = InstanceMetrics.for_actor(topology)
         self.state = TopologyState.STARTING
         self._failure_reason = ""
         # Pending client work, taken in arrival order by the next round.
@@ -259,6 +262,16 @@ class CoordinatorCore:
         self.calls: collections.Counter[str] = collections.Counter()
 
     # -- lifecycle --------------------------------------------------------------
+
+    @property
+    def state(self) -> TopologyState:
+        return self._state
+
+    @state.setter
+    def state(self, state: TopologyState) -> None:
+        # Every change of state is an admission change for the metrics.
+        self._state = state
+        self._metrics.admission(state in (TopologyState.RECOVERING, TopologyState.FAILED))
 
     def _raise_if_unusable(self) -> None:
         if self.state in (TopologyState.FAILED, TopologyState.SHUT_DOWN):
@@ -709,6 +722,7 @@ class CoordinatorCore:
                 )
                 self._timeouts.append(timeout)
                 self._rounds_timed_out += 1
+                self._metrics.round_timed_out()
                 await self._fail_policy(sorted(bad), str(timeout))
                 raise timeout
             return decision
@@ -826,6 +840,8 @@ class CoordinatorCore:
     ) -> None:
         self._rounds += 1
         self._round_seconds.append(seconds)
+        batch = len(decision.admitted) + len(decision.rejected) + len(decision.decided) + len(decision.settled())
+        self._metrics.round(seconds, batch)
         self._decision_log.append(decision)
         outcomes: dict[ParentKey, str] = {}
         for name in ("admitted", "rejected", "cancelled", "completed", "failed"):
@@ -914,6 +930,7 @@ class CoordinatorCore:
             leader.set_epoch(rank, epoch)
             self._epochs[rank] = epoch
             self._handles[rank] = handle
+            self._metrics.restarted("failure" if budgeted else "quarantine")
             return
 
     async def request_restart(self, rank: int, epoch: int, quarantined: int = 0) -> bool:

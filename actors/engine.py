@@ -67,6 +67,7 @@ import ray
 
 from kvhandoff.actors._coordinator import Coordinator
 from kvhandoff.actors._directory import Directory
+from kvhandoff.actors._metrics import record_handoff
 from kvhandoff.actors._stager import DATA_MODES
 from kvhandoff.actors.deployment import (
     DeploymentClosed,
@@ -354,11 +355,13 @@ class EngineDeployment:
         back = await self._returned(parent, Role.GEN, left)
         if decided == "completed" and not back:
             decided = "failed"  # not given back within the bound: never decode from it
+        latency = time.perf_counter() - start
+        record_handoff(self.plan.name, str(decided), latency)
         return EngineResult(
             request_id=parent.request_id,
             outcome=str(decided),
             blocks_returned=back,
-            latency_s=time.perf_counter() - start,
+            latency_s=latency,
         )
 
     # -- either side ------------------------------------------------------------------

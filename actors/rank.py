@@ -107,6 +107,8 @@ from kvhandoff.actors._dataplane import (
 )
 from kvhandoff.actors._frames import NixlNotifChannel
 from kvhandoff.actors._member import RoundMember, RoundParticipant, VoteNews
+from kvhandoff.actors._metrics import RankMetrics
+from kvhandoff.actors._metrics import failed as metrics_failed
 from kvhandoff.actors._pattern import POISON, expected_blocks, request_seed
 from kvhandoff.actors._staged import StagingArena
 from kvhandoff.actors._stager import (
@@ -371,6 +373,8 @@ class RankCore(RoundParticipant):
         self._poll_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self.counters: collections.Counter[str] = collections.Counter()
+        # Exported through Ray from the poll loop's expire tick (`_export_metrics`).
+        self.metrics = RankMetrics(config.deployment, spec.instance_id, spec.role.value, config.rank)
         self.violations: list[str] = []
         # Negotiation: nothing agreed until connect() (or a frame) gathered every descriptor.
         self._descriptor = descriptor_frame(config.descriptor or local_descriptor())
@@ -589,6 +593,7 @@ class RankCore(RoundParticipant):
             self._learn_agent(name, metadata, geometry)
             endpoints.append(endpoint)
         await self._negotiate()  # every rank has registered by now (or is being restarted)
+        self._export_metrics(time.monotonic())  # the pool gauges, before any traffic
         return endpoints
 
     async def peer_restarted(self, their: Endpoint) -> int:
@@ -725,6 +730,7 @@ class RankCore(RoundParticipant):
                 self._decided(parent, now)
         for parent in decision.cancelled:
             if parent in parents:
+                self.metrics.cancelled(parents[parent].value)
                 self._perform(self.side.cancel(parent, CancelReason.CLIENT, now, from_round=True))
         for parent in decision.failed:
             if parent in parents:
@@ -975,6 +981,8 @@ class RankCore(RoundParticipant):
             if now - last_expire > 0.05:
                 last_expire = now
                 self._perform(self.side.expire(now))
+                if self.metrics.due(now):
+                    self._export_metrics(now)
             idle_sweeps = 0 if progressed else idle_sweeps + 1
             if (self._notif is not None and any(
                 state is not ParentState.QUARANTINED for state in self.side.parents().values()
@@ -1114,6 +1122,30 @@ class RankCore(RoundParticipant):
 
     def _staging_stats(self) -> dict[str, Any]:
         return {"mode": self.config.data_mode, "arena_slots": self.arena.slots if self.arena is not None else 0}
+
+    def _export_metrics(self, now: float) -> None:
+        """Export the pool gauges and the growth of our counters through Ray
+        (actors/_metrics.py); never raises into the protocol."""
+        try:
+            counts = self.pool.counts()
+            staged = self._staging_stats().get("counters", {})
+            counters = dict(self.counters)
+            # Push: a CTX rank posts the WRITEs, a GEN rank receives them; the
+            # other role's term is 0. Staged: CTX posts slots, GEN scatters them.
+            counters["moved_bytes"] = self.transport.posted_bytes + self.counters["bytes_received"]
+            counters["staged_chunks"] = staged.get("staged_chunks", 0) + staged.get("scattered", 0)
+            counters["slots_quarantined"] = staged.get("slots_quarantined", 0)
+            self.metrics.export(
+                now,
+                free=counts.free,
+                leased=counts.leased,
+                quarantined=counts.quarantined,
+                pool=counts.total,
+                admission_stopped=self.side.admission_stopped(),
+                counters=counters,
+            )
+        except Exception as exc:
+            metrics_failed(f"rank {self.ns}", exc)
 
     async def buffer_base(self) -> int:
         return self.buffer.base
@@ -1600,6 +1632,8 @@ class GenRankCore(RankCore):
         match action:
             case DecodeReady(parent=parent):
                 release = parent in self._release_when_ready
+                if self.pool.holds(parent):  # the bytes that landed here (metrics)
+                    self.counters["bytes_received"] += len(self.pool.lease_of(parent)) * self.block_bytes
                 self._outcome[parent] = action.outcome
                 self._finish(parent, action.outcome)
                 if release:
