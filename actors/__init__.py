@@ -30,6 +30,7 @@ _SOURCES = {
     "InvalidConfig": "deployment",
     "InvalidRequest": "deployment",
     "LaunchFailed": "deployment",
+    "PlacementFailed": "deployment",
     "SyncDeployment": "deployment",
     "EnginePlan": "endpoint",
     "ctx_endpoint": "endpoint",
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
         InvalidConfig,
         InvalidRequest,
         LaunchFailed,
+        PlacementFailed,
         SyncDeployment,
     )
     from .endpoint import EnginePlan, ctx_endpoint, endpoint_actor, gen_endpoint
@@ -96,6 +98,7 @@ __all__ = [
     "InvalidRequest",
     "InvalidConfig",
     "LaunchFailed",
+    "PlacementFailed",
     "DeploymentClosed",
     "FaultPlan",
     "RankActor",

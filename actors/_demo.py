@@ -320,11 +320,12 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     t0 = time.perf_counter()
     reporter = Reporter("kvhandoff demo", quiet=args.json)
-    joining = bool(os.environ.get("RAY_ADDRESS"))  # inside `ray job submit` or a cluster: join it
+    address = getattr(args, "address", None)  # --address: an existing cluster
+    joining = bool(address or os.environ.get("RAY_ADDRESS"))  # or inside `ray job submit`: join it
     started_ray = False
     try:
         with reporter.step(
-            "joining the Ray cluster at $RAY_ADDRESS" if joining else "starting a local Ray cluster (2 CPUs)",
+            f"joining the Ray cluster at {address or '$RAY_ADDRESS'}" if joining else "starting a local Ray cluster (2 CPUs)",
             done="Ray ready",
         ):
             import ray
@@ -332,12 +333,19 @@ def run(args: argparse.Namespace) -> int:
             if not ray.is_initialized():
                 quiet = {"log_to_driver": False, "logging_level": logging.ERROR}
                 if joining:
-                    ray.init(**quiet)
+                    ray.init(address=address, **quiet)
                 else:  # a new cluster, even if another one runs on this machine (RAY_AUTH_MODE: cli.py)
                     ray.init(address="local", num_cpus=2, include_dashboard=False, **quiet)
                 started_ray = True
     except Exception as exc:
-        print(f"kvhandoff demo: could not start Ray: {exc}", file=sys.stderr)
+        hint = ""
+        if address and os.environ.get("RAY_AUTH_MODE") != "token":
+            # Ray sends its token to an explicit address only when told to.
+            hint = (
+                " (a cluster with token authentication needs RAY_AUTH_MODE=token and its "
+                "token in RAY_AUTH_TOKEN or ~/.ray/auth_token)"
+            )
+        print(f"kvhandoff demo: could not start Ray: {exc}{hint}", file=sys.stderr)
         return 2
     ray_init_s = time.perf_counter() - t0
     failed: _LaunchFailed | None = None
@@ -406,6 +414,7 @@ async def _run_async(args: argparse.Namespace, reporter: Reporter) -> DemoReport
                 ctx_overrides=overrides,
                 gen_overrides=overrides,
                 start_timeout_s=args.start_timeout,
+                placement=getattr(args, "placement", "any"),
                 name=f"kvh-demo-{os.getpid()}",
             )
     except Exception as exc:  # InvalidConfig, LaunchFailed: one line, no traceback
@@ -456,6 +465,8 @@ async def _run_async(args: argparse.Namespace, reporter: Reporter) -> DemoReport
             "chaos": bool(args.chaos),
             "cancel_at_phases": exact,
             "data_mode": args.data_mode,
+            "placement": getattr(args, "placement", "any"),
+            "nodes": {role.value: node for role, node in getattr(dep, "nodes", {}).items()},
         },
         qualified=bool(dep.qualified),
         unqualified_reasons=list(dep.unqualified_reasons),

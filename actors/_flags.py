@@ -190,6 +190,19 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "fails the launch at once",
     )
     add(
+        "--address",
+        default=None,
+        help="join the existing Ray cluster at ADDRESS (its GCS host:port, as `ray start --head` "
+        "prints it) instead of starting a local one; RAY_ADDRESS does the same",
+    )
+    add(
+        "--placement",
+        choices=("any", "pack", "spread"),
+        default="any",
+        help="where the CTX and GEN instances go: any node each, both on one node (pack), or on "
+        "two different nodes (spread); an instance's ranks always share a node",
+    )
+    add(
         "--json",
         action="store_true",
         help="print one JSON object on stdout and nothing else (no progress on stderr)",

@@ -73,6 +73,16 @@ import ray
 from kvhandoff.actors._coordinator import Coordinator
 from kvhandoff.actors._dataplane import FaultPlan
 from kvhandoff.actors._directory import Directory
+from kvhandoff.actors._metrics import record_handoff
+from kvhandoff.actors._placement import (
+    bundle_strategy,
+    create_group,
+    group_node,
+    node_views,
+    pin,
+    remove_group,
+    wait_ready,
+)
 from kvhandoff.actors._stager import DATA_MODES
 from kvhandoff.actors.rank import RankActor, RankConfig
 from kvhandoff.protocol import (
@@ -85,14 +95,18 @@ from kvhandoff.protocol import (
     TopologyError,
 )
 from kvhandoff.topology import (
+    INSTANCE_LAYOUTS,
+    InstancePlacement,
     KVLayout,
     TopologySpec,
     block_bytes,
     blocks_for_tokens,
     check_memory_kind,
+    place_instance,
     qualify_pair,
     shard_map,
     topology_digest,
+    unplaced_reasons,
 )
 
 __all__ = [
@@ -104,6 +118,7 @@ __all__ = [
     "InvalidRequest",
     "InvalidConfig",
     "LaunchFailed",
+    "PlacementFailed",
     "DeploymentClosed",
 ]
 
@@ -146,6 +161,35 @@ class LaunchFailed(DeploymentError):
         self.not_started = dict(not_started or {})
         detail = "; ".join(f"{who}: {why}" for who, why in self.not_started.items())
         super().__init__(f"deployment {deployment!r} did not start: {reason}" + (f" ({detail})" if detail else ""))
+
+
+class PlacementFailed(LaunchFailed):
+    """An instance's placement group was not placed within `timeout_s`: the
+    cluster has no node (or no free node) with what its ranks need. No actor
+    was started and the placement groups were removed before this was
+    raised. Carries `role` ("ctx"/"gen"), `demand` (what the one node must
+    hold), `label_selector` and `missing` (one line per reason: what the
+    closest node lacks, or that no node matches the labels, or that the
+    resources exist but are held by other work)."""
+
+    def __init__(
+        self,
+        deployment: str,
+        role: str,
+        timeout_s: float,
+        demand: dict[str, float],
+        label_selector: dict[str, str],
+        missing: tuple[str, ...],
+    ) -> None:
+        self.role = role
+        self.timeout_s = timeout_s
+        self.demand = dict(demand)
+        self.label_selector = dict(label_selector)
+        self.missing = tuple(missing)
+        super().__init__(
+            deployment,
+            f"the {role} instance's placement group was not placed within {timeout_s:g}s: " + "; ".join(missing),
+        )
 
 
 class DeploymentClosed(DeploymentError):
@@ -226,6 +270,11 @@ class Deployment:
         self.synthetic = True
         self._coords: dict[Role, Any] = {}
         self._directory: Any = None
+        # One placement group per instance (docs/design.md "Placement"),
+        # removed by `_teardown`; `nodes` is where each instance landed.
+        self._placements: dict[Role, InstancePlacement] = {}
+        self._groups: dict[Role, Any] = {}
+        self.nodes: dict[Role, str] = {}
         self._closed = False
         # Attempt 0 is never handed out: it is what `parent()` names for an id
         # that has no attempt (yet, or any more).
@@ -271,6 +320,12 @@ class Deployment:
         data_mode: str = "auto",
         staging_window: int = 4,
         staged_below: int = 0,
+        placement: str = "any",
+        ctx_resources: dict[str, float] | None = None,
+        gen_resources: dict[str, float] | None = None,
+        ctx_labels: dict[str, str] | None = None,
+        gen_labels: dict[str, str] | None = None,
+        placement_timeout_s: float = 120.0,
     ) -> Deployment:
         """Start the actors on the current Ray cluster (`ray.init()` it first, or
         let this call start a local one).
@@ -305,7 +360,23 @@ class Deployment:
         (always gathered into a staging slot, one WRITE per slot, scattered
         on the GEN); `staging_window` is the slots per peer rank, each side;
         `staged_below` overrides "auto"'s crossover (bytes of average piece;
-        0: the measured default for the device)."""
+        0: the measured default for the device).
+
+        Placement (docs/design.md "Placement"): each instance gets one Ray
+        placement group, one bundle per rank, STRICT_PACK (its ranks share a
+        node), and its rank actors and coordinator are scheduled into it; the
+        groups are removed by `shutdown()`. `placement` says where the two
+        instances go: "any" (Ray picks each one's node), "pack" (both on one
+        node) or "spread" (CTX and GEN on different nodes). A bundle holds
+        `gpus_per_rank` GPU (VRAM) or 0.01 CPU (DRAM), plus `ctx_resources`
+        / `gen_resources`, custom resources that steer an instance to the
+        nodes started with them (`ray start --resources='{"ctx_node": 1}'`
+        and `ctx_resources={"ctx_node": 0.01}`), and must sit on a node
+        matching `ctx_labels` / `gen_labels` (a Ray label selector, for nodes
+        started with `--labels`). A group not placed within
+        `placement_timeout_s` raises `PlacementFailed` (a `LaunchFailed`)
+        saying what was missing, and leaves no group behind; then the start
+        is bounded by `start_timeout_s`."""
         self = cls()
         self.name = name or f"kvh-{uuid.uuid4().hex[:8]}"
         plans = self._plan(
@@ -331,6 +402,12 @@ class Deployment:
             data_mode=data_mode,
             staging_window=staging_window,
             staged_below=staged_below,
+            placement=placement,
+            ctx_resources=ctx_resources,
+            gen_resources=gen_resources,
+            ctx_labels=ctx_labels,
+            gen_labels=gen_labels,
+            placement_timeout_s=placement_timeout_s,
         )
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
@@ -340,6 +417,7 @@ class Deployment:
         # an abandoned attempt (see the module docstring).
         self._reclaim_timeout_s = lease_timeout_s + 2 * transfer_timeout_s + 4 * round_timeout_s
         try:
+            await self._place(placement, placement_timeout_s, plans)
             await self._start(plans, round_timeout_s, max_restarts, start_timeout_s)
         except BaseException as exc:
             await self._teardown()
@@ -373,6 +451,12 @@ class Deployment:
         data_mode: Any = "auto",
         staging_window: Any = 4,
         staged_below: Any = 0,
+        placement: Any = "any",
+        ctx_resources: Any = None,
+        gen_resources: Any = None,
+        ctx_labels: Any = None,
+        gen_labels: Any = None,
+        placement_timeout_s: Any = 120.0,
     ) -> list[tuple[TopologySpec, list[RankConfig], list[dict[str, Any]]]]:
         """Everything that can be checked without an actor: the specs, the
         shard map, the rank configs. Raises `InvalidConfig`."""
@@ -385,6 +469,7 @@ class Deployment:
             ("lease_timeout_s", lease_timeout_s),
             ("round_timeout_s", round_timeout_s),
             ("start_timeout_s", start_timeout_s),
+            ("placement_timeout_s", placement_timeout_s),
         ):
             if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
                 raise InvalidConfig(f"{field} must be a positive number of seconds, got {value!r}")
@@ -401,6 +486,8 @@ class Deployment:
             raise InvalidConfig(f"data_mode must be one of {list(DATA_MODES)}, got {_short(data_mode)}")
         _check_int("staging_window", staging_window, 1)
         _check_int("staged_below", staged_below, 0)
+        if placement not in INSTANCE_LAYOUTS:
+            raise InvalidConfig(f"placement must be one of {list(INSTANCE_LAYOUTS)}, got {_short(placement)}")
         if control_frames not in ("ray", "nixl"):
             raise InvalidConfig(f"control_frames must be 'ray' or 'nixl', got {_short(control_frames)}")
         try:
@@ -455,10 +542,64 @@ class Deployment:
                 )
                 for r in range(spec.tp)
             ]
-            gpus = gpus_per_rank if device == "cuda" else 0
-            resources = [{"num_cpus": 0, "num_gpus": gpus} for _ in range(spec.tp)]
+            # One placement group per instance: one bundle per rank actor.
+            try:
+                request = place_instance(
+                    spec,
+                    num_ranks=spec.tp,
+                    gpus_per_rank=gpus_per_rank,
+                    resources=ctx_resources if spec.role is Role.CTX else gen_resources,
+                    labels=ctx_labels if spec.role is Role.CTX else gen_labels,
+                )
+            except TopologyError as exc:
+                raise InvalidConfig(str(exc)) from None
+            self._placements[spec.role] = request
+            resources: list[dict[str, Any]] = [dict(o) for o in request.actor_options]
             plans.append((spec, configs, resources))
         return plans
+
+    async def _place(
+        self,
+        layout: str,
+        timeout_s: float,
+        plans: list[tuple[TopologySpec, list[RankConfig], list[dict[str, Any]]]],
+    ) -> None:
+        """Create each instance's placement group and wait until Ray placed it
+        (`pg.ready()`), within `timeout_s` in all; then schedule each rank into
+        its bundle (rank i in bundle i, restarts included). CTX goes first:
+        for "pack" and "spread" the GEN group is pinned to, or away from, the
+        node the CTX group landed on (Ray's `ray.io/node-id` label); for
+        "any" both are asked for at once. A group not placed in time raises
+        `PlacementFailed` with what the cluster lacks (the caller's teardown
+        removes every group)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        order = [Role.CTX, Role.GEN]
+        extra: dict[Role, dict[str, str]] = {role: {} for role in order}
+        if layout == "any":  # nothing to wait for: ask for both now
+            for role in order:
+                self._groups[role] = create_group(self._placements[role], f"{self.name}.{role.value}")
+        for role in order:
+            if role not in self._groups:
+                self._groups[role] = create_group(self._placements[role], f"{self.name}.{role.value}", extra[role])
+            group = self._groups[role]
+            if not await wait_ready(group, deadline - loop.time()):
+                request = self._placements[role]
+                missing = unplaced_reasons(request, node_views(), extra[role])
+                raise PlacementFailed(
+                    self.name,
+                    role.value,
+                    timeout_s,
+                    request.demand,
+                    {**request.label_selector, **extra[role]},
+                    missing,
+                )
+            self.nodes[role] = group_node(group)
+            if role is Role.CTX:
+                extra[Role.GEN] = pin(layout, self.nodes[role])
+        for spec, _, resources in plans:
+            for rank, options in enumerate(resources):
+                options.update(bundle_strategy(self._groups[spec.role], rank))
 
     async def _start(
         self,
@@ -476,7 +617,12 @@ class Deployment:
             # The GEN coordinator drives each handoff: it admits in both
             # instances (the CTX coordinator is its peer) and answers `submit`.
             peer = f"{self.name}.coord.{Role.CTX.value}" if spec.role is Role.GEN else None
-            self._coords[spec.role] = Coordinator.options(name=f"{self.name}.coord.{spec.role.value}").remote(
+            # The coordinator runs beside its ranks (bundle 0: it asks for nothing).
+            group = self._groups.get(spec.role)  # none when a caller skipped `_place`
+            beside = bundle_strategy(group, 0) if group is not None else {}
+            self._coords[spec.role] = Coordinator.options(
+                name=f"{self.name}.coord.{spec.role.value}", **beside
+            ).remote(
                 spec.instance_id,
                 rank_factory=_RankFactory(configs, resources),
                 tp=spec.tp,
@@ -757,6 +903,7 @@ class Deployment:
             result = HandoffResult(request_id=parent.request_id, outcome=outcome, latency_s=latency)
         if not clean:
             self._spawn(self._reclaim(attempt))
+        record_handoff(self.name, result.outcome, result.latency_s or latency)
         return result
 
     async def _drive(self, attempt: _Attempt, timeout: float, start: float) -> tuple[HandoffResult, bool]:
@@ -921,6 +1068,10 @@ class Deployment:
             if handle is not None:
                 with contextlib.suppress(Exception):
                     ray.kill(handle, no_restart=True)
+        # Last: removing a group also ends any actor still scheduled in it.
+        for role in list(self._groups):
+            with contextlib.suppress(Exception):
+                remove_group(self._groups.pop(role))
 
 
 def _overall(gen: list[str], ctx: list[str]) -> str:

@@ -19,7 +19,8 @@ def ray_cluster() -> Iterator[object]:
     """
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        # address="local": a cluster of our own, even if `ray start` runs one on this machine
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:
