@@ -58,7 +58,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import ray
@@ -153,6 +153,8 @@ class _Bench:
         self.results: dict[str, Any] = {}
         self.notes: list[str] = []
         self.rng = random.Random(args.seed)
+        self.started = time.perf_counter()
+        self.pool_samples: list[dict[str, Any]] = []  # `--plot`: pool occupancy over time
 
     def rid(self, tag: str) -> str:
         return f"bench-{tag}-{next(self._ids)}"
@@ -563,6 +565,7 @@ class _Bench:
             * block_bytes(dep.layout, 1),
             "latency": {
                 "n": len(latencies),
+                "samples_s": latencies,
                 "p50_s": _pct(latencies, 0.5),
                 "p99_s": _pct(latencies, 0.99),
                 "max_s": max(latencies, default=math.nan),
@@ -603,6 +606,7 @@ class _Bench:
             "completed": done,
             "seconds": elapsed,
             "handoffs_per_s": done / elapsed,
+            "latency_samples_s": latencies,
             "latency_p50_s": _pct(latencies, 0.5),
             "latency_p99_s": _pct(latencies, 0.99),
         }
@@ -668,6 +672,7 @@ class _Bench:
             "max_delay_s": max_delay_s,
             "release_s": {
                 "n": len(to_return),
+                "samples": to_return,
                 "p50": _pct(to_return, 0.5),
                 "p99": _pct(to_return, 0.99),
             },
@@ -692,6 +697,35 @@ class _Bench:
         return await measure(a.frames_bytes, a.frames_n, a.frames_burst)
 
     # -- the run ---------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _pools(self, section: str, dep: Deployment) -> AsyncIterator[None]:
+        """With `--plot`: sample every rank's pool (free / leased / quarantined,
+        summed per role) every 0.1 s while the section runs, for the occupancy
+        plot. Without it, nothing (the stats calls would cost the ranks)."""
+        if not self.args.plot:
+            yield
+            return
+        stop = asyncio.Event()
+
+        async def sample() -> None:
+            while not stop.is_set():
+                stats = await dep.stats()
+                row: dict[str, Any] = {"t": time.perf_counter() - self.started, "section": section}
+                for role in ("ctx", "gen"):
+                    ranks = [r for r in stats["ranks"] if r.get("role") == role and "free" in r]
+                    for key in ("free", "leased", "quarantined"):
+                        row[f"{role}_{key}"] = sum(r[key] for r in ranks)
+                self.pool_samples.append(row)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.1)
+
+        task = asyncio.create_task(sample())
+        try:
+            yield
+        finally:
+            stop.set()
+            await task
 
     def _section(self, name: str, what: str) -> contextlib.AbstractContextManager[None]:
         return self.reporter.step(f"{name}: {what}", done=f"{name} done")
@@ -743,7 +777,8 @@ class _Bench:
                     )
                 if "cancel" in sections:
                     with self._section("cancel", f"{a.cancels} cancelled handoffs"):
-                        out["cancel"] = await self.cancel_to_release(dep, max_delay)
+                        async with self._pools("cancel", dep):
+                            out["cancel"] = await self.cancel_to_release(dep, max_delay)
             finally:
                 await dep.shutdown()
         if sections & {"paged", "control"}:
@@ -769,12 +804,15 @@ class _Bench:
                             out["paged"] = await self.paged_shared(dep)
                     if "control" in sections:
                         with self._section("control", "small-handoff latency and rate"):
-                            out["control"] = await self.control_plane(dep)
+                            async with self._pools("control", dep):
+                                out["control"] = await self.control_plane(dep)
                 finally:
                     await dep.shutdown()
         if "frames" in sections:
             with self._section("frames", "control frames, Ray calls vs NIXL notifications"):
                 out["frames"] = await self.frames()
+        if self.pool_samples:
+            out["pools"] = self.pool_samples
         out["targets"] = _targets(out)
         out["notes"] = self.notes
         out["machine"]["loadavg_end"] = os.getloadavg()
@@ -1267,6 +1305,13 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown sections: {sorted(unknown)} (choose from {SECTIONS})", file=sys.stderr)
         return 2
+    if args.plot:
+        from kvhandoff.actors._plots import missing
+
+        why = missing()
+        if why:  # before anything starts
+            print(f"kvhandoff bench: {why}", file=sys.stderr)
+            return 2
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls  # inherited by the Ray workers we start
     reporter = Reporter("kvhandoff bench", quiet=args.json)
@@ -1296,8 +1341,15 @@ def run(args: argparse.Namespace) -> int:
     if failed is not None:  # one line, the last
         print(f"kvhandoff bench: could not launch the deployment: {failed}", file=sys.stderr)
         return 2
+    if args.plot:
+        from kvhandoff.actors._plots import write_plots
+
+        with reporter.step(f"writing plots into {args.plot}", done="plots written"):
+            out["plots"] = [str(p) for p in write_plots(out, args.plot)]
     if args.json:
         print(json.dumps(_jsonable(out), default=str))
     else:
         print(render(out))
+        if args.plot:
+            print("\nplots: " + ", ".join(out["plots"]))
     return 0

@@ -308,3 +308,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds the rank actors may take to start; a rank that dies while starting "
         "fails the launch at once",
     )
+    add(
+        "--plot",
+        metavar="DIR",
+        default=None,
+        help="also write PNG plots into DIR: bandwidth vs size with the raw-NIXL and copy "
+        "ceilings, latency CDFs, block-pool occupancy over time (sampled every 0.1 s during "
+        "the control and cancel sections, which costs a stats call per rank); needs matplotlib",
+    )
