@@ -89,6 +89,17 @@ def staged_below(device: str, override: int = 0) -> int:
     return STAGED_BELOW["cuda" if device.startswith("cuda") else "cpu"]
 
 
+def _stages(config: Any, avg_piece: float, below: int) -> bool:
+    """The mode rule for an edge whose pieces average `avg_piece` bytes:
+    forced, or "auto" with pieces under the crossover and at least two of
+    them per chunk to merge."""
+    if config.data_mode == "direct" or avg_piece <= 0:
+        return False
+    if config.data_mode == "staged":
+        return True
+    return avg_piece < below and avg_piece * 2 <= config.chunk_bytes
+
+
 @dataclasses.dataclass(eq=False)
 class _Write:
     """One staged chunk from our slot to the peer's."""
@@ -147,13 +158,9 @@ class StagedWriter:
         """Whether an edge with `pieces` (per block pair) goes staged toward a
         GEN rank with `geometry`: forced, or "auto" and its pieces average
         under the crossover with more than one piece per chunk to merge."""
-        mode = self.core.config.data_mode
-        if mode == "direct" or not geometry.staging or not pieces:
+        if not geometry.staging or not pieces:
             return False
-        if mode == "staged":
-            return True
-        avg = sum(p[4] for p in pieces) / len(pieces)
-        return avg < self.below and avg * 2 <= self.core.config.chunk_bytes
+        return _stages(self.core.config, sum(p[4] for p in pieces) / len(pieces), self.below)
 
     # -- posting ------------------------------------------------------------------------
 
@@ -310,6 +317,25 @@ class StagedWriter:
             start, end = self._rows(ticket, index)
             return full.rows(start, end)
         return stage_map(pieces, plan.local, 0, self.core.buffer, self._unit(pieces), device)
+
+    def prepare(self, ticket: ContextTicket) -> None:
+        """Build the edge's gather map when its chunks are planned (the OPEN
+        came, before READY), not at its first post: the data phase then
+        starts with a gather, not with a map build (~1 ms per 16k rows).
+        Only for an edge the mode would stage; never raises (the first post
+        builds it then)."""
+        if ticket in self._maps or not _stages(self.core.config, self._edge_avg(ticket), self.below):
+            return
+        try:
+            self._map(ticket, 0, self.core._chunks[ticket][0][0], self.core._edge_pieces(ticket.edge), self.arena.tensor.device)
+            self.counters["maps_prepared"] += 1
+        except Exception as exc:
+            self.counters["map_prepare_failed"] += 1
+            log.debug("rank %s: gather map not prepared: %r", self.core.ns, exc)
+
+    def _edge_avg(self, ticket: ContextTicket) -> float:
+        pieces = self.core._edge_pieces(ticket.edge)
+        return sum(p[4] for p in pieces) / len(pieces) if pieces else 0.0
 
     def forget(self, ticket: ContextTicket) -> None:
         self._starts.pop(ticket, None)
@@ -612,16 +638,7 @@ class StagedReader:
         if unit is None:
             unit = self._units[pieces] = stage_unit(pieces, 1, core.buffer.strides)
         slot = self.arena.slot(msg.slot)
-        key = (parent, edge, msg.max_piece)
-        full = self._maps.get(key)
-        if full is None:
-            # The whole lease's map, once per edge session: a chunk is a slice of it.
-            rows = np.arange(len(lease) * P, dtype=np.int64)
-            blocks = np.fromiter((ref.block for ref in lease), dtype=np.int64, count=len(lease))
-            full = stage_map(pieces, blocks[rows // P] * P + rows % P, 1, core.buffer, unit, slot.device)
-            if len(self._maps) > 256:
-                self._maps.clear()
-            self._maps[key] = full
+        full = self._full_map(parent, edge, msg.max_piece, pieces, lease, unit)
         if full.simple:
             m: StageMap = full.rows(msg.start, msg.end)
         else:
@@ -638,6 +655,46 @@ class StagedReader:
             event.record(torch.cuda.current_stream(slot.device))
             return True, event
         return True, None
+
+    def _full_map(
+        self, parent: ParentKey, edge: tuple[int, int], max_piece: int, pieces: tuple[Piece, ...], lease: Any, unit: int
+    ) -> StageMap:
+        """The whole lease's scatter map for one edge, once per edge session: a
+        chunk's map is a slice of it."""
+        key = (parent, edge, max_piece)
+        full = self._maps.get(key)
+        if full is None:
+            P = len(pieces)
+            rows = np.arange(len(lease) * P, dtype=np.int64)
+            blocks = np.fromiter((ref.block for ref in lease), dtype=np.int64, count=len(lease))
+            full = stage_map(pieces, blocks[rows // P] * P + rows % P, 1, self.core.buffer, unit, self.arena.tensor.device)
+            if len(self._maps) > 256:
+                self._maps.clear()
+            self._maps[key] = full
+        return full
+
+    def prepare(self, parent: ParentKey, below: int) -> None:
+        """Build the scatter maps of `parent`'s edges when its lease is
+        installed (before the OPENs go out), not at the first notice: for the
+        edges the mode would stage, with chunks of our `chunk_bytes` (a CTX
+        with other chunks gets the map built at its first notice instead).
+        Never raises."""
+        core = self.core
+        cfg = core.config
+        try:
+            lease = core.pool.lease_of(parent)
+            for edge in core.shards.edges_for_gen_rank(cfg.rank):
+                pieces = self._edge_pieces(edge, cfg.chunk_bytes)
+                if not pieces or not _stages(cfg, sum(p[4] for p in pieces) / len(pieces), below):
+                    continue
+                unit = self._units.get(pieces)
+                if unit is None:
+                    unit = self._units[pieces] = stage_unit(pieces, 1, core.buffer.strides)
+                self._full_map(parent, edge, cfg.chunk_bytes, pieces, lease, unit)
+                self.counters["maps_prepared"] += 1
+        except Exception as exc:
+            self.counters["map_prepare_failed"] += 1
+            log.debug("rank %s: scatter maps not prepared: %r", core.ns, exc)
 
     def forget(self, parent: ParentKey) -> None:
         for key in [k for k in self._maps if k[0] == parent]:

@@ -1276,6 +1276,8 @@ class CtxRankCore(RankCore):
         )
         self._chunks[message.ticket] = (chunks, geometry, message.buffer.blocks)
         self._peer_agent[message.ticket] = message.buffer.agent_name
+        if self._writer is not None and chunks:
+            self._writer.prepare(message.ticket)  # off the data phase: before READY
         return actions
 
     async def _accept(self, message: Message, actions: list[Action]) -> None:
@@ -1748,6 +1750,8 @@ class GenRankCore(RankCore):
         except ProtocolError as exc:
             self.counters[f"refused_{type(exc).__name__}"] += 1
             return
+        if self._reader is not None:  # scatter maps before the OPENs go out (off the data phase)
+            self._reader.prepare(parent, staged_below(self.buffer.device, self.config.staged_below))
         self._perform(actions)
 
     async def _open_later(self, parent: ParentKey) -> None:

@@ -78,6 +78,9 @@ def test_staged_handoffs_verify_every_byte(ray_cluster, kind, ctx_tp, gen_tp, wi
     assert all(c["counters"].get("posts_prepared", 0) + c["counters"].get("posts_built", 0) == 0 for c in stats["ranks"] if c["role"] == "ctx")
     if window == 1:
         assert _sum(ctx, "staged_queued") > 0  # chunks waited for their credit
+    # Index maps are built before the data phase: at OPEN (CTX), at install (GEN).
+    assert _sum(ctx, "maps_prepared") >= 5 and _sum(gen, "maps_prepared") >= 5
+    assert _sum(ctx, "map_prepare_failed") == _sum(gen, "map_prepare_failed") == 0
 
 
 def test_auto_stages_small_pieces_and_posts_large_ones_direct(ray_cluster) -> None:
