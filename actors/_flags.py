@@ -264,6 +264,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--round-timeout-s", type=positive_float, default=5.0, help="Deployment.launch(round_timeout_s=)")
     add("--staging-window", type=positive_int, default=4, help="staging slots per peer rank, each side")
+    add(
+        "--staging-slot-mib",
+        type=non_negative_int,
+        default=0,
+        help="one staging slot (one staged chunk) in MiB; 0: the device's default (128 MiB on a GPU, the chunk on the host)",
+    )
     add("--repeats", type=positive_int, default=5, help="repeats per variant in the data and paged sections")
     add("--chunk-mib", type=positive_int, default=16, help="WRITE chunk size in MiB (protocol and raw)")
     add("--paged-kib", type=positive_ints, default="16,64,256,1024", help="paged block sizes in KiB")

@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvhandoff.staged")
 
-__all__ = ["DATA_MODES", "StagedWriter", "StagedReader", "staged_below", "STAGED_BELOW"]
+__all__ = ["DATA_MODES", "StagedWriter", "StagedReader", "staged_below", "STAGED_BELOW", "STAGING_SLOT_BYTES", "staging_slot_bytes"]
 
 #: How a CTX rank moves an edge's chunks (`RankConfig.data_mode`).
 DATA_MODES = ("auto", "direct", "staged")
@@ -80,7 +80,22 @@ DATA_MODES = ("auto", "direct", "staged")
 #: "auto" stages an edge whose average piece is below this many bytes, per
 #: device kind: the crossover measured by `kvhandoff bench --sections paged`
 #: (docs/benchmarks.md "Staged vs direct"), where staged stops beating direct.
-STAGED_BELOW = {"cpu": 4 << 10, "cuda": 512 << 10}
+STAGED_BELOW = {"cpu": 4 << 10, "cuda": 1536 << 10}
+
+
+#: A staging slot's bytes when `RankConfig.staging_slot_bytes` is 0, per
+#: device kind (at least `chunk_bytes`): measured by `kvhandoff bench
+#: --sections paged --staging-slot-mib N` (docs/benchmarks.md "Slot size").
+STAGING_SLOT_BYTES = {"cpu": 0, "cuda": 128 << 20}
+
+
+def staging_slot_bytes(config: Any, device: str) -> int:
+    """The bytes of one staging slot (one staged chunk) of a rank with
+    `config` whose KV lives on `device`."""
+    if config.staging_slot_bytes > 0:
+        return int(config.staging_slot_bytes)
+    default = STAGING_SLOT_BYTES["cuda" if str(device).startswith("cuda") else "cpu"]
+    return max(int(config.chunk_bytes), default)
 
 
 def staged_below(device: str, override: int = 0) -> int:
@@ -160,7 +175,11 @@ class StagedWriter:
         under the crossover with more than one piece per chunk to merge."""
         if not geometry.staging or not pieces:
             return False
-        return _stages(self.core.config, sum(p[4] for p in pieces) / len(pieces), self.below)
+        return self.wants_pieces(pieces)
+
+    def wants_pieces(self, pieces: tuple[Piece, ...]) -> bool:
+        """The mode rule for an edge with `pieces`, whatever the peer has."""
+        return bool(pieces) and _stages(self.core.config, sum(p[4] for p in pieces) / len(pieces), self.below)
 
     # -- posting ------------------------------------------------------------------------
 
@@ -216,8 +235,11 @@ class StagedWriter:
             pieces = core._edge_pieces(ticket.edge)
             slot = self.arena.slot(local)
             w.gather_at = time.perf_counter()
-            gather(core.buffer, slot, self._map(ticket, index, plan, pieces, slot.device))
-            self.seconds["gather_call"] += time.perf_counter() - w.gather_at
+            m = self._map(ticket, index, plan, pieces, slot.device)
+            t1 = time.perf_counter()
+            gather(core.buffer, slot, m)
+            self.seconds["gather_map"] += t1 - w.gather_at
+            self.seconds["gather_call"] += time.perf_counter() - t1
             start, end = self._rows(ticket, index)
             w.notice = StageWrite(
                 request_id=ticket.request_id,
@@ -549,6 +571,7 @@ class StagedReader:
         try:
             self._check_sender(sender, msg)
             self.guard.admit(sender, msg.slot, msg.generation)
+            self.seconds["notice_check"] += time.perf_counter() - t0
         except (ProtocolError, DataPlaneError) as exc:
             self.counters[f"refused_{type(exc).__name__}"] += 1
             log.warning("rank %s: staged notice from %s refused: %s", core.ns, sender, exc)
@@ -649,10 +672,12 @@ class StagedReader:
             raise DataPlaneError(f"rows [{msg.start}, {msg.end}) hold {m.nbytes} B, the notice says {msg.nbytes}")
         t0 = time.perf_counter()
         scatter(core.buffer, slot, m)
-        self.seconds["scatter_call"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.seconds["scatter_call"] += t1 - t0
         if slot.is_cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(slot.device))
+            self.seconds["scatter_event"] += time.perf_counter() - t1
             return True, event
         return True, None
 

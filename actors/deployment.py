@@ -320,6 +320,7 @@ class Deployment:
         data_mode: str = "auto",
         staging_window: int = 4,
         staged_below: int = 0,
+        staging_slot_bytes: int = 0,
         placement: str = "any",
         ctx_resources: dict[str, float] | None = None,
         gen_resources: dict[str, float] | None = None,
@@ -360,7 +361,10 @@ class Deployment:
         (always gathered into a staging slot, one WRITE per slot, scattered
         on the GEN); `staging_window` is the slots per peer rank, each side;
         `staged_below` overrides "auto"'s crossover (bytes of average piece;
-        0: the measured default for the device).
+        0: the measured default for the device); `staging_slot_bytes` is one
+        slot, i.e. one staged chunk (0: the device's measured default, 128 MiB
+        on a GPU and `chunk_bytes` on the host; each side holds `staging_window`
+        slots per peer rank).
 
         Placement (docs/design.md "Placement"): each instance gets one Ray
         placement group, one bundle per rank, STRICT_PACK (its ranks share a
@@ -402,6 +406,7 @@ class Deployment:
             data_mode=data_mode,
             staging_window=staging_window,
             staged_below=staged_below,
+            staging_slot_bytes=staging_slot_bytes,
             placement=placement,
             ctx_resources=ctx_resources,
             gen_resources=gen_resources,
@@ -451,6 +456,7 @@ class Deployment:
         data_mode: Any = "auto",
         staging_window: Any = 4,
         staged_below: Any = 0,
+        staging_slot_bytes: Any = 0,
         placement: Any = "any",
         ctx_resources: Any = None,
         gen_resources: Any = None,
@@ -486,6 +492,7 @@ class Deployment:
             raise InvalidConfig(f"data_mode must be one of {list(DATA_MODES)}, got {_short(data_mode)}")
         _check_int("staging_window", staging_window, 1)
         _check_int("staged_below", staged_below, 0)
+        _check_int("staging_slot_bytes", staging_slot_bytes, 0)
         if placement not in INSTANCE_LAYOUTS:
             raise InvalidConfig(f"placement must be one of {list(INSTANCE_LAYOUTS)}, got {_short(placement)}")
         if control_frames not in ("ray", "nixl"):
@@ -539,6 +546,7 @@ class Deployment:
                     data_mode=data_mode,
                     staging_window=staging_window,
                     staged_below=staged_below,
+                    staging_slot_bytes=staging_slot_bytes,
                 )
                 for r in range(spec.tp)
             ]

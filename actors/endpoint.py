@@ -89,6 +89,8 @@ class EnginePlan(msgspec.Struct, frozen=True, kw_only=True):
     data_mode: str = "auto"
     staging_window: int = 4
     staged_below: int = 0
+    #: One staging slot (one staged chunk); 0: the device's default.
+    staging_slot_bytes: int = 0
 
     def spec(self, role: Role) -> TopologySpec:
         return self.ctx if role is Role.CTX else self.gen
@@ -120,6 +122,7 @@ def _config(plan: EnginePlan, role: Role, rank: int, tensors: Sequence[torch.Ten
         data_mode=plan.data_mode,
         staging_window=plan.staging_window,
         staged_below=plan.staged_below,
+        staging_slot_bytes=plan.staging_slot_bytes,
     )
 
 

@@ -174,6 +174,7 @@ class EngineDeployment:
         data_mode: str = "auto",
         staging_window: int = 4,
         staged_below: int = 0,
+        staging_slot_bytes: int = 0,
     ) -> EngineDeployment:
         """Check the configuration (`InvalidConfig`, before anything starts)
         and start the directory; `plan` is then ready for the engine's workers.
@@ -181,7 +182,8 @@ class EngineDeployment:
         ``ctx_memory`` / ``gen_memory`` name how each side's tensors hold the
         blocks ("blocked", "paged", "paged_hnd", "split": docs/design.md
         "Memory kinds"); ``memory`` is where they live ("DRAM" or "VRAM").
-        ``data_mode`` / ``staging_window`` / ``staged_below`` pick the data
+        ``data_mode`` / ``staging_window`` / ``staged_below`` /
+        ``staging_slot_bytes`` pick the data
         plane as in `Deployment.launch` (docs/design.md "Data plane"): paged
         layouts move many small pieces, which "auto" stages."""
         _check_int("ctx_tp", ctx_tp, 1)
@@ -200,6 +202,7 @@ class EngineDeployment:
             raise InvalidConfig(f"data_mode must be one of {list(DATA_MODES)}, got {_short(data_mode)}")
         _check_int("staging_window", staging_window, 1)
         _check_int("staged_below", staged_below, 0)
+        _check_int("staging_slot_bytes", staging_slot_bytes, 0)
         if not isinstance(layout, KVLayout):
             raise InvalidConfig(f"layout must be a KVLayout, got {_short(layout)}")
         name = name or f"kvh-{uuid.uuid4().hex[:8]}"
@@ -232,6 +235,7 @@ class EngineDeployment:
             data_mode=data_mode,
             staging_window=staging_window,
             staged_below=staged_below,
+            staging_slot_bytes=staging_slot_bytes,
         )
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)

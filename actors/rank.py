@@ -116,6 +116,7 @@ from kvhandoff.actors._stager import (
     StagedReader,
     StagedWriter,
     staged_below,
+    staging_slot_bytes,
 )
 from kvhandoff.protocol import (
     DEFAULT_QUARANTINE_LIMIT,
@@ -270,10 +271,18 @@ class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: scatters it) or "auto" (staged for an edge whose pieces average under
     #: `staged_below` bytes, the measured crossover; 0: the device's default).
     #: Any mode but "direct" gives the rank a staging arena of
-    #: `staging_window` slots of `chunk_bytes` per peer rank, registered once.
+    #: `staging_window` slots of `staging_slot_bytes` per peer rank,
+    #: registered once.
     data_mode: str = "auto"
     staging_window: int = 4
     staged_below: int = 0
+    #: Bytes of one staging slot, which is the size of one staged chunk (a
+    #: staged edge's chunks are planned at this size, a direct edge's at
+    #: `chunk_bytes`). Every staged chunk costs a gather, a WRITE, a notice,
+    #: a scatter and an ACK whatever its size, so on a GPU small slots leave
+    #: the link idle (docs/benchmarks.md). 0: `staging_slot_default(device,
+    #: chunk_bytes)`.
+    staging_slot_bytes: int = 0
 
 
 def agent_name(deployment: str, ns: RankNamespace, epoch: int) -> str:
@@ -326,10 +335,12 @@ class RankCore(RoundParticipant):
             raise ValueError(f"data_mode must be one of {DATA_MODES}, got {config.data_mode!r}")
         if config.staging_window <= 0:
             raise ValueError(f"staging_window must be positive, got {config.staging_window}")
-        # The staging arena: `staging_window` slots per peer rank, one chunk each.
+        if config.staging_slot_bytes < 0:
+            raise ValueError(f"staging_slot_bytes must be 0 (the device's default) or positive, got {config.staging_slot_bytes}")
+        # The staging arena: `staging_window` slots per peer rank, one staged chunk each.
         self.arena: StagingArena | None = None
         if config.data_mode != "direct":
-            slot_bytes = -(-config.chunk_bytes // 8) * 8
+            slot_bytes = -(-staging_slot_bytes(config, str(self.buffer.device)) // 8) * 8
             self.arena = StagingArena(config.staging_window * peer.tp, slot_bytes, self.buffer.device)
             self.transport.register_arena(self.arena.tensor)
         # Every NIXL notification is drained by one channel: control frames
@@ -1374,7 +1385,25 @@ class CtxRankCore(RankCore):
         # Block indices only: the addresses come from the GEN's registered
         # regions at post time (`_gen_geometry`), the OPEN's are checked against them.
         pairs = [(ref.block, b.block) for ref, b in zip(self.pool.lease_of(ticket.parent), message.buffer.blocks)]
-        return plan_chunks(self._edge_pieces(ticket.edge), pairs, self.config.chunk_bytes)
+        pieces = self._edge_pieces(ticket.edge)
+        return plan_chunks(pieces, pairs, self._plan_bytes(pieces, message.buffer.agent_name))
+
+    def _plan_bytes(self, pieces: tuple[Piece, ...], peer: str) -> int:
+        """The chunk size of an edge with `pieces` toward `peer`: a staging
+        slot (ours, or the peer's if smaller) where the mode stages it, else
+        `chunk_bytes`. A chunk planned as a slot that is posted direct after
+        all (no usable slot at post time) is still correct, only larger."""
+        if self._writer is None or self.arena is None or not pieces:
+            return self.config.chunk_bytes
+        geometry = self._geometry.get(peer)
+        slot = self.arena.slot_bytes
+        if geometry is not None:
+            if not geometry.staging:
+                return self.config.chunk_bytes
+            slot = min(slot, geometry.staging[1])
+        if not self._writer.wants_pieces(pieces) or slot < max(p[4] for p in pieces):
+            return self.config.chunk_bytes
+        return slot
 
     def _record_prepared(self, parent: ParentKey) -> None:
         """Perform the protocol's `Prepared`: vote the parent prepared, unless it

@@ -8,6 +8,7 @@ back (L2) and no slot quarantined unless the test made one leak."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 
 import pytest
@@ -291,3 +292,58 @@ def test_a_request_larger_than_one_open_is_refused_typed(staged: Deployment) -> 
         run(dep.handoff("too-big", (MAX_BLOCKS_PER_OPEN + 1) * PAGED.tokens_per_block, timeout=TIMEOUT))
     after = run(dep.stats())
     assert [(s["free"], s["leased"]) for s in after["ranks"]] == [(s["free"], s["leased"]) for s in before["ranks"]]
+
+
+def _plan_sizes(core, slots: tuple[int, ...]) -> list[int]:
+    """On a CTX rank's endpoint loop: the chunk size it plans for its edge
+    toward a GEN agent with each staging slot size in `slots` (0: no arena),
+    and toward one it does not know yet."""
+    pieces = core._edge_pieces((core.config.rank, 0))
+    known = next(iter(core._geometry.values()))
+    sizes = []
+    for slot in slots:
+        core._geometry["probe.gen0"] = known._replace(staging=(known.staging[0], slot, 2) if slot else ())
+        sizes.append(core._plan_bytes(pieces, "probe.gen0"))
+    del core._geometry["probe.gen0"]
+    sizes.append(core._plan_bytes(pieces, "never.seen"))
+    return sizes
+
+
+def test_staged_chunks_are_planned_at_the_slot_size(ray_cluster) -> None:
+    """A staged edge's chunks are slots (16 KiB here), not `chunk_bytes` (4
+    KiB): one gather, WRITE, notice, scatter and ACK per 16 KiB. Toward a GEN
+    whose slots are smaller the CTX plans at the GEN's slot; toward one
+    without an arena, or for pieces it would not stage, at chunk_bytes."""
+    chunk, slot = 4 << 10, 16 << 10
+
+    async def scenario():
+        dep = await Deployment.launch(
+            ctx_tp=2, gen_tp=1, layout=PAGED, pool_blocks=24, chunk_bytes=chunk, memory_kind="paged",
+            round_timeout_s=ROUND_TIMEOUT, data_mode="staged", staging_window=2, staging_slot_bytes=slot,
+        )
+        try:
+            results = [await dep.handoff(f"slot-{i}", 8 * 20 - i, timeout=TIMEOUT) for i in range(2)]
+            ctx = await dep.ranks(Role.CTX)
+            sizes = await inside(ctx[0], functools.partial(_plan_sizes, slots=(slot, 8 << 10, 64, 0)))
+            return results, sizes, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    results, sizes, stats = run(scenario())
+    for r, n in zip(results, (160, 159)):
+        assert r.outcome == "completed", r
+        assert r.bytes_verified == total(PAGED, n, 1)
+    assert_clean(stats)
+    ctx = _staging(stats, "ctx")
+    chunks, moved = _sum(ctx, "staged_chunks"), _sum(ctx, "staged_bytes")
+    posted = sum(s["posted_chunks"] for s in stats["ranks"] if s["role"] == "ctx")
+    assert chunks == posted > 0 and _sum(ctx, "staged_unfit") == 0
+    assert moved == sum(r.bytes_verified for r in results)
+    # Every chunk fits a slot, and they are slots, not chunk_bytes: 2 requests
+    # x 2 CTX ranks x ceil(edge bytes / slot) chunks.
+    per_edge = [math.ceil(total(PAGED, n, 1) / 2 / slot) for n in (160, 159)]
+    assert chunks == 2 * sum(per_edge) < moved // chunk
+    # Our slot; the GEN's smaller one; chunk_bytes toward a GEN whose slot
+    # cannot hold one piece (128 B here) or that has no arena; our own slot
+    # toward an agent not known yet (posted direct if it turns out unfit).
+    assert sizes == [slot, 8 << 10, chunk, chunk, slot]
