@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 gpus=$(nvidia-smi -L | wc -l)
 share=0.5; [ "$gpus" -lt 2 ] && share=0.33   # 3 ranks: two share a GPU, or all three one
 [ "${BENCH:-1}" = 1 ] && kvh bench --json --memory VRAM --gpus-per-rank $share --sections paged --paged-layouts tp2 \
-  --paged-kib ${KIBS:-4,16,64,256,1024} --paged-mib ${MIB:-1024} --chunk-mib ${CHUNK:-64} --staging-window ${WINDOW:-8} --repeats 5 --round-timeout-s 30 \
+  --paged-kib ${KIBS:-4,16,64,256,1024} --paged-mib ${MIB:-1024} --chunk-mib ${CHUNK:-64} --staging-window ${WINDOW:-4} ${SLOT:+--staging-slot-mib $SLOT} --repeats 5 --round-timeout-s 30 \
   > "$out/bench_staged_vram.json" 2> "$out/bench_staged_vram.err" || echo "staged bench failed: $?"
 tail -3 "$out/bench_staged_vram.err" 2>/dev/null || true
 [ "${DEMO:-1}" = 1 ] && kvh demo --json --chaos --data-mode staged --memory VRAM --requests ${REQ:-200} \
