@@ -80,7 +80,7 @@ DATA_MODES = ("auto", "direct", "staged")
 #: "auto" stages an edge whose average piece is below this many bytes, per
 #: device kind: the crossover measured by `kvhandoff bench --sections paged`
 #: (docs/benchmarks.md "Staged vs direct"), where staged stops beating direct.
-STAGED_BELOW = {"cpu": 4 << 10, "cuda": 1536 << 10}
+STAGED_BELOW = {"cpu": 8 << 10, "cuda": 1536 << 10}
 
 
 #: A staging slot's bytes when `RankConfig.staging_slot_bytes` is 0, per
