@@ -65,7 +65,7 @@ import ray
 
 from kvhandoff.actors._console import Reporter
 from kvhandoff.actors._flags import SECTIONS
-from kvhandoff.actors._stager import STAGED_BELOW
+from kvhandoff.actors._stager import STAGED_BELOW, staged_min_descriptors
 from kvhandoff.actors.deployment import Deployment, HandoffResult
 from kvhandoff.actors.rank import on_endpoint_loop
 from kvhandoff.protocol import Role
@@ -510,6 +510,69 @@ class _Bench:
             self.notes.append(f"paged tp2 {kib} KiB: {dict(failures)}")
         return row
 
+    async def crossover(self) -> dict[str, Any]:
+        """Staged against direct by request size, at one piece size: where
+        staging's fixed cost per chunk (a gather, a notice, a scatter, an ACK)
+        stops outweighing the per-descriptor cost it saves. One CTX TP=2 ->
+        GEN TP=1 deployment (the paged tp2 layout: 4 pieces per block and CTX
+        rank); per request size, handoffs alternate direct and staged and each
+        is timed by its data phase (first post to last chunk reported, the
+        slower CTX rank). `min_descriptors`: the smallest edge from which
+        staged is faster (median) at that size and at every larger one."""
+        a = self.args
+        kib = a.crossover_kib
+        layout = KVLayout(num_layers=2, num_kv_heads=8, head_dim=128, dtype="float16", tokens_per_block=kib)
+        sizes = sorted(set(a.crossover_blocks))
+        per_block = len(memory_pieces(shard_map(layout, 2, 1), (0, 0), "blocked", "blocked"))
+        dep = await self.launch(layout, 2 * sizes[-1] + 2, tp2=True)
+        rows: list[dict[str, Any]] = []
+        try:
+            ctx = await dep.ranks(Role.CTX)
+            await _progressing(dep, 3600.0)
+
+            async def one(mode: str, blocks: int) -> float | None:
+                await asyncio.gather(*(h.__ray_call__.remote(on_endpoint_loop, _set_data_mode, mode) for h in ctx))
+                request = self.rid(f"xo-{mode}-{blocks}")
+                result = await _handoff(dep, request, blocks * kib, timeout=60.0)
+                if result.outcome != "completed":
+                    self.notes.append(f"crossover {blocks} blocks {mode}: {result.outcome}")
+                    return None
+                timings = await asyncio.gather(*(h.transfer_timings.remote() for h in ctx))
+                mine = [sec for per in timings for r, sec, _ in per if r == request]
+                return max(mine) if mine else None
+
+            for blocks in sizes:
+                samples: dict[str, list[float]] = {"direct": [], "staged": []}
+                for mode in ("direct", "staged"):  # warm-up: maps, connections
+                    await one(mode, blocks)
+                for rep in range(a.repeats):
+                    for mode in _rotated(["direct", "staged"], rep):
+                        sec = await one(mode, blocks)
+                        if sec is not None:
+                            samples[mode].append(sec)
+                row: dict[str, Any] = {"blocks": blocks, "descriptors": blocks * per_block, "bytes": blocks * per_block * kib * KiB}
+                for mode, secs in samples.items():
+                    row[mode] = _summary(secs)
+                row["staged_over_direct_median"] = _ratio(row["direct"].get("median_s", math.nan), row["staged"].get("median_s", math.nan))
+                row["staged_over_direct_best"] = _ratio(row["direct"].get("best_s", math.nan), row["staged"].get("best_s", math.nan))
+                rows.append(row)
+                self.reporter.line(f"crossover: {blocks} blocks done")
+        finally:
+            await dep.shutdown()
+        device = "cuda" if a.memory == "VRAM" else "cpu"
+        least = staged_min_descriptors(device)
+        for row in rows:
+            small = kib * KiB < STAGED_BELOW[device]
+            row["auto_mode"] = "staged" if small and row["descriptors"] >= least else "direct"
+        wins = [r["staged_over_direct_median"] > 1.0 for r in rows]
+        first = next((i for i in range(len(rows)) if all(wins[i:])), None)
+        return {
+            "piece_kib": kib,
+            "rows": rows,
+            "min_descriptors": rows[first]["descriptors"] if first is not None else None,
+            "staged_min_descriptors": least,
+        }
+
     # -- 3. control plane ----------------------------------------------------------------
 
     async def control_plane(self, dep: Deployment) -> dict[str, Any]:
@@ -815,6 +878,9 @@ class _Bench:
         if "frames" in sections:
             with self._section("frames", "control frames, Ray calls vs NIXL notifications"):
                 out["frames"] = await self.frames()
+        if "crossover" in sections:
+            with self._section("crossover", "staged vs direct by request size (descriptors per edge)"):
+                out["crossover"] = await self.crossover()
         if self.pool_samples:
             out["pools"] = self.pool_samples
         out["targets"] = _targets(out)
@@ -1015,6 +1081,17 @@ def _targets(out: dict[str, Any]) -> list[dict[str, Any]]:
                 0.9,
                 "target is for the GPU machine",
             )
+    crossover = out.get("crossover")
+    if crossover:
+        staged = [r["staged_over_direct_median"] for r in crossover["rows"] if r["auto_mode"] == "staged"]
+        direct = [1 / r["staged_over_direct_median"] for r in crossover["rows"]
+                  if r["auto_mode"] == "direct" and r["staged_over_direct_median"] > 0]
+        kib = crossover["piece_kib"]
+        if staged:
+            add(f"staged / direct where auto stages, worst request size @ {kib} KiB pieces (median)", min(staged), ">=", 1.0)
+        if direct:
+            add(f"direct / staged where auto posts direct, worst request size @ {kib} KiB pieces (median)", min(direct), ">=", 0.8,
+                "informational: near the crossover either mode is within noise")
     control = out.get("control")
     if control:
         add("small handoff p50 / ping p50", control["latency_over_ping_p50"], "<=", 4.0)
@@ -1192,6 +1269,27 @@ def render(out: dict[str, Any]) -> str:
                     "raw/copy",
                     "prepared/built",
                 ],
+                rows,
+            )
+        )
+    if "crossover" in out:
+        xo = out["crossover"]
+        rows = [
+            [
+                r["blocks"],
+                r["descriptors"],
+                f"{_fmt(_ms(r['direct'].get('median_s')))} ({_fmt(_ms(r['direct'].get('best_s')))})",
+                f"{_fmt(_ms(r['staged'].get('median_s')))} ({_fmt(_ms(r['staged'].get('best_s')))})",
+                r["staged_over_direct_median"],
+                r["auto_mode"],
+            ]
+            for r in xo["rows"]
+        ]
+        parts.append(
+            _table(
+                f"Staged vs direct by request size, {xo['piece_kib']} KiB pieces: data phase ms, median (best); "
+                f"staged wins from {xo['min_descriptors']} descriptors per edge (auto: from {xo['staged_min_descriptors']})",
+                ["blocks", "descriptors/edge", "direct", "staged", "staged/direct", "auto"],
                 rows,
             )
         )

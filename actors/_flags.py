@@ -36,7 +36,7 @@ START_TIMEOUT_S = 600.0
 
 # -- bench choices --------------------------------------------------------------------------
 
-SECTIONS = ("data", "paged", "control", "cancel", "frames")
+SECTIONS = ("data", "paged", "control", "cancel", "frames", "crossover")
 #: What runs without `--sections` (frames is asked for by name).
 DEFAULT_SECTIONS = ("data", "paged", "control", "cancel")
 #: `Deployment.launch(data_mode=)`; the same tuple as `_stager.DATA_MODES`
@@ -274,6 +274,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--chunk-mib", type=positive_int, default=16, help="WRITE chunk size in MiB (protocol and raw)")
     add("--paged-kib", type=positive_ints, default="16,64,256,1024", help="paged block sizes in KiB")
     add("--paged-mib", type=positive_int, default=64, help="bytes moved per paged WRITE, in MiB")
+    add(
+        "--crossover-blocks",
+        type=positive_ints,
+        default="1,2,4,8,16,32,64,128,256,512",
+        help="crossover section: request sizes in GEN blocks (4 pieces per block and CTX rank)",
+    )
+    add("--crossover-kib", type=positive_int, default=16, help="crossover section: the piece size in KiB")
     add(
         "--paged-layouts",
         choices=("tp2", "shared", "per-size"),

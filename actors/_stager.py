@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvhandoff.staged")
 
-__all__ = ["DATA_MODES", "StagedWriter", "StagedReader", "staged_below", "STAGED_BELOW", "STAGING_SLOT_BYTES", "staging_slot_bytes"]
+__all__ = ["DATA_MODES", "StagedWriter", "StagedReader", "staged_below", "STAGED_BELOW", "STAGING_SLOT_BYTES", "staging_slot_bytes", "STAGED_MIN_DESCRIPTORS", "staged_min_descriptors"]
 
 #: How a CTX rank moves an edge's chunks (`RankConfig.data_mode`).
 DATA_MODES = ("auto", "direct", "staged")
@@ -104,14 +104,31 @@ def staged_below(device: str, override: int = 0) -> int:
     return STAGED_BELOW["cuda" if device.startswith("cuda") else "cpu"]
 
 
-def _stages(config: Any, avg_piece: float, below: int) -> bool:
-    """The mode rule for an edge whose pieces average `avg_piece` bytes:
-    forced, or "auto" with pieces under the crossover and at least two of
-    them per chunk to merge."""
+#: "auto" stages an edge only from this many descriptors (pieces x blocks)
+#: on, per device kind: below it staging's fixed cost per chunk (a gather, a
+#: notice, a scatter, an ACK) outweighs the per-descriptor cost it saves.
+#: Measured by `kvhandoff bench --sections crossover` (docs/benchmarks.md
+#: "Small requests").
+STAGED_MIN_DESCRIPTORS = {"cpu": 2048, "cuda": 256}
+
+
+def staged_min_descriptors(device: str, override: int = 0) -> int:
+    if override > 0:
+        return override
+    return STAGED_MIN_DESCRIPTORS["cuda" if device.startswith("cuda") else "cpu"]
+
+
+def _stages(config: Any, avg_piece: float, below: int, descriptors: int | None = None, least: int = 0) -> bool:
+    """The mode rule for an edge whose pieces average `avg_piece` bytes and
+    that moves `descriptors` pieces in all (None: not known here): forced,
+    or "auto" with pieces under the crossover, at least two of them per
+    chunk to merge, and at least `least` of them."""
     if config.data_mode == "direct" or avg_piece <= 0:
         return False
     if config.data_mode == "staged":
         return True
+    if descriptors is not None and descriptors < least:
+        return False
     return avg_piece < below and avg_piece * 2 <= config.chunk_bytes
 
 
@@ -151,11 +168,12 @@ class _Peer:
 class StagedWriter:
     """A CTX rank's staged chunks (module docstring)."""
 
-    def __init__(self, core: CtxRankCore, arena: StagingArena, window: int, below: int) -> None:
+    def __init__(self, core: CtxRankCore, arena: StagingArena, window: int, below: int, least: int = 0) -> None:
         self.core = core
         self.arena = arena
         self.window = window
         self.below = below
+        self.least = least
         self._peers: dict[int, _Peer] = {}
         self._writes: dict[tuple[str, int, int], _Write] = {}  # (agent, slot, generation)
         self._posted: list[_Write] = []  # WRITEs not yet polled terminal
@@ -169,17 +187,20 @@ class StagedWriter:
 
     # -- mode choice ----------------------------------------------------------------
 
-    def wants(self, pieces: tuple[Piece, ...], geometry: Any) -> bool:
-        """Whether an edge with `pieces` (per block pair) goes staged toward a
-        GEN rank with `geometry`: forced, or "auto" and its pieces average
-        under the crossover with more than one piece per chunk to merge."""
+    def wants(self, pieces: tuple[Piece, ...], geometry: Any, descriptors: int | None = None) -> bool:
+        """Whether an edge with `pieces` (per block pair), `descriptors` in
+        all, goes staged toward a GEN rank with `geometry`: forced, or "auto"
+        and its pieces average under the crossover, with more than one piece
+        per chunk to merge and enough of them to pay for a slot."""
         if not geometry.staging or not pieces:
             return False
-        return self.wants_pieces(pieces)
+        return self.wants_pieces(pieces, descriptors)
 
-    def wants_pieces(self, pieces: tuple[Piece, ...]) -> bool:
+    def wants_pieces(self, pieces: tuple[Piece, ...], descriptors: int | None = None) -> bool:
         """The mode rule for an edge with `pieces`, whatever the peer has."""
-        return bool(pieces) and _stages(self.core.config, sum(p[4] for p in pieces) / len(pieces), self.below)
+        return bool(pieces) and _stages(
+            self.core.config, sum(p[4] for p in pieces) / len(pieces), self.below, descriptors, self.least
+        )
 
     # -- posting ------------------------------------------------------------------------
 
@@ -346,7 +367,9 @@ class StagedWriter:
         starts with a gather, not with a map build (~1 ms per 16k rows).
         Only for an edge the mode would stage; never raises (the first post
         builds it then)."""
-        if ticket in self._maps or not _stages(self.core.config, self._edge_avg(ticket), self.below):
+        plans = self.core._chunks[ticket][0]
+        rows = sum(len(pl.local) for pl in plans)
+        if ticket in self._maps or not _stages(self.core.config, self._edge_avg(ticket), self.below, rows, self.least):
             return
         try:
             self._map(ticket, 0, self.core._chunks[ticket][0][0], self.core._edge_pieces(ticket.edge), self.arena.tensor.device)
@@ -698,7 +721,7 @@ class StagedReader:
             self._maps[key] = full
         return full
 
-    def prepare(self, parent: ParentKey, below: int) -> None:
+    def prepare(self, parent: ParentKey, below: int, least: int = 0) -> None:
         """Build the scatter maps of `parent`'s edges when its lease is
         installed (before the OPENs go out), not at the first notice: for the
         edges the mode would stage, with chunks of our `chunk_bytes` (a CTX
@@ -710,7 +733,7 @@ class StagedReader:
             lease = core.pool.lease_of(parent)
             for edge in core.shards.edges_for_gen_rank(cfg.rank):
                 pieces = self._edge_pieces(edge, cfg.chunk_bytes)
-                if not pieces or not _stages(cfg, sum(p[4] for p in pieces) / len(pieces), below):
+                if not pieces or not _stages(cfg, sum(p[4] for p in pieces) / len(pieces), below, len(lease) * len(pieces), least):
                     continue
                 unit = self._units.get(pieces)
                 if unit is None:

@@ -321,6 +321,7 @@ class Deployment:
         staging_window: int = 4,
         staged_below: int = 0,
         staging_slot_bytes: int = 0,
+        staged_min_descriptors: int = 0,
         placement: str = "any",
         ctx_resources: dict[str, float] | None = None,
         gen_resources: dict[str, float] | None = None,
@@ -364,7 +365,9 @@ class Deployment:
         0: the measured default for the device); `staging_slot_bytes` is one
         slot, i.e. one staged chunk (0: the device's measured default, 128 MiB
         on a GPU and `chunk_bytes` on the host; each side holds `staging_window`
-        slots per peer rank).
+        slots per peer rank); `staged_min_descriptors` is the fewest pieces
+        (x blocks) an edge needs for "auto" to stage it (0: the device's
+        measured default: a small request is faster direct).
 
         Placement (docs/design.md "Placement"): each instance gets one Ray
         placement group, one bundle per rank, STRICT_PACK (its ranks share a
@@ -407,6 +410,7 @@ class Deployment:
             staging_window=staging_window,
             staged_below=staged_below,
             staging_slot_bytes=staging_slot_bytes,
+            staged_min_descriptors=staged_min_descriptors,
             placement=placement,
             ctx_resources=ctx_resources,
             gen_resources=gen_resources,
@@ -457,6 +461,7 @@ class Deployment:
         staging_window: Any = 4,
         staged_below: Any = 0,
         staging_slot_bytes: Any = 0,
+        staged_min_descriptors: Any = 0,
         placement: Any = "any",
         ctx_resources: Any = None,
         gen_resources: Any = None,
@@ -493,6 +498,7 @@ class Deployment:
         _check_int("staging_window", staging_window, 1)
         _check_int("staged_below", staged_below, 0)
         _check_int("staging_slot_bytes", staging_slot_bytes, 0)
+        _check_int("staged_min_descriptors", staged_min_descriptors, 0)
         if placement not in INSTANCE_LAYOUTS:
             raise InvalidConfig(f"placement must be one of {list(INSTANCE_LAYOUTS)}, got {_short(placement)}")
         if control_frames not in ("ray", "nixl"):
@@ -547,6 +553,7 @@ class Deployment:
                     staging_window=staging_window,
                     staged_below=staged_below,
                     staging_slot_bytes=staging_slot_bytes,
+                    staged_min_descriptors=staged_min_descriptors,
                 )
                 for r in range(spec.tp)
             ]

@@ -91,6 +91,8 @@ class EnginePlan(msgspec.Struct, frozen=True, kw_only=True):
     staged_below: int = 0
     #: One staging slot (one staged chunk); 0: the device's default.
     staging_slot_bytes: int = 0
+    #: The fewest pieces x blocks an edge needs for "auto" to stage it; 0: the device's default.
+    staged_min_descriptors: int = 0
 
     def spec(self, role: Role) -> TopologySpec:
         return self.ctx if role is Role.CTX else self.gen
@@ -123,6 +125,7 @@ def _config(plan: EnginePlan, role: Role, rank: int, tensors: Sequence[torch.Ten
         staging_window=plan.staging_window,
         staged_below=plan.staged_below,
         staging_slot_bytes=plan.staging_slot_bytes,
+        staged_min_descriptors=plan.staged_min_descriptors,
     )
 
 

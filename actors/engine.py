@@ -175,6 +175,7 @@ class EngineDeployment:
         staging_window: int = 4,
         staged_below: int = 0,
         staging_slot_bytes: int = 0,
+        staged_min_descriptors: int = 0,
     ) -> EngineDeployment:
         """Check the configuration (`InvalidConfig`, before anything starts)
         and start the directory; `plan` is then ready for the engine's workers.
@@ -183,7 +184,7 @@ class EngineDeployment:
         blocks ("blocked", "paged", "paged_hnd", "split": docs/design.md
         "Memory kinds"); ``memory`` is where they live ("DRAM" or "VRAM").
         ``data_mode`` / ``staging_window`` / ``staged_below`` /
-        ``staging_slot_bytes`` pick the data
+        ``staging_slot_bytes`` / ``staged_min_descriptors`` pick the data
         plane as in `Deployment.launch` (docs/design.md "Data plane"): paged
         layouts move many small pieces, which "auto" stages."""
         _check_int("ctx_tp", ctx_tp, 1)
@@ -203,6 +204,7 @@ class EngineDeployment:
         _check_int("staging_window", staging_window, 1)
         _check_int("staged_below", staged_below, 0)
         _check_int("staging_slot_bytes", staging_slot_bytes, 0)
+        _check_int("staged_min_descriptors", staged_min_descriptors, 0)
         if not isinstance(layout, KVLayout):
             raise InvalidConfig(f"layout must be a KVLayout, got {_short(layout)}")
         name = name or f"kvh-{uuid.uuid4().hex[:8]}"
@@ -236,6 +238,7 @@ class EngineDeployment:
             staging_window=staging_window,
             staged_below=staged_below,
             staging_slot_bytes=staging_slot_bytes,
+            staged_min_descriptors=staged_min_descriptors,
         )
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)

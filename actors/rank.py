@@ -116,6 +116,7 @@ from kvhandoff.actors._stager import (
     StagedReader,
     StagedWriter,
     staged_below,
+    staged_min_descriptors,
     staging_slot_bytes,
 )
 from kvhandoff.protocol import (
@@ -283,6 +284,9 @@ class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: the link idle (docs/benchmarks.md). 0: `staging_slot_default(device,
     #: chunk_bytes)`.
     staging_slot_bytes: int = 0
+    #: "auto" stages an edge only from this many descriptors (pieces x
+    #: blocks) on; 0: the device's measured default (`STAGED_MIN_DESCRIPTORS`).
+    staged_min_descriptors: int = 0
 
 
 def agent_name(deployment: str, ns: RankNamespace, epoch: int) -> str:
@@ -1208,7 +1212,8 @@ class CtxRankCore(RankCore):
         super().__init__(config, epoch, tensors=tensors)  # last: it registers this rank
         if self.arena is not None:
             below = staged_below(self.buffer.device, config.staged_below)
-            self._writer = StagedWriter(self, self.arena, config.staging_window, below)
+            least = staged_min_descriptors(self.buffer.device, config.staged_min_descriptors)
+            self._writer = StagedWriter(self, self.arena, config.staging_window, below, least)
 
     # -- the role's hooks ---------------------------------------------------------------
 
@@ -1386,9 +1391,9 @@ class CtxRankCore(RankCore):
         # regions at post time (`_gen_geometry`), the OPEN's are checked against them.
         pairs = [(ref.block, b.block) for ref, b in zip(self.pool.lease_of(ticket.parent), message.buffer.blocks)]
         pieces = self._edge_pieces(ticket.edge)
-        return plan_chunks(pieces, pairs, self._plan_bytes(pieces, message.buffer.agent_name))
+        return plan_chunks(pieces, pairs, self._plan_bytes(pieces, message.buffer.agent_name, len(pairs) * len(pieces)))
 
-    def _plan_bytes(self, pieces: tuple[Piece, ...], peer: str) -> int:
+    def _plan_bytes(self, pieces: tuple[Piece, ...], peer: str, descriptors: int | None = None) -> int:
         """The chunk size of an edge with `pieces` toward `peer`: a staging
         slot (ours, or the peer's if smaller) where the mode stages it, else
         `chunk_bytes`. A chunk planned as a slot that is posted direct after
@@ -1401,7 +1406,7 @@ class CtxRankCore(RankCore):
             if not geometry.staging:
                 return self.config.chunk_bytes
             slot = min(slot, geometry.staging[1])
-        if not self._writer.wants_pieces(pieces) or slot < max(p[4] for p in pieces):
+        if not self._writer.wants_pieces(pieces, descriptors) or slot < max(p[4] for p in pieces):
             return self.config.chunk_bytes
         return slot
 
@@ -1445,7 +1450,7 @@ class CtxRankCore(RankCore):
             plan = plans[index]
             if (
                 self._writer is not None
-                and self._writer.wants(self._edge_pieces(ticket.edge), geometry)
+                and self._writer.wants(self._edge_pieces(ticket.edge), geometry, sum(len(pl.local) for pl in plans))
                 and self._writer.post(ticket, index, plan, peer, geometry, now)
             ):
                 return
@@ -1780,7 +1785,11 @@ class GenRankCore(RankCore):
             self.counters[f"refused_{type(exc).__name__}"] += 1
             return
         if self._reader is not None:  # scatter maps before the OPENs go out (off the data phase)
-            self._reader.prepare(parent, staged_below(self.buffer.device, self.config.staged_below))
+            self._reader.prepare(
+                parent,
+                staged_below(self.buffer.device, self.config.staged_below),
+                staged_min_descriptors(self.buffer.device, self.config.staged_min_descriptors),
+            )
         self._perform(actions)
 
     async def _open_later(self, parent: ParentKey) -> None:

@@ -13,10 +13,10 @@ import math
 
 import pytest
 
-from kvhandoff.actors._dataplane import FaultPlan
+from kvhandoff.actors._dataplane import FaultPlan, edge_pieces
 from kvhandoff.actors.deployment import Deployment, InvalidConfig
 from kvhandoff.protocol import ParentKey, Role, StageWrite
-from kvhandoff.topology import KVLayout, block_bytes
+from kvhandoff.topology import KVLayout, block_bytes, memory_pieces, shard_map
 
 from .helpers import assert_clean, inside, settled_stats
 from .test_e2e import cancel_mid_dma
@@ -84,29 +84,48 @@ def test_staged_handoffs_verify_every_byte(ray_cluster, kind, ctx_tp, gen_tp, wi
     assert _sum(ctx, "map_prepare_failed") == _sum(gen, "map_prepare_failed") == 0
 
 
-def test_auto_stages_small_pieces_and_posts_large_ones_direct(ray_cluster) -> None:
-    async def scenario(layout, kind):
+def _edge_descriptors(layout: KVLayout, kind: str, chunk: int) -> int:
+    """Pieces per block pair of the (CTX 0 -> GEN 0) edge, CTX TP=2 -> GEN TP=1."""
+    return len(edge_pieces(memory_pieces(shard_map(layout, 2, 1), (0, 0), kind, kind), chunk))
+
+
+def test_auto_stages_small_pieces_of_big_requests_and_posts_the_rest_direct(ray_cluster) -> None:
+    """"auto" stages an edge only when its pieces are small AND it has enough
+    of them: a request of one block goes direct (a slot's fixed cost would
+    outweigh the few descriptors it saves), one of twelve blocks is staged;
+    an edge of large pieces goes direct at any size."""
+    chunk = 64 << 10
+
+    async def scenario(layout, kind, tokens, least):
         dep = await Deployment.launch(
-            ctx_tp=2, gen_tp=1, layout=layout, pool_blocks=16, chunk_bytes=64 << 10,
-            memory_kind=kind, round_timeout_s=ROUND_TIMEOUT, staged_below=4 << 10,
+            ctx_tp=2, gen_tp=1, layout=layout, pool_blocks=16, chunk_bytes=chunk,
+            memory_kind=kind, round_timeout_s=ROUND_TIMEOUT, staged_below=4 << 10, staged_min_descriptors=least,
         )
         try:
-            r = await dep.handoff("auto", 40, timeout=TIMEOUT)
-            return r, await settled_stats(dep)
+            counts = []
+            for i, n in enumerate(tokens):
+                r = await dep.handoff(f"auto-{i}", n, timeout=TIMEOUT)
+                assert r.outcome == "completed", r
+                assert r.bytes_verified == total(layout, n, 1)
+                counts.append(_sum(_staging(await settled_stats(dep), "ctx"), "staged_chunks"))
+            return counts, await settled_stats(dep)
         finally:
             await dep.shutdown()
 
-    # paged, 8 tokens x 2 heads x 64 B: 1 KiB pieces -> staged
-    r, stats = run(scenario(PAGED, "paged"))
-    assert r.outcome == "completed", r
+    # paged: per-token pieces of 2 heads x 64 B -> small; 1 block < 4 P <= 12 blocks.
+    per_block = _edge_descriptors(PAGED, "paged", chunk)
+    tpb = PAGED.tokens_per_block
+    counts, stats = run(scenario(PAGED, "paged", [tpb, 12 * tpb, tpb], 4 * per_block))
     assert_clean(stats)
-    assert _sum(_staging(stats, "ctx"), "staged_chunks") > 0
-    # blocked with big blocks: the per-layer pieces are 8 KiB -> direct
+    assert counts[0] == 0  # one block: direct
+    assert counts[1] > counts[0]  # twelve blocks: staged
+    assert counts[2] == counts[1]  # one block again: direct
+    assert sum(s["counters"].get("posts_prepared", 0) for s in stats["ranks"]) > 0
+    # blocked with big blocks: the per-layer pieces are 8 KiB -> direct, however many
     big = KVLayout(num_layers=2, num_kv_heads=4, head_dim=128, dtype="float16", tokens_per_block=32)
-    r, stats = run(scenario(big, "blocked"))
-    assert r.outcome == "completed", r
+    counts, stats = run(scenario(big, "blocked", [40], 1))
     assert_clean(stats)
-    assert _sum(_staging(stats, "ctx"), "staged_chunks") == 0
+    assert counts == [0]
     assert sum(s["counters"].get("posts_prepared", 0) for s in stats["ranks"]) > 0
 
 
