@@ -99,6 +99,7 @@ __all__ = [
     "AdmissionStopped",
     "TopologyFailed",
     "TopologyState",
+    "InstanceDraining",
 ]
 
 RankFactory = Callable[[int, int], Any]  # (rank, epoch) -> ActorHandle
@@ -153,9 +154,15 @@ class TopologyFailed(CoordinatorError):
         self.reason = reason
 
 
+class InstanceDraining(AdmissionStopped):
+    """The instance is draining (it leaves the fleet once its in-flight
+    handoffs end): it admits nothing new. Not retried: route elsewhere."""
+
+
 class TopologyState(str, enum.Enum):
     STARTING = "starting"  # rank actors not yet verified
     RUNNING = "running"  # rounds run, admission open
+    DRAINING = "draining"  # no new admissions; in-flight handoffs finish (`drain`)
     RECOVERING = "recovering"  # a rank is being restarted: admission stopped
     FAILED = "failed"  # restart budget exhausted: every call raises TopologyFailed
     SHUT_DOWN = "shut_down"  # shutdown() was called
@@ -192,6 +199,7 @@ class CoordinatorCore:
         first_epoch: int = 1,
         peer: str | None = None,
         peer_claims: bool = False,
+        fleet: str | None = None,
     ) -> None:
         if ranks is None and (rank_factory is None or not tp):
             raise ValueError("give the rank handles, or a rank_factory and tp")
@@ -212,6 +220,15 @@ class CoordinatorCore:
         self._digest = topology_digest
         self._peer_name = peer
         self._peer: Any = None
+        # A fleet: the coordinator of peer instance I is the actor
+        # `<fleet>.coord.<I>`; a submission names its peer instance ("": `peer`).
+        self._fleet = fleet
+        self._peers: dict[str, Any] = {}
+        self._draining = False  # `drain()`: admit nothing new, ever again
+        self._stopped: asyncio.Event | None = None  # set by shutdown (`watch` returns)
+        self._round_done = asyncio.Event()  # set after every round (drain waits on it)
+        # Submitted parents -> their peer instance (for cancels), bounded.
+        self._peer_of: collections.OrderedDict[ParentKey, str] = collections.OrderedDict()
         self._next_epoch = first_epoch
         self._epochs: list[int] = []
         self._leader: RoundLeader | None = None
@@ -221,7 +238,7 @@ class CoordinatorCore:
         self._failure_reason = ""
         # Pending client work, taken in arrival order by the next round.
         self._pending_admits: dict[
-            ParentKey, tuple[int, asyncio.Future[bool], bool, tuple[int, ...]]
+            ParentKey, tuple[int, asyncio.Future[bool], bool, tuple[int, ...], str]
         ] = {}
         # Engine deployments: the peer (CTX) instance published the parent
         # already (`publish`); a submission claims it there (`claim_many`)
@@ -361,6 +378,8 @@ class CoordinatorCore:
 
     async def shutdown(self, kill_owned_ranks: bool = True) -> None:
         """Stop the round loop, fail pending calls, kill the ranks we created."""
+        if self._stopped is not None:
+            self._stopped.set()
         if self.state is not TopologyState.FAILED:
             self._failure_reason = "shut down"
             self.state = TopologyState.SHUT_DOWN
@@ -389,16 +408,21 @@ class CoordinatorCore:
         self._wakeup.set()
         return await future
 
-    async def admit_many(self, requests: Sequence[tuple[ParentKey, int]]) -> list[bool]:
+    async def admit_many(self, requests: Sequence[tuple[ParentKey, int]], peer_instance: str = "") -> list[bool]:
         """`admit` for many ``(parent, num_tokens)`` in one call (one Ray hop);
-        they join the same round batch. All or nothing on bad input."""
+        they join the same round batch. All or nothing on bad input.
+        ``peer_instance``: the instance (of the other role) they pair with
+        ("": the configured peer); raises `InstanceDraining` while draining."""
         await self._ensure_started()
+        self._raise_if_draining()
         parents = [parent for parent, _ in requests]
         if len(set(parents)) != len(parents):
             raise RoundError("admit_many names a parent twice")
         for parent in parents:
             self._check_admissible(parent)
-        futures = [self._queue_admission(parent, tokens) for parent, tokens in requests]
+        futures = [
+            self._queue_admission(parent, tokens, peer_instance=peer_instance) for parent, tokens in requests
+        ]
         self._wakeup.set()
         return list(await asyncio.gather(*futures))
 
@@ -425,6 +449,10 @@ class CoordinatorCore:
         self.calls["claims"] += len(parents)
         return answers
 
+    def _raise_if_draining(self) -> None:
+        if self._draining:
+            raise InstanceDraining(self.topology, "draining: it leaves once its handoffs end")
+
     def _check_admissible(self, parent: ParentKey) -> None:
         if self.state is TopologyState.RECOVERING:
             raise AdmissionStopped(self.topology, self._failure_reason or "a rank is restarting")
@@ -443,12 +471,13 @@ class CoordinatorCore:
         num_tokens: int,
         release_when_ready: bool = False,
         blocks: Sequence[int] = (),
+        peer_instance: str = "",
     ) -> asyncio.Future[bool]:
         _check_request(parent, num_tokens)
         blocks = _check_blocks(blocks)
         self._check_admissible(parent)
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._pending_admits[parent] = (num_tokens, future, release_when_ready, blocks)
+        self._pending_admits[parent] = (num_tokens, future, release_when_ready, blocks, peer_instance)
         return future
 
     async def submit(
@@ -457,6 +486,7 @@ class CoordinatorCore:
         num_tokens: int,
         release_when_ready: bool = False,
         blocks: Sequence[int] = (),
+        peer_instance: str = "",
     ) -> str:
         """One handoff, driven by the ranks from here on; returns its outcome.
 
@@ -474,23 +504,42 @@ class CoordinatorCore:
         it (with ``release_when_ready`` the GEN ranks return the blocks once
         verified; else the consumer frees them, or their consumer deadline
         does). Raises `TopologyFailed` once the topology failed and
-        `RoundError` for a parent already pending or in flight."""
+        `RoundError` for a parent already pending or in flight.
+
+        In a fleet (constructed with ``fleet``) ``peer_instance`` names the
+        CTX instance to pair with; a draining instance raises
+        `InstanceDraining` (nothing was queued)."""
         await self._ensure_started()
-        if self._peer_name is None:
+        if self._peer_name is None and not (self._fleet and peer_instance):
             raise CoordinatorError("submit needs a peer coordinator (constructed with peer=...)")
+        self._raise_if_draining()
         if self.state is TopologyState.RECOVERING:
             return "rejected"
-        self._queue_admission(parent, num_tokens, release_when_ready, blocks)
+        self._queue_admission(parent, num_tokens, release_when_ready, blocks, peer_instance)
+        self._peer_of[parent] = peer_instance
+        self._peer_of.move_to_end(parent)
+        while len(self._peer_of) > 65536:
+            self._peer_of.popitem(last=False)
         outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._submitted[parent] = outcome
         self._wakeup.set()
         return await outcome
 
-    def _peer_coordinator(self) -> Any:
-        if self._peer is None:
-            assert self._peer_name is not None
-            self._peer = ray.get_actor(self._peer_name)
-        return self._peer
+    def _peer_coordinator(self, instance: str = "") -> Any:
+        """The coordinator of peer instance `instance` ("": the configured peer)."""
+        if not instance:
+            if self._peer is None:
+                assert self._peer_name is not None
+                self._peer = ray.get_actor(self._peer_name)
+            return self._peer
+        found = self._peers.get(instance)
+        if found is None:
+            found = self._peers[instance] = ray.get_actor(f"{self._fleet}.coord.{instance}")
+        return found
+
+    async def forget_peer(self, instance: str) -> None:
+        """Peer instance `instance` left the fleet: drop its cached handle."""
+        self._peers.pop(instance, None)
 
     async def cancel_many(self, parents: Sequence[ParentKey]) -> list[str | None]:
         """`cancel` for many parents in one call (one Ray hop, one round)."""
@@ -526,11 +575,11 @@ class CoordinatorCore:
         round's decision ("cancelled", "failed", ...) or None if the
         coordinator does not know the parent."""
         await self._ensure_started()
-        if self._peer_name is not None:
+        if self._peer_name is not None or parent in self._peer_of:
             # We admit in the peer instance too: cancel there as well. Sent
             # after any admission we asked it for (tasks start in creation
             # order), so it can never overtake that admission.
-            self._own(self._peer_cancel([parent]))
+            self._own(self._peer_cancel([parent], self._peer_of.get(parent, "")))
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._pending_cancels.setdefault(parent, []).append(future)
         self._wakeup.set()
@@ -547,6 +596,44 @@ class CoordinatorCore:
                 raise StaleEpochError(epoch, self._epochs[rank])
         self._want_votes = True  # its news was not pushed: ask every rank for a vote
         self._wakeup.set()
+
+    async def watch(self) -> None:
+        """Never answers while this coordinator lives: a caller awaiting it
+        learns of the coordinator's death at once (Ray fails the call), with
+        no polling. Ends (returns) at shutdown."""
+        if self._stopped is None:
+            self._stopped = asyncio.Event()
+        await self._stopped.wait()
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop admitting for good (`submit` and `admit_many` raise
+        `InstanceDraining`; nothing queued is lost: what was queued before
+        still runs) and wait until no handoff of this instance is pending or
+        in flight, within ``timeout`` seconds. True once drained; False if
+        the bound passed first (the instance stays draining: call again).
+        Waits on the rounds' progress, not on a clock guess."""
+        await self._ensure_started()
+        self._draining = True
+        if self.state is TopologyState.RUNNING:
+            self.state = TopologyState.DRAINING
+        leader = self._leader
+        assert leader is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+
+        def busy() -> bool:
+            return bool(self._pending_admits or self._submitted or leader.in_flight)
+
+        while busy():
+            if self.state in (TopologyState.FAILED, TopologyState.SHUT_DOWN):
+                return False
+            self._round_done.clear()
+            try:
+                async with asyncio.timeout(max(deadline - loop.time(), 0.0)):
+                    await self._round_done.wait()
+            except TimeoutError:
+                return not busy()
+        return True
 
     async def run_round(self) -> RoundDecision:
         """Run one round now, with or without news; returns its decision or
@@ -657,12 +744,16 @@ class CoordinatorCore:
             assert leader is not None
             loop = asyncio.get_running_loop()
             admissions: list[AdmissionRequest] = []
-            for parent, (num_tokens, _, release, blocks) in self._pending_admits.items():
+            for parent, (num_tokens, _, release, blocks, peer) in self._pending_admits.items():
                 if len(admissions) >= self._max_batch:
                     break
                 admissions.append(
                     AdmissionRequest(
-                        parent=parent, num_tokens=num_tokens, release_when_ready=release, blocks=blocks
+                        parent=parent,
+                        num_tokens=num_tokens,
+                        release_when_ready=release,
+                        blocks=blocks,
+                        peer_instance=peer,
                     )
                 )
             cancels = list(self._pending_cancels)[:MAX_ROUND_ITEMS]
@@ -684,7 +775,7 @@ class CoordinatorCore:
             # it now, in one call, while our ranks vote.
             paired = [a for a in admissions if a.parent in self._submitted]
             peer_answer = (
-                asyncio.ensure_future(self._peer_admit(paired)) if paired else None
+                asyncio.ensure_future(self._peers_admit(paired)) if paired else None
             )
 
             want_votes, self._want_votes = self._want_votes, False
@@ -708,8 +799,8 @@ class CoordinatorCore:
                 peer_ok = await peer_answer
                 ours = set(decision.admitted)
                 undo = [p for p in peer_ok if p not in ours]
-                if undo:
-                    self._own(self._peer_cancel(undo))
+                for instance in sorted({self._peer_of.get(p, "") for p in undo}):
+                    self._own(self._peer_cancel([p for p in undo if self._peer_of.get(p, "") == instance], instance))
             self._record(decision, taken_admits, taken_cancels, time.perf_counter() - started)
             if bad:
                 if not decision.timed_out:
@@ -727,17 +818,29 @@ class CoordinatorCore:
                 raise timeout
             return decision
 
-    async def _peer_admit(self, admissions: list[AdmissionRequest]) -> set[ParentKey]:
-        """The parents the peer instance admitted (none if it refused, is
-        restarting, failed or did not answer within the round bound)."""
+    async def _peers_admit(self, admissions: list[AdmissionRequest]) -> set[ParentKey]:
+        """The parents their peer instances admitted: one call per peer
+        instance, all at once (a fleet pairs one round's batch with many)."""
+        by_peer: dict[str, list[AdmissionRequest]] = {}
+        for a in admissions:
+            by_peer.setdefault(a.peer_instance, []).append(a)
+        answers = await asyncio.gather(*(self._peer_admit(peer, batch) for peer, batch in by_peer.items()))
+        return set().union(*answers)
+
+    async def _peer_admit(self, instance: str, admissions: list[AdmissionRequest]) -> set[ParentKey]:
+        """The parents peer instance `instance` admitted (none if it refused,
+        is restarting or draining, failed or did not answer within the round
+        bound)."""
         self.calls["peer_admit_calls"] += 1
+        # The peer's ranks learn which instance of ours each parent pairs with.
+        ours = self.topology if self._fleet else ""
         try:
             async with asyncio.timeout(self._round_timeout * 2):
                 if self._peer_claims:
-                    answers = await self._peer_coordinator().claim_many.remote([a.parent for a in admissions])
+                    answers = await self._peer_coordinator(instance).claim_many.remote([a.parent for a in admissions])
                 else:
-                    answers = await self._peer_coordinator().admit_many.remote(
-                        [(a.parent, a.num_tokens) for a in admissions]
+                    answers = await self._peer_coordinator(instance).admit_many.remote(
+                        [(a.parent, a.num_tokens) for a in admissions], ours
                     )
         except Exception as exc:
             self._rank_errors.append(f"peer admission: {exc!r}"[:500])
@@ -747,14 +850,14 @@ class CoordinatorCore:
                 for a in admissions:
                     self._peer_failed.add(a.parent)
             # It may still admit them later (a slow answer): cancel there.
-            self._own(self._peer_cancel([a.parent for a in admissions]))
+            self._own(self._peer_cancel([a.parent for a in admissions], instance))
             return set()
         return {a.parent for a, ok in zip(admissions, answers) if ok}
 
-    async def _peer_cancel(self, parents: list[ParentKey]) -> None:
+    async def _peer_cancel(self, parents: list[ParentKey], instance: str = "") -> None:
         self.calls["peer_cancel_calls"] += 1
         try:
-            await self._peer_coordinator().cancel_many.remote(parents)
+            await self._peer_coordinator(instance).cancel_many.remote(parents)
         except Exception as exc:
             self._rank_errors.append(f"peer cancel: {exc!r}"[:500])
 
@@ -839,6 +942,7 @@ class CoordinatorCore:
         seconds: float,
     ) -> None:
         self._rounds += 1
+        self._round_done.set()
         self._round_seconds.append(seconds)
         batch = len(decision.admitted) + len(decision.rejected) + len(decision.decided) + len(decision.settled())
         self._metrics.round(seconds, batch)
@@ -883,8 +987,11 @@ class CoordinatorCore:
         self._fail_admits(AdmissionStopped(self.topology, reason))
         for rank in ranks:
             await self._restart_rank(rank, reason, budgeted=True)
-        self.state = TopologyState.RUNNING
+        self.state = self._serving_state()
         self._failure_reason = ""
+
+    def _serving_state(self) -> TopologyState:
+        return TopologyState.DRAINING if self._draining else TopologyState.RUNNING
 
     async def _restart_rank(self, rank: int, reason: str, *, budgeted: bool) -> None:
         """Kill ``rank``'s incarnation, tell the factory it is retired, and start
@@ -945,7 +1052,7 @@ class CoordinatorCore:
         if not 0 <= rank < self._tp:
             raise RoundError(f"restart request from unknown rank {rank}")
         async with self._round_lock:
-            if epoch != self._epochs[rank] or self.state is not TopologyState.RUNNING:
+            if epoch != self._epochs[rank] or self.state not in (TopologyState.RUNNING, TopologyState.DRAINING):
                 return False
             leader = self._leader
             assert leader is not None
@@ -957,7 +1064,7 @@ class CoordinatorCore:
             self._reclaim_restarts += 1
             self._reclaimed_by_restart += quarantined
             await self._restart_rank(rank, reason, budgeted=False)
-            self.state = TopologyState.RUNNING
+            self.state = self._serving_state()
             self._failure_reason = ""
         self._wakeup.set()
         return True
@@ -970,7 +1077,7 @@ class CoordinatorCore:
 
     def _fail_admits(self, error: Exception) -> None:
         admits, self._pending_admits = self._pending_admits, {}
-        for parent, (_, future, _, _) in admits.items():
+        for parent, (_, future, _, _, _) in admits.items():
             if not future.done():
                 future.set_exception(error)
             submitted = self._submitted.pop(parent, None)

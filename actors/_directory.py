@@ -1,6 +1,12 @@
 """`Directory`: where a deployment's rank actors find each other.
 
-One named actor per deployment (`<deployment>.directory`). A rank actor
+One named actor per deployment or fleet (`<deployment>.directory`); entries
+are keyed by (instance id, rank), so a fleet's many instances of each role
+share it. It also keeps the fleet's instance table (`add_instance`,
+`remove_instance`, `instances`): each instance's topology spec and memory
+kind, from which a rank builds what it needs to pair with a peer instance,
+and it tells the ranks of the other role when an instance joins
+(`peer_joined`) or leaves (`peer_left`). A rank actor
 registers its current endpoint (with its endpoint epoch), NIXL agent name and
 metadata, and its handle when it starts; a restarted rank registers again with
 a new epoch and replaces the old entry. The directory tells every rank of the
@@ -39,12 +45,17 @@ Entry = tuple[Any, str, bytes, Any]  # (Endpoint, agent name, agent metadata, Bu
 
 class DirectoryCore:
     def __init__(self) -> None:
+        # (instance id, rank) -> the current incarnation's entry and handle.
         self._entries: dict[tuple[str, int], tuple[Entry, Any]] = {}
-        # (role, rank) -> the current incarnation's descriptor frame (beside
-        # `_entries`, so that `lookup`/`all_of` answers keep their shape).
+        # (instance id, rank) -> the current incarnation's descriptor frame
+        # (beside `_entries`, so that `lookup`/`all_of` answers keep their shape).
         self._descriptors: dict[tuple[str, int], bytes] = {}
-        # (role, rank, epoch) -> (node id, pid) of that incarnation's process.
+        # (instance id, rank, epoch) -> (node id, pid) of that incarnation's process.
         self._where: dict[tuple[str, int, int], tuple[str, int]] = {}
+        # The fleet's instances: id -> (TopologySpec, memory kind), and which
+        # ids left (a late registration of a removed instance is refused).
+        self._instances: dict[str, tuple[Any, str]] = {}
+        self._removed: set[str] = set()
         self._node = ray.get_runtime_context().get_node_id()
         self.deaths_confirmed = 0
         self._changed = asyncio.Event()
@@ -64,16 +75,20 @@ class DirectoryCore:
         where: tuple[str, int] | None = None,
         descriptor: bytes | None = None,
     ) -> None:
+        instance = entry[0].ns.instance_id
+        if instance in self._removed:
+            return  # the instance left the fleet: a late incarnation never comes back
+        key = (instance, rank)
         if where is not None:
-            self._where[(role, rank, entry[0].epoch)] = where
-        current = self._entries.get((role, rank))
+            self._where[(instance, rank, entry[0].epoch)] = where
+        current = self._entries.get(key)
         if current is not None and current[0][0].epoch > entry[0].epoch:
             return  # an older incarnation registering late never replaces a newer one
-        self._entries[(role, rank)] = (entry, handle)
+        self._entries[key] = (entry, handle)
         if descriptor is None:
-            self._descriptors.pop((role, rank), None)  # unknown: nobody negotiates with a stale one
+            self._descriptors.pop(key, None)  # unknown: nobody negotiates with a stale one
         else:
-            self._descriptors[(role, rank)] = descriptor
+            self._descriptors[key] = descriptor
         self._changed.set()
         if current is not None and current[0][0].epoch < entry[0].epoch:
             # A restart: every rank of the other role learns now that the old
@@ -82,24 +97,25 @@ class DirectoryCore:
             # it still has that timeout.
             self._tell_peers(role, "peer_restarted", entry[0])
 
-    async def retire(self, role: str, rank: int, epoch: int, confirm_timeout_s: float = 120.0) -> int:
-        """Incarnation `epoch` of (`role`, `rank`) was killed by its coordinator:
+    async def retire(self, instance: str, rank: int, epoch: int, confirm_timeout_s: float = 120.0) -> int:
+        """Incarnation `epoch` of (`instance`, `rank`) was killed by its coordinator:
         tell every rank of the other role now (`peer_restarted`: its sessions can
         never finish), then, once the death is confirmed, `peer_dead`. Returns
         how many ranks heard `peer_dead` (0 if unconfirmed within the bound)."""
-        found = self._entries.get((role, rank))
+        found = self._entries.get((instance, rank))
         if found is None:
             return 0
         ns = found[0][0].ns
+        role = ns.role.value
         if found[0][0].epoch <= epoch:  # not replaced yet: the replacement's register tells too
             self._tell_peers(role, "peer_restarted", Endpoint(ns=ns, epoch=epoch + 1))
         handle = found[1] if found[0][0].epoch == epoch else None  # None: already replaced
-        if not await self._confirm_dead(role, rank, epoch, handle, confirm_timeout_s):
+        if not await self._confirm_dead(instance, rank, epoch, handle, confirm_timeout_s):
             return 0
         self.deaths_confirmed += 1
         return self._tell_peers(role, "peer_dead", Endpoint(ns=ns, epoch=epoch))
 
-    async def _confirm_dead(self, role: str, rank: int, epoch: int, handle: Any, bound: float) -> bool:
+    async def _confirm_dead(self, instance: str, rank: int, epoch: int, handle: Any, bound: float) -> bool:
         """Wait until incarnation `epoch` is gone: Ray answers a call to it with
         ActorDiedError (the GCS marked it dead after ray.kill), and, when its
         process ran on this node, that process no longer exists (the DEAD mark
@@ -116,7 +132,7 @@ class DirectoryCore:
                 if time.monotonic() >= deadline:
                     return False
                 await asyncio.sleep(0.05)
-        where = self._where.pop((role, rank, epoch), None)
+        where = self._where.pop((instance, rank, epoch), None)
         if where is None:
             return handle is not None
         node, pid = where
@@ -128,38 +144,75 @@ class DirectoryCore:
             await asyncio.sleep(0.02)
         return True
 
-    def _tell_peers(self, role: str, notice: str, endpoint: Endpoint) -> int:
+    def _tell_peers(self, role: str, notice: str, *about: Any) -> int:
         """Send `notice` about `endpoint` to every rank of the other role
         (fire-and-forget). `peer_restarted(newer)`: an incarnation newer than
         any you have sessions with, end those with every older epoch;
         `peer_dead(dead)`: that incarnation is confirmed dead."""
         told = 0
-        for (other, _), (_, peer) in self._entries.items():
-            if other != role:
-                getattr(peer, notice).remote(endpoint)
+        for (entry, peer) in list(self._entries.values()):
+            if entry[0].ns.role.value != role:
+                getattr(peer, notice).remote(*about)
                 told += 1
         return told
 
-    async def lookup(self, role: str, rank: int) -> tuple[Entry, Any] | None:
+    # -- the fleet's instances -------------------------------------------------------
+
+    async def add_instance(self, spec: Any, memory_kind: str) -> None:
+        """An instance joins: remember its spec and memory kind (a rank reads
+        `instances()` on `connect`; the fleet client tells the live ranks of
+        the other role itself and awaits them, `peer_joined`, so the instance
+        serves only once they paired with it). A removed id never comes back."""
+        instance = spec.instance_id
+        if instance in self._removed:
+            raise ValueError(f"instance {instance!r} left this fleet; a replacement needs a new id")
+        self._instances[instance] = (spec, memory_kind)
+
+    async def remove_instance(self, instance: str) -> list[Any]:
+        """An instance left (drained or dead): forget it and its ranks' entries,
+        tell every rank of the other role (`peer_left`: unload its agents and
+        forget the pair). Returns the removed ranks' handles."""
+        found = self._instances.pop(instance, None)
+        self._removed.add(instance)
+        handles = []
+        for key in [k for k in self._entries if k[0] == instance]:
+            handles.append(self._entries.pop(key)[1])
+            self._descriptors.pop(key, None)
+        if found is not None:
+            self._tell_peers(found[0].role.value, "peer_left", instance)
+        self._changed.set()
+        return handles
+
+    async def instances(self) -> list[tuple[Any, str]]:
+        """Every instance in the fleet: (TopologySpec, memory kind)."""
+        return list(self._instances.values())
+
+    async def lookup(self, instance: str, rank: int) -> tuple[Entry, Any] | None:
         if self._lookup_delay_s:
             await asyncio.sleep(self._lookup_delay_s)
-        return self._entries.get((role, rank))
+        return self._entries.get((instance, rank))
 
     async def descriptors(self) -> dict[tuple[str, int], bytes]:
-        """Every registered rank's descriptor frame, by (role, rank): the
+        """Every registered rank's descriptor frame, by (instance id, rank): the
         current incarnation's (a late, older registration never replaces it)."""
         return dict(self._descriptors)
 
-    async def all_of(self, role: str) -> list[tuple[Entry, Any]]:
-        return [v for (r, _), v in sorted(self._entries.items()) if r == role]
+    async def all_of(self, who: str) -> list[tuple[Entry, Any]]:
+        """The entries of one instance (by id), or of every instance of a role
+        ("ctx" / "gen"), ordered by (instance, rank)."""
+        return [
+            v
+            for (instance, _), v in sorted(self._entries.items())
+            if instance == who or v[0][0].ns.role.value == who
+        ]
 
     async def wait_for(self, expected: dict[str, list[int]], timeout: float) -> bool:
-        """Wait until every (role, rank) has registered at least the given epoch."""
+        """Wait until every (instance id, rank) has registered at least the given epoch."""
 
         def ready() -> bool:
-            for role, epochs in expected.items():
+            for instance, epochs in expected.items():
                 for rank, epoch in enumerate(epochs):
-                    found = self._entries.get((role, rank))
+                    found = self._entries.get((instance, rank))
                     if found is None or found[0][0].epoch < epoch:
                         return False
             return True

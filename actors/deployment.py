@@ -234,16 +234,19 @@ class _RankFactory:
         tell the peer instance's ranks now (fire-and-forget)."""
         config = self.configs[rank]
         directory = ray.get_actor(f"{config.deployment}.directory")
-        directory.retire.remote(config.spec.role.value, rank, epoch)
+        directory.retire.remote(config.spec.instance_id, rank, epoch)
 
 
 class _Attempt:
     """One `handoff` of one request id: its parent key and the owned tasks
     that drive it (`task`) and admit it (`admission`)."""
 
-    def __init__(self, parent: ParentKey, num_tokens: int) -> None:
+    def __init__(self, parent: ParentKey, num_tokens: int, ctx: str = "", gen: str = "") -> None:
         self.parent = parent
         self.num_tokens = num_tokens
+        # The instances it pairs (a fleet has many; "": the deployment's one pair).
+        self.ctx = ctx
+        self.gen = gen
         self.task: asyncio.Task[HandoffResult] | None = None
         self.admission: asyncio.Task[str] | None = None  # the submission's outcome, or "broken"
         self.cancel_requested = False  # a client cancel(): a refusal is then "cancelled"
@@ -668,7 +671,7 @@ class Deployment:
         finally:
             for future in starts.values():
                 future.cancel()
-        expected = {role.value: starts[role].result() for role in self._coords}
+        expected = {self._spec(role).instance_id: starts[role].result() for role in self._coords}
         left = max(deadline - loop.time(), 0.0)
         if not await self._directory.wait_for.remote(expected, left):
             raise LaunchFailed(self.name, f"rank actors did not register with the directory within {start_timeout_s:g}s")
@@ -787,7 +790,9 @@ class Deployment:
             return
         # The directory may lag a restart by a moment: wait until it caught up,
         # rather than hand GEN a dead incarnation's endpoint.
-        await self._directory.wait_for.remote({Role.CTX.value: ctx_epochs, Role.GEN.value: gen_epochs}, 30.0)
+        await self._directory.wait_for.remote(
+            {self.ctx_spec.instance_id: ctx_epochs, self.gen_spec.instance_id: gen_epochs}, 30.0
+        )
         ctx_handles, gen_handles, entries = await asyncio.gather(
             self._coords[Role.CTX].rank_handles.remote(),
             self._coords[Role.GEN].rank_handles.remote(),
@@ -825,6 +830,9 @@ class Deployment:
 
     async def _wait(self, parent: ParentKey, role: Role, timeout: float, absent: str | None = None) -> list[str]:
         handles = self._cached_ranks(role) if self._view is not None else await self.ranks(role)
+        return await self._wait_on(handles, parent, timeout, absent)
+
+    async def _wait_on(self, handles: list[Any], parent: ParentKey, timeout: float, absent: str | None = None) -> list[str]:
         found = await asyncio.gather(
             *(h.wait.remote(parent, timeout, absent) for h in handles), return_exceptions=True
         )
@@ -854,21 +862,28 @@ class Deployment:
         Raises only `InvalidRequest` (bad arguments: nothing was sent) and
         `DeploymentClosed` (after `shutdown()`)."""
         self._check_open()
+        self._check_timeout(timeout)
+        self._checked(request_id, num_tokens)
+        return await self._handoff(request_id, num_tokens, float(timeout))
+
+    def _check_timeout(self, timeout: Any) -> None:
         if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
             raise InvalidRequest(f"timeout must be a positive number of seconds, got {_short(timeout)}")
-        self._checked(request_id, num_tokens)
+
+    async def _handoff(self, request_id: str, num_tokens: int, timeout: float, ctx: str = "", gen: str = "") -> HandoffResult:
+        """`handoff` once its arguments were checked (a fleet also names the pair)."""
         older = self._live.get(request_id)
         if older is not None:
             # Superseded: the older attempt ends "cancelled" and is handed back.
             older.abandoned = True
             assert older.task is not None
             older.task.cancel()
-        attempt = _Attempt(self._new_attempt(request_id), num_tokens)
+        attempt = _Attempt(self._new_attempt(request_id), num_tokens, ctx, gen)
         self._live[request_id] = attempt
         # The submission starts now, in its own task: whoever hands the attempt
         # back waits for it to be sent first (see the module docstring).
         attempt.admission = self._spawn(self._submit(attempt))
-        attempt.task = self._spawn(self._run(attempt, float(timeout)))
+        attempt.task = self._spawn(self._run(attempt, timeout))
         try:
             return await asyncio.shield(attempt.task)
         except asyncio.CancelledError:
@@ -884,12 +899,23 @@ class Deployment:
         it could not be asked (it died)."""
         self.calls["submit"] += 1
         try:
-            return str(
-                await self._coords[Role.GEN].submit.remote(attempt.parent, attempt.num_tokens, True)
-            )
+            return str(await self._submit_call(attempt))
         except Exception as exc:
             log.warning("%s: submitting %s raised: %r", self.name, attempt.parent, exc)
             return "broken"
+
+    def _submit_call(self, attempt: _Attempt) -> Any:
+        """The submission's Ray call (a fleet names the CTX instance too)."""
+        return self._coords[Role.GEN].submit.remote(attempt.parent, attempt.num_tokens, True)
+
+    async def _attempt_ranks(self, attempt: _Attempt, role: Role) -> list[Any]:
+        """The current rank handles of the attempt's instance of `role`."""
+        await self.refresh_view()
+        return self._cached_ranks(role)
+
+    def _cancel_call(self, attempt: _Attempt | None, parent: ParentKey) -> Any:
+        """The cancel's Ray call: to the GEN coordinator the attempt went to."""
+        return self._coords[Role.GEN].cancel.remote(parent)
 
     async def _run(self, attempt: _Attempt, timeout: float) -> HandoffResult:
         """Drive one attempt under its `timeout`; whatever way it ends, an
@@ -929,7 +955,6 @@ class Deployment:
         assert attempt.admission is not None
         decided = await asyncio.shield(attempt.admission)
         latency = time.perf_counter() - start
-        gen_tp = self.gen_spec.tp
         if decided == "completed":
             verified = self._expected_bytes(attempt.num_tokens) if self.synthetic else 0
             result = HandoffResult(
@@ -937,7 +962,7 @@ class Deployment:
                 outcome="completed",
                 bytes_verified=verified,
                 latency_s=latency,
-                gen_outcomes=("completed",) * gen_tp,
+                gen_outcomes=("completed",) * self._gen_tp(attempt),
             )
             return result, True
         if decided == "rejected":
@@ -947,14 +972,16 @@ class Deployment:
             return HandoffResult(request_id=request_id, outcome="failed", latency_s=latency), False
         # Cancelled or failed: what each rank made of it (released, drained,
         # quarantined) is the outcome's detail; wait for it within the bound.
-        await self.refresh_view()
+        gen_ranks, ctx_ranks = await asyncio.gather(
+            self._attempt_ranks(attempt, Role.GEN), self._attempt_ranks(attempt, Role.CTX)
+        )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout - (time.perf_counter() - start)
         # Both instances decided it by now (the GEN decision waited for the
         # CTX admission's answer): a rank that never held it never will.
         gen, ctx = await asyncio.gather(
-            self._wait(parent, Role.GEN, max(deadline - loop.time(), 0.0), absent="none"),
-            self._wait(parent, Role.CTX, max(deadline - loop.time(), 0.0), absent="none"),
+            self._wait_on(gen_ranks, parent, max(deadline - loop.time(), 0.0), absent="none"),
+            self._wait_on(ctx_ranks, parent, max(deadline - loop.time(), 0.0), absent="none"),
         )
         outcome = _overall(gen, ctx) if decided == "cancelled" else "failed"
         result = HandoffResult(
@@ -965,6 +992,12 @@ class Deployment:
             gen_outcomes=tuple(gen),
         )
         return result, outcome in ("cancelled", "rejected")
+
+    def _gen_tp(self, attempt: _Attempt) -> int:
+        return self.gen_spec.tp
+
+    def _spec(self, role: Role) -> TopologySpec:
+        return self.ctx_spec if role is Role.CTX else self.gen_spec
 
     def _expected_bytes(self, num_tokens: int) -> int:
         """The request's whole KV on the GEN side: every GEN rank's shard."""
@@ -986,11 +1019,11 @@ class Deployment:
             async with asyncio.timeout(self._reclaim_timeout_s):
                 # The cancel goes after the submission (same caller, same
                 # coordinator: Ray keeps their order), so it cannot overtake it.
-                await self._cancel_parent(parent)
+                await self._cancel_parent(parent, attempt)
+                handles: list[Any] = []
                 with contextlib.suppress(Exception):  # a restart: free the current incarnations
-                    await self.refresh_view()
-                if self._view is not None:
-                    await self._free(parent, range(len(self._cached_ranks(Role.GEN))))
+                    handles = await self._attempt_ranks(attempt, Role.GEN)
+                await asyncio.gather(*(h.free.remote(parent) for h in handles), return_exceptions=True)
         except TimeoutError:
             log.warning("%s: handing back %s took over %gs", self.name, parent, self._reclaim_timeout_s)
         except Exception as exc:
@@ -1014,14 +1047,14 @@ class Deployment:
 
     async def _cancel(self, attempt: _Attempt) -> None:
         attempt.cancel_requested = True
-        await self._cancel_parent(attempt.parent)
+        await self._cancel_parent(attempt.parent, attempt)
 
-    async def _cancel_parent(self, parent: ParentKey) -> None:
+    async def _cancel_parent(self, parent: ParentKey, attempt: _Attempt | None = None) -> None:
         # The GEN coordinator cancels in both instances (it forwards to the CTX
         # coordinator after any admission it asked there: in order).
         self.calls["cancel"] += 1
         with contextlib.suppress(Exception):
-            await self._coords[Role.GEN].cancel.remote(parent)
+            await self._cancel_call(attempt, parent)
 
     async def stats(self) -> dict[str, Any]:
         """Per-rank pool counts and counters, and each coordinator's stats.

@@ -279,7 +279,7 @@ class EngineDeployment:
         try:
             async with asyncio.timeout(start_timeout_s):
                 epochs = await asyncio.gather(*(c.epochs.remote() for c in self._coords.values()))
-                expected = {role.value: e for role, e in zip(self._coords, epochs)}
+                expected = {plan.spec(role).instance_id: e for role, e in zip(self._coords, epochs)}
                 if not await self._directory.wait_for.remote(expected, start_timeout_s):
                     raise LaunchFailed(plan.name, "endpoints did not register with the directory")
                 await asyncio.gather(*(h.connect.remote() for hs in self._ranks.values() for h in hs))

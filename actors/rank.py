@@ -138,6 +138,7 @@ from kvhandoff.protocol import (
     DecodeReady,
     Drain,
     Endpoint,
+    FrameError,
     GenEdgeSpec,
     GenRank,
     LocalOutcome,
@@ -167,6 +168,7 @@ from kvhandoff.protocol import (
     SendMessage,
     StageAck,
     StageWrite,
+    StaleError,
     StopPosting,
     UnknownSessionError,
     active_cancel,
@@ -287,11 +289,41 @@ class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: "auto" stages an edge only from this many descriptors (pieces x
     #: blocks) on; 0: the device's measured default (`STAGED_MIN_DESCRIPTORS`).
     staged_min_descriptors: int = 0
+    #: The actor name of this instance's coordinator ("": the pair
+    #: deployment's `<deployment>.coord.<role>`).
+    coordinator: str = ""
+    #: A fleet (docs/design.md "Fleet"): besides `peer_spec`, the rank pairs
+    #: with every instance of the other role in the directory's instance
+    #: table (read on `connect`, told by `peer_joined` / `peer_left`).
+    fleet: bool = False
 
 
 def agent_name(deployment: str, ns: RankNamespace, epoch: int) -> str:
     """NIXL agent names are unique per endpoint epoch: a restarted rank is a new agent."""
     return f"{deployment}.{ns.instance_id}.{ns.role.value}{ns.rank}.e{epoch}"
+
+
+class _Pair:
+    """What a rank knows of one peer instance (docs/design.md "Fleet"): its
+    spec, the pair's digests and shard map, the memory kind of its ranks, and
+    the protocol the two instances negotiated (from the descriptors of every
+    rank of both; redone when a peer incarnation re-registers)."""
+
+    def __init__(self, ours: TopologySpec, peer: TopologySpec, layout: KVLayout, peer_kind: str) -> None:
+        self.spec = peer
+        self.instance = peer.instance_id
+        ctx_spec, gen_spec = (ours, peer) if ours.role is Role.CTX else (peer, ours)
+        self.ctx_digest = topology_digest(ctx_spec)
+        self.gen_digest = topology_digest(gen_spec)
+        self.peer_digest = topology_digest(peer)
+        self.shards = shard_map(layout, ctx_spec.tp, gen_spec.tp)
+        self.peer_kind = peer_kind
+        self.negotiation: NegotiationOutcome = NotNegotiatedError(0, ours.tp + peer.tp)
+        self.seq = [0, 0]  # [queries started, newest answer applied]
+        self.negotiating = False  # an owned renegotiation runs (`_renegotiate`)
+        self.again = False
+        self.unsent: list[tuple[Endpoint, Message]] = []  # sends waiting for the answer
+        self.left = False  # the instance left the fleet: nothing new with it
 
 
 class RankCore(RoundParticipant):
@@ -313,11 +345,19 @@ class RankCore(RoundParticipant):
         self.ns = RankNamespace(instance_id=spec.instance_id, role=spec.role, rank=config.rank)
         self.our = Endpoint(ns=self.ns, epoch=epoch)
         self.digest = topology_digest(spec)
-        self.peer_digest = topology_digest(peer)
-        ctx_spec, gen_spec = self._ctx_and_gen()
-        self.ctx_digest = topology_digest(ctx_spec)
-        self.gen_digest = topology_digest(gen_spec)
-        self.shards = shard_map(config.layout, ctx_spec.tp, gen_spec.tp)
+        # Peer instances, by id: the configured one first (the default pair,
+        # and the only one outside a fleet); a fleet adds the others.
+        default = _Pair(spec, peer, config.layout, config.peer_memory_kind or config.memory_kind)
+        self._pairs: dict[str, _Pair] = {peer.instance_id: default}
+        self._default_peer = peer.instance_id
+        # The default pair's digests and shard map (the staged data plane,
+        # which a fleet does not run, and stats use them).
+        self.peer_digest = default.peer_digest
+        self.ctx_digest = default.ctx_digest
+        self.gen_digest = default.gen_digest
+        self.shards = default.shards
+        # Live parents -> the peer instance each pairs with.
+        self._pair_of: dict[ParentKey, str] = {}
         self.block_bytes = block_bytes(config.layout, spec.tp)
         self.local_heads = heads_per_rank(config.layout, spec.tp)
         # Our KV memory: the engine's tensors (checked), or allocated for the synthetic path.
@@ -366,7 +406,7 @@ class RankCore(RoundParticipant):
         # of another topology is refused by the follower (S3).
         self.member = RoundMember(config.rank, epoch, self._vote, self._apply, topology_digest=self.digest)
         self._restart_requested = False
-        # Peers: endpoint epoch -> actor handle, filled from the directory.
+        # Peers: (instance id, rank) -> (current endpoint, actor handle), from the directory.
         self._peer_handles: dict[tuple[str, int], tuple[Endpoint, Any]] = {}
         self._coordinator: Any = None
         # Fault injection (tests/actors harness, the chaos demo; set through
@@ -393,11 +433,6 @@ class RankCore(RoundParticipant):
         self.violations: list[str] = []
         # Negotiation: nothing agreed until connect() (or a frame) gathered every descriptor.
         self._descriptor = descriptor_frame(config.descriptor or local_descriptor())
-        self._negotiation: NegotiationOutcome = NotNegotiatedError(0, spec.tp + peer.tp)
-        self._negotiation_seq = [0, 0]  # [queries started, newest answer applied]
-        self._negotiating = False  # an owned renegotiation runs (`_renegotiate`)
-        self._renegotiate_again = False
-        self._unsent: list[tuple[Endpoint, Message]] = []  # sends waiting for that answer
         self._frame_gate = asyncio.Lock()  # frames waiting for an answer, in arrival order
         self._gate_waiting = 0
         self._register()
@@ -412,9 +447,10 @@ class RankCore(RoundParticipant):
         """The protocol object of our role, over our pool."""
         raise NotImplementedError
 
-    def _admit(self, request: AdmissionRequest, blocks: int, now: float, deadline: float) -> None:
-        """Lease `blocks` for a proposed admission tentatively (in our vote); a
-        refusal raises (`PoolError`, or whatever the admission carries)."""
+    def _admit(self, request: AdmissionRequest, blocks: int, now: float, deadline: float, pair: _Pair) -> None:
+        """Lease `blocks` for a proposed admission tentatively (in our vote),
+        paired with the peer instance `pair`; a refusal raises (`PoolError`,
+        or whatever the admission carries)."""
         raise NotImplementedError
 
     def _admitted(self, parent: ParentKey, now: float) -> None:
@@ -492,46 +528,54 @@ class RankCore(RoundParticipant):
 
     # -- negotiation (the decisions are protocol/_negotiation.py's) ----------------
 
-    async def _negotiate(self) -> NegotiationOutcome:
-        """Gather the descriptor of every rank of both instances from the
-        directory (ours from our config), let `agree` decide, apply the answer."""
-        self._negotiation_seq[0] += 1
-        seq = self._negotiation_seq[0]
+    @property
+    def _negotiation(self) -> NegotiationOutcome:
+        """The default pair's agreement (outside a fleet: the only one)."""
+        pair = self._pairs.get(self._default_peer)
+        return pair.negotiation if pair is not None else NotNegotiatedError(0, 1)
+
+    async def _negotiate(self, pair: _Pair) -> NegotiationOutcome:
+        """Gather the descriptor of every rank of both instances of `pair` from
+        the directory (ours from our config), let `agree` decide, apply the answer."""
+        pair.seq[0] += 1
+        seq = pair.seq[0]
         known = await self._directory().descriptors.remote()
-        known[(self.role.value, self.config.rank)] = self._descriptor
-        ctx_spec, gen_spec = self._ctx_and_gen()
-        frames = [known.get((s.role.value, r)) for s in (ctx_spec, gen_spec) for r in range(s.tp)]
+        known[(self.ns.instance_id, self.config.rank)] = self._descriptor
+        # The same order on every rank of both instances (CTX ranks, then GEN
+        # ranks): same frames, same answer, and the same words in a refusal.
+        specs = (self.config.spec, pair.spec) if self.role is Role.CTX else (pair.spec, self.config.spec)
+        frames = [known.get((s.instance_id, r)) for s in specs for r in range(s.tp)]
         outcome: NegotiationOutcome
         try:
             outcome = agree(frames)
         except NegotiationError as exc:
             outcome = exc
-        if seq > self._negotiation_seq[1]:  # an older, slower query never replaces a newer answer
-            self._negotiation_seq[1] = seq
-            before = negotiation_summary(self._negotiation)
-            self._negotiation = outcome
+        if seq > pair.seq[1]:  # an older, slower query never replaces a newer answer
+            pair.seq[1] = seq
+            before = negotiation_summary(pair.negotiation)
+            pair.negotiation = outcome
             self._negotiated(outcome)
             if negotiation_summary(outcome) != before:
-                log.info("rank %s: negotiation: %s", self.ns, negotiation_summary(outcome))
-        return self._negotiation
+                log.info("rank %s: negotiation with %s: %s", self.ns, pair.instance, negotiation_summary(outcome))
+        return pair.negotiation
 
-    def _renegotiate(self) -> None:
-        """Negotiate again in an owned task (once more if asked while one runs);
-        then send what waited for the answer, in order."""
-        if self._negotiating:
-            self._renegotiate_again = True
+    def _renegotiate(self, pair: _Pair) -> None:
+        """Negotiate `pair` again in an owned task (once more if asked while one
+        runs); then send what waited for the answer, in order."""
+        if pair.negotiating:
+            pair.again = True
             return
-        self._negotiating = True
+        pair.negotiating = True
 
         async def run() -> None:
             try:
-                self._renegotiate_again = True
-                while self._renegotiate_again:
-                    self._renegotiate_again = False
-                    await self._negotiate()
+                pair.again = True
+                while pair.again:
+                    pair.again = False
+                    await self._negotiate(pair)
             finally:
-                self._negotiating = False
-                unsent, self._unsent = self._unsent, []
+                pair.negotiating = False
+                unsent, pair.unsent = pair.unsent, []
                 for to, message in unsent:
                     frame = self._encode(message)
                     if frame is not None:
@@ -539,32 +583,42 @@ class RankCore(RoundParticipant):
 
         self._own(run())
 
-    async def _await_agreement(self) -> None:
+    async def _await_agreement(self, pair: _Pair) -> None:
         """A frame came before an agreement (a restarted rank's first moments):
         negotiate now. Frames wait in arrival order (the lock is FIFO, and a
         frame that comes while others wait queues behind them)."""
         self._gate_waiting += 1
         try:
             async with self._frame_gate:
-                if isinstance(self._negotiation, NotNegotiatedError):
-                    await self._negotiate()
+                if isinstance(pair.negotiation, NotNegotiatedError):
+                    await self._negotiate(pair)
         except Exception as exc:  # the directory did not answer: still no agreement, refused
             self.counters["negotiation_lookup_failed"] += 1
             log.warning("rank %s: negotiation failed: %r", self.ns, exc)
         finally:
             self._gate_waiting -= 1
 
-    def _decode(self, frame: bytes) -> Message:
-        """Decode against the agreed version; without an agreement, in any
-        version, only to read it well enough to refuse it (`_check_agreed`)."""
-        outcome = self._negotiation
-        return decode_frame(frame, version=outcome.version if isinstance(outcome, Negotiated) else None)
+    def _peer_ns(self, ticket: ContextTicket) -> RankNamespace:
+        """The peer rank a ticket names, seen from our role."""
+        return ticket.gen.ns if self.role is Role.CTX else ticket.ctx.ns
 
-    def _check_agreed(self, message: Message) -> None:
-        """Without an agreement every frame but a REJECT is refused, typed
+    def _pair_for(self, message: Message) -> _Pair:
+        """The pair a received frame belongs to: the peer instance its ticket
+        names. A frame naming an instance we do not pair with is refused."""
+        ns = self._peer_ns(message.ticket)  # type: ignore[union-attr]
+        pair = self._pairs.get(ns.instance_id)
+        if pair is None or ns.role is not self.peer_role:
+            raise UnknownSessionError(f"{ns.role.value} instance {ns.instance_id!r} does not pair with {self.ns.instance_id!r}")
+        return pair
+
+    def _check_agreed(self, pair: _Pair, message: Message, version: int) -> None:
+        """With the pair's agreement, a frame of another version is refused
+        (`FrameError`); without one every frame but a REJECT is refused, typed
         (an OPEN addressed to us is then answered REJECT(NEGOTIATION))."""
-        outcome = self._negotiation
+        outcome = pair.negotiation
         if isinstance(outcome, Negotiated):
+            if version != outcome.version:
+                raise FrameError(f"frame is protocol v{version} but v{outcome.version} was negotiated")
             return
         try:
             check_unnegotiated(outcome, message)
@@ -573,18 +627,20 @@ class RankCore(RoundParticipant):
             raise
 
     def _encode(self, message: Message, answering: int | None = None) -> bytes | None:
-        """Encode in the agreed version; without an agreement only an OPEN or a
-        REJECT (in the version of the frame it answers) is written; anything
-        else is not sent (counted)."""
+        """Encode in the pair's agreed version; without an agreement only an
+        OPEN or a REJECT (in the version of the frame it answers) is written;
+        anything else is not sent (counted)."""
+        pair = self._pairs.get(self._peer_ns(message.ticket).instance_id)  # type: ignore[union-attr]
+        outcome = pair.negotiation if pair is not None else NotNegotiatedError(0, 1)
         try:
-            version = frame_version(self._negotiation, message, answering=answering)
+            version = frame_version(outcome, message, answering=answering)
             return encode_frame(message, version=version)
         except NegotiationError as exc:
             self.counters[f"unsent_negotiation_{refusal_kind(exc)}"] += 1
             return None
 
     async def _peer(self, their: Endpoint) -> Any:
-        key = (their.ns.role.value, their.ns.rank)
+        key = (their.ns.instance_id, their.ns.rank)
         cached = self._peer_handles.get(key)
         if cached is not None and cached[0] == their:
             return cached[1]
@@ -599,17 +655,95 @@ class RankCore(RoundParticipant):
         return handle
 
     async def connect(self) -> list[Endpoint]:
-        """Learn every current peer endpoint (and, on CTX, NIXL agent)."""
-        peer_role = self.peer_role
-        peers = await self._directory().all_of.remote(peer_role.value)
+        """Learn every current peer endpoint of the default pair (and, on CTX,
+        its NIXL agents) and negotiate with it; in a fleet, also learn every
+        instance of the other role from the directory's instance table and
+        negotiate with each (their agents are loaded on first use)."""
+        directory = self._directory()
+        if self.config.fleet:
+            listed = await directory.instances.remote()
+            present = {spec.instance_id for spec, _ in listed}
+            for spec, kind in listed:
+                self._add_pair(spec, kind)
+            for instance in [i for i in self._pairs if i not in present]:
+                self._drop_pair(instance)  # left while we were away
         endpoints = []
-        for (endpoint, name, metadata, geometry), handle in peers:
-            self._peer_handles[(peer_role.value, endpoint.ns.rank)] = (endpoint, handle)
-            self._learn_agent(name, metadata, geometry)
-            endpoints.append(endpoint)
-        await self._negotiate()  # every rank has registered by now (or is being restarted)
+        if self._default_peer in self._pairs:
+            for (endpoint, name, metadata, geometry), handle in await directory.all_of.remote(self._default_peer):
+                self._peer_handles[(endpoint.ns.instance_id, endpoint.ns.rank)] = (endpoint, handle)
+                self._learn_agent(name, metadata, geometry)
+                endpoints.append(endpoint)
+        # Every rank has registered by now (or is being restarted).
+        await asyncio.gather(*(self._negotiate(pair) for pair in list(self._pairs.values())))
         self._export_metrics(time.monotonic())  # the pool gauges, before any traffic
         return endpoints
+
+    # -- the fleet: pairs with instances that join and leave --------------------------
+
+    def _add_pair(self, spec: TopologySpec, kind: str) -> _Pair | None:
+        """Pair with instance `spec` (of the other role) if we do not yet."""
+        if spec.role is not self.peer_role or spec.instance_id in self._pairs:
+            return self._pairs.get(spec.instance_id)
+        pair = self._pairs[spec.instance_id] = _Pair(self.config.spec, spec, self.config.layout, kind)
+        self.counters["pairs_added"] += 1
+        return pair
+
+    def _drop_pair(self, instance: str) -> None:
+        """Forget instance `instance`: no new admission pairs with it; its NIXL
+        agents are unloaded once no live parent pairs with it (a WRITE may be
+        in flight toward, or from, an agent until then)."""
+        pair = self._pairs.get(instance)
+        if pair is None:
+            return
+        pair.left = True
+        if any(peer == instance for peer in self._pair_of.values()):
+            return  # unloaded when the last parent with it ends (`_finish`)
+        del self._pairs[instance]
+        for key in [k for k in self._peer_handles if k[0] == instance]:
+            endpoint, _ = self._peer_handles.pop(key)
+            name = agent_name(self.config.deployment, endpoint.ns, endpoint.epoch)
+            if name in self.transport.peers:
+                self.transport.remove_peer(name)
+                self.counters["agents_unloaded"] += 1
+        self._pair_left(instance)
+        self.counters["pairs_removed"] += 1
+
+    def _pair_left(self, instance: str) -> None:
+        """The role's own per-pair state of `instance` goes (its pair was dropped)."""
+
+    async def peer_joined(self, spec: TopologySpec, kind: str) -> bool:
+        """The directory says instance `spec` joined the fleet: pair with it
+        and negotiate (its ranks registered their descriptors before it was
+        added). Refused (False) outside a fleet, for our own role, or when
+        the instance is known already."""
+        if not self.config.fleet or spec.role is not self.peer_role or spec.instance_id in self._pairs:
+            self.counters["refused_peer_joined"] += 1
+            return False
+        pair = self._add_pair(spec, kind)
+        assert pair is not None
+        await self._negotiate(pair)
+        return True
+
+    async def peer_left(self, instance: str) -> bool:
+        """The directory says instance `instance` left the fleet (drained, or
+        removed after its death): admit nothing more with it and unload its
+        agents once nothing with it is live."""
+        if instance not in self._pairs:
+            return False
+        self._drop_pair(instance)
+        return True
+
+    async def paired_with(self, instance: str) -> int:
+        """How many live parents here pair with peer instance `instance` (a
+        drain waits for 0 on every rank of the other role)."""
+        return sum(1 for peer in self._pair_of.values() if peer == instance)
+
+    async def pairs(self) -> dict[str, Any]:
+        """Every pair: the peer instance's TP, whether it left, the agreement."""
+        return {
+            i: {"tp": p.spec.tp, "left": p.left, "negotiated": negotiation_summary(p.negotiation)}
+            for i, p in self._pairs.items()
+        }
 
     async def peer_restarted(self, their: Endpoint) -> int:
         """The directory saw a peer rank come back as `their` (a newer epoch):
@@ -620,16 +754,16 @@ class RankCore(RoundParticipant):
         or about an epoch we already know, changes nothing."""
         if not self._about_a_peer(their, "peer_restarted"):
             return 0
-        key = (their.ns.role.value, their.ns.rank)
+        key = (their.ns.instance_id, their.ns.rank)
         cached = self._peer_handles.get(key)
         if cached is not None and cached[0].epoch < their.epoch:
             del self._peer_handles[key]  # the next send resolves the new incarnation
-        self._renegotiate()  # its incarnation re-registers with its descriptor
+        self._renegotiate(self._pairs[their.ns.instance_id])  # it re-registers with its descriptor
         return self._perform_notice(self.side.peer_restarted(their, time.monotonic()), "peer_restarts_seen")
 
     def _about_a_peer(self, endpoint: Endpoint, notice: str) -> bool:
         """A notice names a rank of our peer instance, or it is refused (counted)."""
-        if endpoint.ns.role is self.peer_role and endpoint.ns.instance_id == self.config.peer_spec.instance_id:
+        if endpoint.ns.role is self.peer_role and endpoint.ns.instance_id in self._pairs:
             return True
         self.counters[f"refused_{notice}"] += 1
         return False
@@ -642,7 +776,7 @@ class RankCore(RoundParticipant):
 
     def _find_coordinator(self) -> bool:
         if self._coordinator is None:
-            name = f"{self.config.deployment}.coord.{self.role.value}"
+            name = self.config.coordinator or f"{self.config.deployment}.coord.{self.role.value}"
             try:
                 self._coordinator = ray.get_actor(name)
             except ValueError:  # not up yet: the next round carries the news anyway
@@ -701,20 +835,27 @@ class RankCore(RoundParticipant):
         deadline = now + self.config.lease_timeout_s
         ok = []
         stopped = self.side.admission_stopped()
-        # No agreed protocol: admit nothing (refused before any lease or DMA).
-        refusal = None if isinstance(self._negotiation, Negotiated) else refusal_kind(self._negotiation)
-        if refusal == "pending":
-            self._renegotiate()
         for request in proposal.admissions:
             if stopped:
                 self.counters["admit_refused_stopped"] += 1
                 continue
-            if refusal is not None:
+            peer = request.peer_instance or self._default_peer
+            pair = self._pairs.get(peer)
+            if pair is None or pair.left:
+                # An instance we do not pair with (unknown, or it left): refused.
+                self.counters["refused_unknown_instance"] += 1
+                continue
+            # No agreed protocol with that instance: admit nothing (refused
+            # before any lease or DMA).
+            if not isinstance(pair.negotiation, Negotiated):
+                refusal = refusal_kind(pair.negotiation)
+                if refusal == "pending":
+                    self._renegotiate(pair)
                 self.counters[f"refused_negotiation_{refusal}"] += 1
                 continue
             try:
                 n = blocks_for_tokens(self.config.layout, request.num_tokens)
-                self._admit(request, n, now, deadline)
+                self._admit(request, n, now, deadline, pair)
             except PoolError:
                 self.counters["admit_refused"] += 1
                 continue
@@ -725,6 +866,7 @@ class RankCore(RoundParticipant):
                 log.warning("rank %s: admission of %s refused: %r", self.ns, request.parent, exc)
                 continue
             self._tokens[request.parent] = request.num_tokens
+            self._pair_of[request.parent] = peer
             ok.append(request.parent)
         return VoteNews(admit_ok=tuple(ok))
 
@@ -770,14 +912,16 @@ class RankCore(RoundParticipant):
 
     async def receive_frame(self, frame: bytes) -> bool:
         """A control frame from a peer rank. Returns whether it was accepted."""
-        if self._gate_waiting or not isinstance(self._negotiation, Negotiated):
-            await self._await_agreement()
-        now = time.monotonic()
         message = None
         try:
-            message = self._decode(frame)
-            self._check_agreed(message)
-            actions = self._receive(message, now)
+            # Any version this build reads; the pair's agreed one is checked
+            # once the ticket says which pair the frame belongs to.
+            message = decode_frame(frame)
+            pair = self._pair_for(message)
+            if self._gate_waiting or not isinstance(pair.negotiation, Negotiated):
+                await self._await_agreement(pair)
+            self._check_agreed(pair, message, frame[4])
+            actions = self._receive(message, time.monotonic())
         except ProtocolError as exc:
             # Refused and nothing changed (S3). Late RECEIPTs for released parents land here too.
             self.counters[f"refused_{type(exc).__name__}"] += 1
@@ -878,10 +1022,11 @@ class RankCore(RoundParticipant):
         self._own(ask())
 
     def _send(self, to: Endpoint, frame: bytes | Message, request_id: str = "") -> Any:
-        if not isinstance(frame, bytes):  # a message: encode it in the agreed version
-            if isinstance(self._negotiation, NotNegotiatedError) or self._unsent:
-                self._unsent.append((to, frame))  # sent, in order, once negotiated
-                self._renegotiate()
+        if not isinstance(frame, bytes):  # a message: encode it in the pair's agreed version
+            pair = self._pairs.get(to.ns.instance_id)
+            if pair is not None and (isinstance(pair.negotiation, NotNegotiatedError) or pair.unsent):
+                pair.unsent.append((to, frame))  # sent, in order, once negotiated
+                self._renegotiate(pair)
                 return None
             request_id = frame.ticket.request_id
             self.counters[f"frames_{type(frame).__name__.lower()}"] += 1
@@ -900,7 +1045,7 @@ class RankCore(RoundParticipant):
             if agent in self.transport.peers and self._notif.send(agent, frame):
                 self.counters["frames_nixl"] += 1
                 return None
-        cached = self._peer_handles.get((to.ns.role.value, to.ns.rank))
+        cached = self._peer_handles.get((to.ns.instance_id, to.ns.rank))
         if cached is not None and cached[0] == to:
             # Group the frames of this event-loop turn per peer: one one-way
             # call carries them all, in the order they were produced.
@@ -1054,6 +1199,11 @@ class RankCore(RoundParticipant):
             if not future.done():
                 future.set_result(self._outcome[parent])
         self._tokens.pop(parent, None)
+        peer = self._pair_of.pop(parent, None)
+        if peer is not None:
+            pair = self._pairs.get(peer)
+            if pair is not None and pair.left:
+                self._drop_pair(peer)  # unloads once no parent with it is live
         self._forget(parent)
 
     async def wait(self, parent: ParentKey, timeout: float, absent: str | None = None) -> LocalOutcome | str:
@@ -1131,6 +1281,7 @@ class RankCore(RoundParticipant):
             "counters": dict(self.counters),
             "violations": list(self.violations),
             "negotiated": negotiation_summary(self._negotiation),
+            "pairs": {i: negotiation_summary(p.negotiation) for i, p in self._pairs.items()},
             "conservative": self._conservative(),
             "staging": self._staging_stats(),
         }
@@ -1203,7 +1354,7 @@ class CtxRankCore(RankCore):
         # those block descriptors.
         self._chunks: dict[ContextTicket, tuple[list[ChunkPlan], BufferGeometry | None, Any]] = {}
         self._geometry: dict[str, BufferGeometry] = {}  # peer agent name -> its buffer
-        self._pieces: dict[tuple[tuple[int, int], int], tuple[Piece, ...]] = {}
+        self._pieces: dict[tuple[str, tuple[int, int], int], tuple[Piece, ...]] = {}
         self._in_flight: dict[tuple[ContextTicket, int], Chunk] = {}
         self._peer_agent: dict[ContextTicket, str] = {}
         self._writer: StagedWriter | None = None
@@ -1242,8 +1393,10 @@ class CtxRankCore(RankCore):
             conservative=self.config.conservative, quarantine_limit=self.config.quarantine_limit,
         )
 
-    def _admit(self, request: AdmissionRequest, blocks: int, now: float, deadline: float) -> None:
-        self.side.admit(request.parent, blocks, now=now, lease_deadline=deadline, blocks=request.blocks)
+    def _admit(self, request: AdmissionRequest, blocks: int, now: float, deadline: float, pair: _Pair) -> None:
+        # This parent's edges here: as many as the GEN instance it pairs with gives us.
+        edges = len(pair.shards.edges_for_ctx_rank(self.config.rank))
+        self.side.admit(request.parent, blocks, now=now, lease_deadline=deadline, blocks=request.blocks, edges=edges)
 
     def _admitted(self, parent: ParentKey, now: float) -> None:
         if self.config.synthetic:
@@ -1254,8 +1407,11 @@ class CtxRankCore(RankCore):
         self._perform(self.side.decided(parent, now))
 
     def _negotiated(self, outcome: NegotiationOutcome) -> None:
-        # The active cancel protocol runs only if the agreed capabilities carry it.
-        self.side.conservative = self.config.conservative or not active_cancel(outcome)
+        # The active cancel protocol runs only if the agreed capabilities carry
+        # it, with every pair agreed so far (one flag for the rank: the safe
+        # side when pairs differ).
+        agreed = [p.negotiation for p in self._pairs.values() if isinstance(p.negotiation, Negotiated)] or [outcome]
+        self.side.conservative = self.config.conservative or not all(active_cancel(o) for o in agreed)
 
     def _conservative(self) -> bool:
         return self.side.conservative
@@ -1273,8 +1429,16 @@ class CtxRankCore(RankCore):
         # The protocol checks the OPEN (lease size, block size, the sender's
         # own agent, whole blocks of its registered buffer when the directory
         # gave us that) before it records anything.
-        chunks = self._plan_chunks(message)
         gen = message.ticket.gen
+        pair = self._pairs[gen.ns.instance_id]  # `_pair_for` found it
+        # The OPEN names the GEN instance exactly as the pair knows it (S3):
+        # another GEN digest is a stale or forged proposal.
+        if message.ticket.gen_digest != pair.gen_digest:
+            raise StaleError("gen topology digest", message.ticket.gen_digest.hex(), pair.gen_digest.hex())
+        paired = self._pair_of.get(message.ticket.parent)
+        if paired is not None and paired != gen.ns.instance_id:
+            raise StaleError("gen instance", gen.ns.instance_id, paired)
+        chunks = self._plan_chunks(message, pair)
         geometry = self._geometry.get(message.buffer.agent_name)
         peer = None
         if geometry is not None:
@@ -1287,7 +1451,7 @@ class CtxRankCore(RankCore):
             now,
             num_chunks=len(chunks),
             expected_agent=agent_name(self.config.deployment, gen.ns, gen.epoch),
-            block_bytes=self.shards.gen_block_bytes,
+            block_bytes=pair.shards.gen_block_bytes,
             peer=peer,
         )
         self._chunks[message.ticket] = (chunks, geometry, message.buffer.blocks)
@@ -1367,17 +1531,29 @@ class CtxRankCore(RankCore):
 
     # -- OPENs, chunk plans, prepared ---------------------------------------------------
 
-    def _edge_pieces(self, edge: tuple[int, int], chunk_bytes: int | None = None) -> tuple[Piece, ...]:
-        """`edge`'s per-block pieces, at most one chunk each (cached for our chunk size)."""
+    def _edge_pieces(
+        self, edge: tuple[int, int], chunk_bytes: int | None = None, peer: str | None = None
+    ) -> tuple[Piece, ...]:
+        """`edge`'s per-block pieces toward GEN instance `peer` (None: the
+        default pair), at most one chunk each (cached per pair and chunk size)."""
         size = chunk_bytes or self.config.chunk_bytes
-        key = (edge, size)
+        instance = peer or self._default_peer
+        key = (instance, edge, size)
         pieces = self._pieces.get(key)
         if pieces is None:
-            segments = memory_pieces(self.shards, edge, self.config.memory_kind, self._gen_kind)
+            pair = self._pairs[instance]
+            segments = memory_pieces(pair.shards, edge, self.config.memory_kind, pair.peer_kind)
             pieces = self._pieces[key] = edge_pieces(segments, size)
         return pieces
 
-    def _plan_chunks(self, message: Open) -> list[ChunkPlan]:
+    def _ticket_pieces(self, ticket: ContextTicket, chunk_bytes: int | None = None) -> tuple[Piece, ...]:
+        return self._edge_pieces(ticket.edge, chunk_bytes, ticket.gen.ns.instance_id)
+
+    def _pair_left(self, instance: str) -> None:
+        for key in [k for k in self._pieces if k[0] == instance]:
+            del self._pieces[key]
+
+    def _plan_chunks(self, message: Open, pair: _Pair) -> list[ChunkPlan]:
         """The WRITE chunks of one edge: our lease's blocks paired, in order, with
         the OPEN's GEN block addresses. Whether those may be written at all is the
         protocol's check (`CtxRank.receive_open`, right after this); a plan for an
@@ -1390,7 +1566,7 @@ class CtxRankCore(RankCore):
         # Block indices only: the addresses come from the GEN's registered
         # regions at post time (`_gen_geometry`), the OPEN's are checked against them.
         pairs = [(ref.block, b.block) for ref, b in zip(self.pool.lease_of(ticket.parent), message.buffer.blocks)]
-        pieces = self._edge_pieces(ticket.edge)
+        pieces = self._edge_pieces(ticket.edge, None, pair.instance)
         return plan_chunks(pieces, pairs, self._plan_bytes(pieces, message.buffer.agent_name, len(pairs) * len(pieces)))
 
     def _plan_bytes(self, pieces: tuple[Piece, ...], peer: str, descriptors: int | None = None) -> int:
@@ -1425,13 +1601,13 @@ class CtxRankCore(RankCore):
 
     # -- the data plane -------------------------------------------------------------------
 
-    def _prepared_lists(self, peer: str, edge: tuple[int, int], geometry: BufferGeometry | None) -> Any:
-        """The prepared descriptor lists toward `peer` for `edge`, or None for the
-        built path (turned off, or the OPEN was not checked against a known buffer)."""
+    def _prepared_lists(self, peer: str, ticket: ContextTicket, geometry: BufferGeometry | None) -> Any:
+        """The prepared descriptor lists toward `peer` for `ticket`'s edge, or None for
+        the built path (turned off, or the OPEN was not checked against a known buffer)."""
         if not self.config.prepared_descriptors or geometry is None:
             return None
         try:
-            return self.transport.prepare(peer, self._edge_pieces(edge), geometry)
+            return self.transport.prepare(peer, self._ticket_pieces(ticket), geometry)
         except DataPlaneError as exc:
             # Same bytes either way: fall back to descriptors built per chunk.
             self.counters["prepare_failed"] += 1
@@ -1450,14 +1626,14 @@ class CtxRankCore(RankCore):
             plan = plans[index]
             if (
                 self._writer is not None
-                and self._writer.wants(self._edge_pieces(ticket.edge), geometry, sum(len(pl.local) for pl in plans))
+                and self._writer.wants(self._ticket_pieces(ticket), geometry, sum(len(pl.local) for pl in plans))
                 and self._writer.post(ticket, index, plan, peer, geometry, now)
             ):
                 return
-            prepared = self._prepared_lists(peer, ticket.edge, geometry)
+            prepared = self._prepared_lists(peer, ticket, geometry)
             if prepared is None:
                 plan = resolve_regions(
-                    plan, self._edge_pieces(ticket.edge), self.buffer.region_table(), geometry.region_table()
+                    plan, self._ticket_pieces(ticket), self.buffer.region_table(), geometry.region_table()
                 )
             self.counters["posts_prepared" if prepared is not None else "posts_built"] += 1
             chunk = self.transport.post(peer, plan, prepared=prepared)
@@ -1468,10 +1644,6 @@ class CtxRankCore(RankCore):
         self._in_flight[(ticket, index)] = chunk
         self._ensure_polling()
 
-    @property
-    def _gen_kind(self) -> str:
-        return self.config.peer_memory_kind or self.config.memory_kind
-
     def _gen_geometry(self, ticket: ContextTicket, peer: str) -> BufferGeometry:
         """The GEN's registered regions as known now (post time), for `ticket`'s
         OPEN; the OPEN's blocks are checked against them if they were not at
@@ -1481,8 +1653,11 @@ class CtxRankCore(RankCore):
         geometry = self._geometry.get(peer)
         if geometry is None:
             raise DataPlaneError(f"the registered regions of {peer!r} are not known")
-        if geometry.kind != self._gen_kind:
-            raise DataPlaneError(f"{peer!r} has memory kind {geometry.kind!r}, the plan is for {self._gen_kind!r}")
+        pair = self._pairs.get(ticket.gen.ns.instance_id)
+        if pair is None:
+            raise DataPlaneError(f"GEN instance {ticket.gen.ns.instance_id!r} left the fleet")
+        if geometry.kind != pair.peer_kind:
+            raise DataPlaneError(f"{peer!r} has memory kind {geometry.kind!r}, the plan is for {pair.peer_kind!r}")
         if checked is None:
             for b in blocks:
                 if not (b.block < geometry.num_blocks and b.length == geometry.block_bytes and b.addr == geometry.block_addr(b.block)):
@@ -1503,7 +1678,7 @@ class CtxRankCore(RankCore):
         """CTX: a raw NIXL WRITE of our `blocks` into GEN rank `gen_rank`'s
         `gen_blocks`, with exactly the regions a handoff would use, no protocol.
         Returns (bytes, seconds from first post to last DONE)."""
-        entry = await self._directory().lookup.remote(Role.GEN.value, gen_rank)
+        entry = await self._directory().lookup.remote(self._default_peer, gen_rank)
         (endpoint, name, metadata, geometry), _ = entry
         self._learn_agent(name, metadata, geometry)
         edge = (self.config.rank, gen_rank)
@@ -1539,7 +1714,7 @@ class CtxRankCore(RankCore):
         into GEN rank `gen_rank`'s region 0 at `offset`, in chunks of
         `chunk_bytes` (window 4), no protocol: the link's ceiling for the
         same bytes a handoff moves in pieces. Returns (bytes, seconds)."""
-        entry = await self._directory().lookup.remote(Role.GEN.value, gen_rank)
+        entry = await self._directory().lookup.remote(self._default_peer, gen_rank)
         (endpoint, name, metadata, geometry), _ = entry
         self._learn_agent(name, metadata, geometry)
         chunk_bytes = chunk_bytes or self.config.chunk_bytes
@@ -1647,7 +1822,7 @@ class GenRankCore(RankCore):
             consume_timeout=self.config.consume_timeout_s, quarantine_limit=self.config.quarantine_limit,
         )
 
-    def _admit(self, request: AdmissionRequest, blocks: int, now: float, deadline: float) -> None:
+    def _admit(self, request: AdmissionRequest, blocks: int, now: float, deadline: float, pair: _Pair) -> None:
         self.side.admit(request.parent, blocks, now=now, deadline=deadline, blocks=request.blocks)
         if request.release_when_ready:
             self._release_when_ready.add(request.parent)
@@ -1729,9 +1904,10 @@ class GenRankCore(RankCore):
 
     # -- opening on admission --------------------------------------------------------------
 
-    def _ctx_endpoints(self) -> list[Endpoint] | None:
-        """GEN: the current endpoint of every CTX rank, or None if one is unknown."""
-        found = [self._peer_handles.get((Role.CTX.value, r)) for r in range(self.config.peer_spec.tp)]
+    def _ctx_endpoints(self, pair: _Pair) -> list[Endpoint] | None:
+        """GEN: the current endpoint of every rank of `pair`'s CTX instance, or
+        None if one is unknown."""
+        found = [self._peer_handles.get((pair.instance, r)) for r in range(pair.spec.tp)]
         if any(f is None for f in found):
             return None
         return [f[0] for f in found if f is not None]
@@ -1747,9 +1923,15 @@ class GenRankCore(RankCore):
             if deferred is not None:
                 deferred.append(parent)
                 return
-        endpoints = self._ctx_endpoints()
+        pair = self._pairs.get(self._pair_of.get(parent, self._default_peer))
+        if pair is None:  # its CTX instance left: the parent cannot proceed here
+            self.counters["open_no_pair"] += 1
+            self.member.record_failure(parent)
+            self._nudge()
+            return
+        endpoints = self._ctx_endpoints(pair)
         if endpoints is None:
-            self._own(self._open_later(parent))
+            self._own(self._open_later(parent, pair))
             return
         lease = self.pool.lease_of(parent)
         gen_bytes = self.block_bytes
@@ -1765,17 +1947,17 @@ class GenRankCore(RankCore):
             blocks=blocks,
         )
         specs = []
-        for edge in self.shards.edges_for_gen_rank(self.config.rank):
+        for edge in pair.shards.edges_for_gen_rank(self.config.rank):
             ticket = ContextTicket(
                 request_id=parent.request_id,
                 ctx_attempt=parent.ctx_attempt,
                 gen_attempt=parent.gen_attempt,
                 ctx=endpoints[edge[0]],
                 gen=self.our,
-                ctx_digest=self.ctx_digest,
-                gen_digest=self.gen_digest,
+                ctx_digest=pair.ctx_digest,
+                gen_digest=pair.gen_digest,
             )
-            expected = self.shards.edge_bytes_per_block(edge) * len(lease)
+            expected = pair.shards.edge_bytes_per_block(edge) * len(lease)
             specs.append(
                 GenEdgeSpec(ticket=ticket, buffer=buffer, num_tokens=self._tokens.get(parent, 0), expected_bytes=expected)
             )
@@ -1792,12 +1974,17 @@ class GenRankCore(RankCore):
             )
         self._perform(actions)
 
-    async def _open_later(self, parent: ParentKey) -> None:
+    async def _open_later(self, parent: ParentKey, pair: _Pair) -> None:
         try:
-            await self.connect()
+            if pair.instance == self._default_peer:
+                await self.connect()
+            else:  # learn that instance's ranks (and their agents) on first use
+                for (endpoint, name, metadata, geometry), handle in await self._directory().all_of.remote(pair.instance):
+                    self._peer_handles[(endpoint.ns.instance_id, endpoint.ns.rank)] = (endpoint, handle)
+                    self._learn_agent(name, metadata, geometry)
         except Exception as exc:
             log.warning("rank %s: cannot learn the CTX endpoints: %r", self.ns, exc)
-        if self._ctx_endpoints() is None:
+        if self._ctx_endpoints(pair) is None:
             # No CTX rank to open to: the parent cannot proceed here.
             self.counters["open_no_endpoint"] += 1
             self.member.record_failure(parent)

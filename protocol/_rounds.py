@@ -69,7 +69,7 @@ from msgspec import Meta
 
 from ._errors import RoundError, StaleError
 from ._messages import MAX_BLOCKS_PER_OPEN
-from ._ticket import DIGEST_LEN, ParentKey
+from ._ticket import DIGEST_LEN, MAX_ID_LEN, ParentKey
 
 __all__ = [
     "MAX_ROUND_ITEMS",
@@ -131,6 +131,10 @@ class AdmissionRequest(_Frozen, frozen=True):
     #: block (the same ids on every rank of the instance, as engines keep one
     #: block table per instance); empty: each rank leases free blocks itself.
     blocks: Annotated[tuple[_BlockId, ...], Meta(max_length=MAX_REQUEST_BLOCKS)] = ()
+    #: The instance of the other role this parent pairs with (a fleet has
+    #: many): GEN ranks open to that CTX instance, CTX ranks expect the edges
+    #: of that GEN instance's TP. Empty: the instance's one configured peer.
+    peer_instance: Annotated[str, Meta(max_length=MAX_ID_LEN, pattern=r"^[A-Za-z0-9_.:\-]*$")] = ""
 
 
 class RoundProposal(_Frozen, frozen=True, tag="round_proposal"):

@@ -847,6 +847,9 @@ class _Parent:
     # completion round will ever come, so the rank releases it itself as soon
     # as every edge is terminal (SETTLED), i.e. as soon as nothing can write.
     cancel_decided: bool = False
+    # CTX: how many edges (GEN ranks) this parent has here; it depends on the
+    # GEN instance the parent pairs with (a fleet mixes TPs). 0: the rank's default.
+    expected_edges: int = 0
 
 
 class _Rank:
@@ -1323,16 +1326,29 @@ class CtxRank(_Rank):
         now: float,
         lease_deadline: float,
         blocks: Sequence[int] | None = None,
+        edges: int | None = None,
     ) -> tuple[BlockRef, ...]:
         """Lease `n_blocks` for `parent` (after the CTX admission round):
         exactly `blocks` when the engine named them, else any free ones.
 
         The KV is held until `lease_deadline` waiting for the GEN side; past it,
         `expire()` releases a parent that never started, or cancels it.
+
+        `edges` is how many edges this parent has on this rank when it is not
+        `edges_per_parent`: in a fleet it depends on the TP of the GEN instance
+        the parent pairs with.
         """
         if lease_deadline < now:
             raise LeaseError(f"lease deadline {lease_deadline} is before now {now}")
-        return self._admit(parent, n_blocks, lease_deadline, blocks)
+        if edges is not None and edges < 1:
+            raise LeaseError(f"a parent needs at least one edge, got {edges}")
+        refs = self._admit(parent, n_blocks, lease_deadline, blocks)
+        if edges is not None:
+            self._parents[parent].expected_edges = edges
+        return refs
+
+    def _edges_of(self, record: _Parent) -> int:
+        return record.expected_edges or self.edges_per_parent
 
     def prefilled(self, parent: ParentKey) -> list[Action]:
         """Prefill finished: the KV is resident and OPENs may be prepared."""
@@ -1386,10 +1402,10 @@ class CtxRank(_Rank):
         _fire(
             self._machine("parent"), self._parent_table, record.state, _PE.EDGE_PREPARED
         )  # validate
-        if len(record.edges) >= self.edges_per_parent:
+        if len(record.edges) >= self._edges_of(record):
             raise LeaseError(
                 f"OPEN for edge {ticket.edge} of {ticket.parent.request_id!r}: the parent has"
-                f" {self.edges_per_parent} edge(s) here, all recorded"
+                f" {self._edges_of(record)} edge(s) here, all recorded"
             )
         _check_open_buffer(
             message,
@@ -1413,7 +1429,7 @@ class CtxRank(_Rank):
         return (
             record is not None
             and record.state is _PS.RESIDENT
-            and len(record.edges) == self.edges_per_parent
+            and len(record.edges) == self._edges_of(record)
             and all(e.state is _ES.PREPARED for e in record.edges.values())
         )
 

@@ -1,0 +1,716 @@
+"""`Fleet`: many CTX and many GEN instances, any-to-any handoffs (docs/design.md "Fleet").
+
+A fleet is any number of CTX (prefill) and GEN (decode) instances in one Ray
+cluster, each a TP group of rank actors with its own coordinator, TP free per
+instance (any pair the shard mapping supports). A handoff pairs one CTX
+instance with one GEN instance: the caller names them (its router decides),
+or the built-in chooser picks the GEN instance with the most free blocks and
+the CTX instance round-robin:
+
+    fleet = await Fleet.launch(ctx=[2, 1], gen=[1, 2])        # TP per instance
+    r = await fleet.handoff("req-1", num_tokens=300)           # chooser
+    r = await fleet.handoff("req-2", 300, ctx="ctx1", gen="gen0")
+    await fleet.add_instance("gen", tp=1)                       # joins mid-traffic
+    await fleet.drain("gen0")                                   # finishes, then leaves
+    await fleet.shutdown()
+
+What a fleet shares and what it does not
+----------------------------------------
+- One directory (`<fleet>.directory`): every rank's entry by (instance id,
+  rank), and the instance table from which a rank learns the instances of
+  the other role (`RankConfig.fleet`). Nothing else is fleet-wide: rounds,
+  pools, agents and restarts stay per instance.
+- Pairs: each rank negotiates the protocol with each peer instance from the
+  descriptors of the two instances' ranks (cached per pair, redone when a
+  peer incarnation re-registers); remote NIXL agents are loaded on a pair's
+  first handoff and unloaded on every survivor when a peer instance leaves,
+  once nothing with it is live.
+- The coordinators: the GEN coordinator of a handoff admits it in its own
+  instance and, in the same round, asks the CTX instance the handoff names
+  (`<fleet>.coord.<id>`, one call per CTX instance per round).
+
+Membership is by incarnation
+----------------------------
+An instance has a logical name ("ctx0", "gen1") and an incarnation; its
+instance id (in every endpoint, ticket and digest) is
+`<fleet>-<name>-i<incarnation>`, so anything of an old incarnation is stale
+(S3), never merely late. `add_instance` starts a new instance (or, with the
+name of one that died, its replacement with the next incarnation): it serves
+once its ranks registered and every rank of the other role negotiated with
+it; nobody pauses. `drain` stops admissions into an instance, waits until no
+handoff touches it any more (its rounds and every peer rank's live parents),
+then removes it: peers forget it and unload its agents. The death of an
+instance's coordinator (its ranks die with it: Ray ends the actors an actor
+owns) is seen at once by the fleet's watch (a call the coordinator never
+answers fails when it dies): the instance is fenced (no new handoff is
+routed to it), its ranks are retired in the directory (peers end their
+sessions with them; the directory confirms each death, the proof that lets a
+GEN rank reclaim what a dead writer left quarantined) and the instance is
+removed. A dead rank alone is the instance's own business: its coordinator
+restarts it with a new epoch (docs/design.md "Quarantine and reclaim"); only
+handoffs touching that instance fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from kvhandoff.actors._coordinator import Coordinator
+from kvhandoff.actors._dataplane import FaultPlan
+from kvhandoff.actors._directory import Directory
+from kvhandoff.actors._placement import (
+    bundle_strategy,
+    create_group,
+    group_node,
+    node_views,
+    remove_group,
+    wait_ready,
+)
+from kvhandoff.actors.deployment import (
+    DEFAULT_LAYOUT,
+    Deployment,
+    DeploymentError,
+    HandoffResult,
+    InvalidConfig,
+    InvalidRequest,
+    LaunchFailed,
+    PlacementFailed,
+    _Attempt,
+    _check_int,
+    _RankFactory,
+    _ref,
+    _short,
+)
+from kvhandoff.actors.rank import RankConfig
+from kvhandoff.protocol import MemoryKind, Role, TopologyError
+from kvhandoff.topology import (
+    KVLayout,
+    TopologySpec,
+    blocks_for_tokens,
+    check_memory_kind,
+    place_instance,
+    qualify_pair,
+    shard_map,
+    topology_digest,
+    unplaced_reasons,
+)
+
+__all__ = ["Fleet", "InstanceUnavailable", "UnknownInstance"]
+
+log = logging.getLogger("kvhandoff.fleet")
+
+#: A logical instance name: short, and safe inside an instance id.
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")
+
+
+class UnknownInstance(InvalidRequest):
+    """A handoff or call names an instance the fleet never had. Nothing changed."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        self.name = name
+        super().__init__(f"no instance {name!r} in this fleet (instances: {', '.join(known) or 'none'})")
+
+
+class InstanceUnavailable(DeploymentError):
+    """The named instance is draining, dead or removed, or has the wrong role:
+    nothing was sent to it. `state` says which."""
+
+    def __init__(self, name: str, state: str) -> None:
+        self.name = name
+        self.state = state
+        super().__init__(f"instance {name!r} is {state}: it takes no new handoffs")
+
+
+@dataclass
+class _Instance:
+    """One instance as the fleet client sees it."""
+
+    name: str
+    role: Role
+    tp: int
+    incarnation: int
+    spec: TopologySpec
+    configs: list[RankConfig]
+    resources: list[dict[str, Any]]
+    state: str = "starting"  # starting | serving | draining | dead | removed
+    coord: Any = None
+    group: Any = None
+    node: str = ""
+    watch: asyncio.Task[None] | None = None
+    # Blocks the client's in-flight handoffs lease here (the chooser's free estimate).
+    leased: int = 0
+    counts: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    @property
+    def id(self) -> str:
+        return self.spec.instance_id
+
+
+class Fleet(Deployment):
+    """Many CTX and GEN instances with any-to-any handoffs (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._instances: dict[str, _Instance] = {}  # logical name -> current incarnation
+        self._by_id: dict[str, _Instance] = {}  # instance id -> incarnation (all, also ended)
+        self._names = {Role.CTX: itertools.count(), Role.GEN: itertools.count()}
+        self._rr = itertools.count()
+        self._common: dict[str, Any] = {}
+        self._memory_kind = "blocked"
+        self._gpus_per_rank = 1.0
+        self._placement_timeout_s = 120.0
+        self._start_timeout_s = 600.0
+        self._round_timeout_s = 5.0
+        self._max_restarts = 3
+        #: Handoff outcomes per pair of logical names: {"ctx0->gen1": Counter}.
+        self.pair_outcomes: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        #: Membership events: (kind, instance name, seconds since launch).
+        self.events: list[tuple[str, str, float]] = []
+        self._t0 = time.monotonic()
+        self._membership = asyncio.Lock()
+
+    # -- launch ---------------------------------------------------------------------
+
+    @classmethod
+    async def launch(  # type: ignore[override]
+        cls,
+        *,
+        ctx: list[int] | int = 1,
+        gen: list[int] | int = 1,
+        layout: KVLayout | None = None,
+        pool_blocks: int = 64,
+        memory: str = "DRAM",
+        chunk_bytes: int = 256 << 10,
+        transfer_timeout_s: float = 10.0,
+        lease_timeout_s: float = 30.0,
+        round_timeout_s: float = 5.0,
+        max_restarts: int = 3,
+        start_timeout_s: float = 600.0,
+        placement_timeout_s: float = 120.0,
+        gpus_per_rank: float = 1.0,
+        control_frames: str = "ray",
+        memory_kind: str = "blocked",
+        synthetic: bool = True,
+        fault_plan: FaultPlan | None = None,
+        name: str | None = None,
+    ) -> Fleet:
+        """Start a fleet: `ctx` and `gen` are the TP of each instance (a list)
+        or how many tp=1 instances (an int). Instances are named ctx0, ctx1,
+        ... and gen0, gen1, ... Every pair of a CTX and a GEN instance must be
+        supported by the shard mapping (the KV heads split by both TPs).
+
+        Raises `InvalidConfig` before any actor starts for a configuration
+        that can never work, and `LaunchFailed` (after stopping everything it
+        started) when the instances did not come up within `start_timeout_s`.
+        The fleet's data plane is direct (one descriptor per piece): staging
+        arenas are partitioned per peer rank of one peer instance."""
+        self = cls()
+        self.name = name or f"kvh-{uuid.uuid4().hex[:8]}"
+        ctx_tps = _tps("ctx", ctx)
+        gen_tps = _tps("gen", gen)
+        _check_int("pool_blocks", pool_blocks, 1)
+        _check_int("chunk_bytes", chunk_bytes, 1)
+        _check_int("max_restarts", max_restarts, 0)
+        for fname, value in (
+            ("transfer_timeout_s", transfer_timeout_s),
+            ("lease_timeout_s", lease_timeout_s),
+            ("round_timeout_s", round_timeout_s),
+            ("start_timeout_s", start_timeout_s),
+            ("placement_timeout_s", placement_timeout_s),
+        ):
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise InvalidConfig(f"{fname} must be a positive number of seconds, got {_short(value)}")
+        if control_frames not in ("ray", "nixl"):
+            raise InvalidConfig(f"control_frames must be 'ray' or 'nixl', got {_short(control_frames)}")
+        try:
+            check_memory_kind(memory_kind)
+            mem = MemoryKind(memory)
+        except (TopologyError, ValueError) as exc:
+            raise InvalidConfig(str(exc)) from None
+        self.layout = layout or DEFAULT_LAYOUT
+        self.pool_blocks = pool_blocks
+        self.synthetic = synthetic
+        self._memory_kind = memory_kind
+        self._gpus_per_rank = gpus_per_rank
+        self._placement_timeout_s = placement_timeout_s
+        self._start_timeout_s = start_timeout_s
+        self._round_timeout_s = round_timeout_s
+        self._max_restarts = max_restarts
+        self._common = {
+            "memory": mem,
+            "transfer_timeout_s": transfer_timeout_s,
+            "chunk_bytes": chunk_bytes,
+            "lease_timeout_s": lease_timeout_s,
+            "device": "cuda" if mem is MemoryKind.VRAM else "cpu",
+            "frames": control_frames,
+            "fault_plan": fault_plan,
+        }
+        for a in set(ctx_tps):  # every pair the fleet may form must split the KV heads
+            for b in set(gen_tps):
+                self._check_pair(a, b)
+        # Each rank's default pair is the first instance of the other role.
+        first = {Role.CTX: self._spec(Role.CTX, "ctx0", 1, ctx_tps[0]), Role.GEN: self._spec(Role.GEN, "gen0", 1, gen_tps[0])}
+        planned = [self._plan_instance(Role.CTX, tp, peer=first[Role.GEN]) for tp in ctx_tps] + [
+            self._plan_instance(Role.GEN, tp, peer=first[Role.CTX]) for tp in gen_tps
+        ]
+        verdict = qualify_pair(planned[0].spec, planned[-1].spec)
+        self.qualified, self.unqualified_reasons = verdict.qualified, verdict.reasons
+        self.ctx_spec = planned[0].spec  # the first of each role (Deployment's accessors)
+        self.gen_spec = planned[-1].spec
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False)
+        if mem is MemoryKind.VRAM and not ray.cluster_resources().get("GPU", 0):
+            raise InvalidConfig("memory='VRAM' puts each rank's KV pool on a GPU, but the Ray cluster has no GPU")
+        self._reclaim_timeout_s = lease_timeout_s + 2 * transfer_timeout_s + 4 * round_timeout_s
+        try:
+            self._directory = Directory.options(name=f"{self.name}.directory").remote()
+            for inst in planned:
+                await self._directory.add_instance.remote(inst.spec, memory_kind)
+            await asyncio.gather(*(self._start_instance(inst) for inst in planned))
+            # Every rank registered: each learns the instance table and negotiates per pair.
+            await asyncio.gather(*(h.connect.remote() for h in await self._ranks_of(planned)))
+        except BaseException as exc:
+            await self._teardown()
+            if isinstance(exc, DeploymentError) or not isinstance(exc, Exception):
+                raise
+            raise LaunchFailed(self.name, f"{type(exc).__name__}: {exc}") from exc
+        for inst in planned:
+            self._serve(inst)
+        self._coords = {Role.CTX: planned[0].coord, Role.GEN: planned[-1].coord}
+        return self
+
+    def _check_pair(self, ctx_tp: int, gen_tp: int) -> None:
+        try:
+            shard_map(self.layout, ctx_tp, gen_tp)
+        except (TopologyError, ValueError) as exc:
+            raise InvalidConfig(f"a CTX tp={ctx_tp} and a GEN tp={gen_tp} instance cannot pair: {exc}") from None
+
+    def _spec(self, role: Role, name: str, incarnation: int, tp: int) -> TopologySpec:
+        return TopologySpec(
+            instance_id=f"{self.name}-{name}-i{incarnation}",
+            role=role,
+            tp=tp,
+            memory=self._common["memory"],
+            transfer_timeout_s=self._common["transfer_timeout_s"],
+        )
+
+    def _plan_instance(
+        self, role: Role, tp: int, name: str | None = None, peer: TopologySpec | None = None
+    ) -> _Instance:
+        """An instance's spec and rank configs (its next incarnation, if `name`
+        had one). `peer`: its ranks' default pair (None: the first serving
+        instance of the other role)."""
+        if name is None:
+            name = f"{role.value}{next(self._names[role])}"
+            while name in self._instances:
+                name = f"{role.value}{next(self._names[role])}"
+        before = self._instances.get(name)
+        incarnation = before.incarnation + 1 if before is not None else 1
+        spec = self._spec(role, name, incarnation, tp)
+        if peer is None:
+            other = self._serving(Role.GEN if role is Role.CTX else Role.CTX)
+            if not other:
+                raise InstanceUnavailable(f"any {'gen' if role is Role.CTX else 'ctx'} instance", "absent: none to pair with")
+            peer = other[0].spec
+        configs = [
+            RankConfig(
+                deployment=self.name,
+                spec=spec,
+                peer_spec=peer,
+                layout=self.layout,
+                rank=r,
+                pool_blocks=self.pool_blocks,
+                chunk_bytes=self._common["chunk_bytes"],
+                lease_timeout_s=self._common["lease_timeout_s"],
+                device=self._common["device"],
+                fault_plan=self._common["fault_plan"] if role is Role.CTX else None,
+                synthetic=self.synthetic,
+                frames=self._common["frames"],
+                memory_kind=self._memory_kind,
+                data_mode="direct",
+                coordinator=f"{self.name}.coord.{spec.instance_id}",
+                fleet=True,
+            )
+            for r in range(tp)
+        ]
+        try:
+            request = place_instance(spec, num_ranks=tp, gpus_per_rank=self._gpus_per_rank)
+        except TopologyError as exc:
+            raise InvalidConfig(str(exc)) from None
+        inst = _Instance(
+            name=name, role=role, tp=tp, incarnation=incarnation, spec=spec, configs=configs,
+            resources=[dict(o) for o in request.actor_options],
+        )
+        inst.placement = request  # type: ignore[attr-defined]
+        self._instances[name] = inst
+        self._by_id[spec.instance_id] = inst
+        return inst
+
+    async def _start_instance(self, inst: _Instance) -> None:
+        """Place the instance's group, start its coordinator (which starts the
+        ranks), and wait until every rank answered and registered."""
+        loop = asyncio.get_running_loop()
+        request = inst.placement  # type: ignore[attr-defined]
+        inst.group = create_group(request, f"{inst.id}")
+        if not await wait_ready(inst.group, self._placement_timeout_s):
+            raise PlacementFailed(
+                self.name, inst.role.value, self._placement_timeout_s, request.demand,
+                dict(request.label_selector), unplaced_reasons(request, node_views(), {}),
+            )
+        inst.node = group_node(inst.group)
+        for rank, options in enumerate(inst.resources):
+            options.update(bundle_strategy(inst.group, rank))
+        inst.coord = Coordinator.options(
+            name=f"{self.name}.coord.{inst.id}", **bundle_strategy(inst.group, 0)
+        ).remote(
+            inst.id,
+            rank_factory=_RankFactory(inst.configs, inst.resources),
+            tp=inst.tp,
+            round_timeout=self._round_timeout_s,
+            max_restarts=self._max_restarts,
+            restart_timeout=self._start_timeout_s,
+            topology_digest=topology_digest(inst.spec),
+            fleet=self.name,
+        )
+        deadline = loop.time() + self._start_timeout_s
+        try:
+            epochs = await asyncio.wait_for(_ref(inst.coord.epochs.remote()), self._start_timeout_s)
+        except TimeoutError:
+            raise LaunchFailed(self.name, f"instance {inst.name}: ranks did not start within {self._start_timeout_s:g}s") from None
+        except Exception as exc:
+            raise LaunchFailed(self.name, f"instance {inst.name}: {getattr(exc, 'reason', exc)}") from exc
+        left = max(deadline - loop.time(), 0.0)
+        if not await self._directory.wait_for.remote({inst.id: epochs}, left):
+            raise LaunchFailed(self.name, f"instance {inst.name}: ranks did not register within {self._start_timeout_s:g}s")
+
+    def _serve(self, inst: _Instance) -> None:
+        inst.state = "serving"
+        inst.watch = self._spawn(self._watch(inst))
+
+    async def _rank_handles(self, inst: _Instance) -> list[Any]:
+        return list(await inst.coord.rank_handles.remote())
+
+    async def _ranks_of(self, insts: list[_Instance]) -> list[Any]:
+        """The current rank handles of every instance in `insts`."""
+        found = await asyncio.gather(*(self._rank_handles(i) for i in insts))
+        return [h for handles in found for h in handles]
+
+    # -- membership -------------------------------------------------------------------
+
+    async def add_instance(self, role: str | Role, tp: int = 1, *, name: str | None = None) -> str:
+        """Start an instance and let it serve; returns its logical name. With
+        the `name` of an instance that died or left, it is that instance's
+        replacement (the next incarnation, a new instance id). Every rank of
+        the other role pairs with it (negotiates) before this returns, so the
+        first handoff routed to it is not refused; nobody pauses."""
+        self._check_open()
+        try:
+            role = Role(role)
+        except ValueError:
+            raise InvalidConfig(f"role must be 'ctx' or 'gen', got {_short(role)}") from None
+        _check_int("tp", tp, 1)
+        if name is not None:
+            if not isinstance(name, str) or not _NAME.match(name):
+                raise InvalidConfig(f"instance name must match {_NAME.pattern}, got {_short(name)}")
+            current = self._instances.get(name)
+            if current is not None and current.state not in ("dead", "removed"):
+                raise InvalidConfig(f"instance {name!r} exists and is {current.state}: a replacement needs it gone")
+            if current is not None and current.role is not role:
+                raise InvalidConfig(f"instance {name!r} was a {current.role.value} instance")
+        for other in self._serving(Role.GEN if role is Role.CTX else Role.CTX):
+            self._check_pair(tp if role is Role.CTX else other.tp, other.tp if role is Role.CTX else tp)
+        async with self._membership:
+            inst = self._plan_instance(role, tp, name)
+            try:
+                await self._directory.add_instance.remote(inst.spec, self._memory_kind)
+                await self._start_instance(inst)
+                ours = await self._rank_handles(inst)
+                peers = await self._ranks_of(self._serving(Role.GEN if role is Role.CTX else Role.CTX))
+                # Ours learn the table and negotiate with every peer; every peer pairs with us.
+                await asyncio.gather(
+                    *(h.connect.remote() for h in ours),
+                    *(h.peer_joined.remote(inst.spec, self._memory_kind) for h in peers),
+                )
+            except BaseException:
+                await self._remove(inst, "removed")
+                raise
+            self._serve(inst)
+            self.events.append(("join", inst.name, time.monotonic() - self._t0))
+        return inst.name
+
+    async def drain(self, name: str, timeout: float = 120.0) -> bool:
+        """Drain instance `name`: no new handoff is routed to it and its
+        coordinator admits none; the handoffs already in flight finish; then
+        it leaves (peers forget it and unload its agents) and its actors stop.
+        True when it drained and left within `timeout`; False if handoffs
+        were still in flight then (it stays draining: call again)."""
+        self._check_open()
+        inst = self._named(name)
+        if inst.state not in ("serving", "draining"):
+            raise InstanceUnavailable(name, inst.state)
+        inst.state = "draining"
+        if not any(e[:2] == ("drain", name) for e in self.events):
+            self.events.append(("drain", name, time.monotonic() - self._t0))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if not await inst.coord.drain.remote(timeout):
+            return False
+        # Its own rounds are done; the other role's ranks may still hold the
+        # last step of a parent with it (a CTX release after the RECEIPT).
+        other = await self._ranks_of(self._serving(Role.GEN if inst.role is Role.CTX else Role.CTX))
+        delay = 0.005
+        while sum(await asyncio.gather(*(h.paired_with.remote(inst.id) for h in other))):
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(delay)  # a condition we observe, polled with backoff
+            delay = min(delay * 2, 0.2)
+        await self._remove(inst, "removed")
+        return True
+
+    async def _remove(self, inst: _Instance, state: str) -> None:
+        """Take `inst` out: the directory forgets it and tells every peer rank
+        (`peer_left`), the GEN coordinators drop its handle, its actors stop."""
+        inst.state = state
+        if inst.watch is not None and inst.watch is not asyncio.current_task():
+            inst.watch.cancel()
+        with contextlib.suppress(Exception):
+            await self._directory.remove_instance.remote(inst.id)
+        if inst.role is Role.CTX:
+            for o in self._serving(Role.GEN):
+                with contextlib.suppress(Exception):
+                    await o.coord.forget_peer.remote(inst.id)
+        if inst.coord is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(_ref(inst.coord.shutdown.remote()), 10.0)
+            with contextlib.suppress(Exception):
+                ray.kill(inst.coord, no_restart=True)
+        if inst.group is not None:
+            with contextlib.suppress(Exception):
+                remove_group(inst.group)
+            inst.group = None
+
+    async def _watch(self, inst: _Instance) -> None:
+        """Learn of the coordinator's death at once: `watch` never answers
+        while it lives. Then fence the instance and take it out (module
+        docstring); a replacement is `add_instance(role, tp, name=...)`."""
+        try:
+            await inst.coord.watch.remote()
+            return  # shut down on purpose
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self._closed or inst.state in ("removed", "dead"):
+                return
+            log.warning("%s: instance %s's coordinator died: %r", self.name, inst.name, exc)
+        inst.state = "dead"
+        self.events.append(("dead", inst.name, time.monotonic() - self._t0))
+        # Its ranks died with it (Ray ends the actors an actor owns). Retire
+        # each incarnation: peers end their sessions with it now, and hear
+        # `peer_dead` once the directory confirmed the death (their proof).
+        epochs = [
+            (rank, entry[0].epoch)
+            for (entry, _handle) in await self._directory.all_of.remote(inst.id)
+            for rank in [entry[0].ns.rank]
+        ]
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*(self._directory.retire.remote(inst.id, rank, epoch) for rank, epoch in epochs))
+        await self._remove(inst, "dead")
+
+    # -- routing ------------------------------------------------------------------------
+
+    def _named(self, name: Any) -> _Instance:
+        inst = self._instances.get(name) if isinstance(name, str) else None
+        if inst is None:
+            raise UnknownInstance(str(name)[:80], sorted(self._instances))
+        return inst
+
+    def _serving(self, role: Role) -> list[_Instance]:
+        return [i for i in self._instances.values() if i.role is role and i.state == "serving"]
+
+    def _choose(self, ctx: str | None, gen: str | None, blocks: int) -> tuple[_Instance, _Instance]:
+        """The pair of a handoff: the named instances (checked), or the GEN
+        instance with the most free blocks (the client's estimate: its pool
+        less what its handoffs in flight lease) and the next CTX instance."""
+        picked = []
+        for role, name in ((Role.CTX, ctx), (Role.GEN, gen)):
+            if name is not None:
+                inst = self._named(name)
+                if inst.role is not role:
+                    raise InstanceUnavailable(name, f"a {inst.role.value} instance, not {role.value}")
+                if inst.state != "serving":
+                    raise InstanceUnavailable(name, inst.state)
+                picked.append(inst)
+                continue
+            serving = self._serving(role)
+            if not serving:
+                raise InstanceUnavailable(f"any {role.value} instance", "absent: none serves")
+            if role is Role.GEN:
+                picked.append(max(serving, key=lambda i: (self.pool_blocks - i.leased, -i.counts["routed"])))
+            else:
+                picked.append(serving[next(self._rr) % len(serving)])
+        c, g = picked
+        self._check_pair(c.tp, g.tp)
+        return c, g
+
+    async def handoff(  # type: ignore[override]
+        self,
+        request_id: str,
+        num_tokens: int,
+        *,
+        ctx: str | None = None,
+        gen: str | None = None,
+        timeout: float = 60.0,
+    ) -> HandoffResult:
+        """`Deployment.handoff` between CTX instance `ctx` and GEN instance
+        `gen` (logical names; None: the chooser picks). Raises
+        `UnknownInstance` for a name the fleet never had and
+        `InstanceUnavailable` for one that is draining, dead or removed,
+        before anything is sent; a handoff already routed to an instance that
+        then drains finishes, one to an instance that dies ends "failed"."""
+        self._check_open()
+        self._check_timeout(timeout)
+        self._checked(request_id, num_tokens)
+        blocks = blocks_for_tokens(self.layout, num_tokens)
+        c, g = self._choose(ctx, gen, blocks)
+        for inst in (c, g):
+            inst.leased += blocks
+            inst.counts["routed"] += 1
+        try:
+            result = await self._handoff(request_id, num_tokens, float(timeout), c.id, g.id)
+        finally:
+            for inst in (c, g):
+                inst.leased -= blocks
+        self.pair_outcomes[f"{c.name}->{g.name}"][result.outcome] += 1
+        return result
+
+    # -- Deployment's hooks, per attempt's pair ----------------------------------------------
+
+    def _submit_call(self, attempt: _Attempt) -> Any:
+        return self._by_id[attempt.gen].coord.submit.remote(attempt.parent, attempt.num_tokens, True, (), attempt.ctx)
+
+    async def _attempt_ranks(self, attempt: _Attempt, role: Role) -> list[Any]:
+        inst = self._by_id[attempt.ctx if role is Role.CTX else attempt.gen]
+        try:
+            return await self._rank_handles(inst)
+        except Exception:
+            return []  # its coordinator is gone: nothing left to ask
+
+    def _cancel_call(self, attempt: _Attempt | None, parent: ParentKeyLike) -> Any:
+        if attempt is not None and attempt.gen:
+            return self._by_id[attempt.gen].coord.cancel.remote(parent)
+        # An attempt that already ended: every GEN instance forgets nothing it held.
+        return asyncio.gather(
+            *(i.coord.cancel.remote(parent) for i in self._serving(Role.GEN)), return_exceptions=True
+        )
+
+    def _gen_tp(self, attempt: _Attempt) -> int:
+        return self._by_id[attempt.gen].tp
+
+    # -- views ------------------------------------------------------------------------------
+
+    def instances(self) -> list[dict[str, Any]]:
+        """Every instance the fleet had: {id (logical name), instance_id, role,
+        tp, incarnation, state, node}; replaced incarnations are not listed."""
+        return [
+            {
+                "id": i.name,
+                "instance_id": i.id,
+                "role": i.role.value,
+                "tp": i.tp,
+                "incarnation": i.incarnation,
+                "state": i.state,
+                "node": i.node,
+            }
+            for i in self._instances.values()
+        ]
+
+    async def instance_ranks(self, name: str) -> list[Any]:
+        """The current rank actor handles of instance `name` (rank i at index i)."""
+        self._check_open()
+        return await self._rank_handles(self._named(name))
+
+    def coordinator_of(self, name: str) -> Any:
+        """The coordinator actor of instance `name`."""
+        self._check_open()
+        return self._named(name).coord
+
+    async def stats(self) -> dict[str, Any]:
+        """Every live instance's coordinator stats and every rank's stats (a
+        part that does not answer is reported, not raised), plus the fleet's
+        instances and per-pair outcomes."""
+        self._check_open()
+        live = [i for i in self._instances.values() if i.state in ("serving", "draining")]
+        coords = await asyncio.gather(*(i.coord.stats.remote() for i in live), return_exceptions=True)
+        handles = await asyncio.gather(*(self._rank_handles(i) for i in live), return_exceptions=True)
+        who = [
+            (i, r, h)
+            for i, found in zip(live, handles)
+            if not isinstance(found, BaseException)
+            for r, h in enumerate(found)
+        ]
+        per_rank = await asyncio.gather(*(h.stats.remote() for _, _, h in who), return_exceptions=True)
+        ranks = []
+        for (inst, rank, _), s in zip(who, per_rank):
+            entry = s if isinstance(s, dict) else {"error": repr(s)[:500], "role": inst.role.value, "rank": rank}
+            entry["instance"] = inst.name
+            ranks.append(entry)
+        return {
+            "name": self.name,
+            "qualified": self.qualified,
+            "unqualified_reasons": list(self.unqualified_reasons),
+            "instances": self.instances(),
+            "pairs": {k: dict(v) for k, v in self.pair_outcomes.items()},
+            "ranks": ranks,
+            "coordinators": {
+                i.name: c if isinstance(c, dict) else {"state": "unreachable", "error": repr(c)[:500]}
+                for i, c in zip(live, coords)
+            },
+        }
+
+    async def _teardown(self) -> None:
+        insts = list(self._by_id.values())
+        for inst in insts:
+            if inst.watch is not None:
+                inst.watch.cancel()
+        await asyncio.gather(
+            *(asyncio.wait_for(_ref(i.coord.shutdown.remote()), 10.0) for i in insts if i.coord is not None),
+            return_exceptions=True,
+        )
+        for inst in insts:
+            if inst.coord is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(inst.coord, no_restart=True)
+        if self._directory is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self._directory, no_restart=True)
+        for inst in insts:
+            if inst.group is not None:
+                with contextlib.suppress(Exception):
+                    remove_group(inst.group)
+                inst.group = None
+
+
+ParentKeyLike = Any
+
+
+def _tps(role: str, value: Any) -> list[int]:
+    """`ctx=` / `gen=`: a count of tp=1 instances, or one TP per instance."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        _check_int(f"{role} instances", value, 1)
+        return [1] * value
+    if not isinstance(value, list | tuple) or not value:
+        raise InvalidConfig(f"{role} must be a count >= 1 or a non-empty list of TPs, got {_short(value)}")
+    for tp in value:
+        _check_int(f"{role} tp", tp, 1)
+    return list(value)
