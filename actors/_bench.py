@@ -1453,8 +1453,18 @@ def run(args: argparse.Namespace) -> int:
             # would join the latest one); RAY_AUTH_MODE: see cli.py.
             kw["address"] = "local"
         where = args.address or os.environ.get("RAY_ADDRESS")
-        with reporter.step(f"joining the Ray cluster at {where}" if where else "starting a local Ray cluster", done="Ray ready"):
-            ray.init(**kw)
+        try:
+            with reporter.step(f"joining the Ray cluster at {where}" if where else "starting a local Ray cluster", done="Ray ready"):
+                ray.init(**kw)
+        except Exception as exc:  # one line (cli.main already checked that a GCS answers there)
+            from kvhandoff.actors._address import init_error
+
+            if where:
+                line = init_error(exc, where, os.environ)
+            else:
+                line = "could not start Ray: " + (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            print(f"kvhandoff bench: {line}", file=sys.stderr)
+            return 2
         started_ray = True
     failed: _LaunchFailed | None = None
     try:

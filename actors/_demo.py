@@ -337,15 +337,14 @@ def run(args: argparse.Namespace) -> int:
                 else:  # a new cluster, even if another one runs on this machine (RAY_AUTH_MODE: cli.py)
                     ray.init(address="local", num_cpus=2, include_dashboard=False, **quiet)
                 started_ray = True
-    except Exception as exc:
-        hint = ""
-        if address and os.environ.get("RAY_AUTH_MODE") != "token":
-            # Ray sends its token to an explicit address only when told to.
-            hint = (
-                " (a cluster with token authentication needs RAY_AUTH_MODE=token and its "
-                "token in RAY_AUTH_TOKEN or ~/.ray/auth_token)"
-            )
-        print(f"kvhandoff demo: could not start Ray: {exc}{hint}", file=sys.stderr)
+    except Exception as exc:  # one line; the token hint only for a token refused
+        if joining:
+            from kvhandoff.actors._address import init_error
+
+            line = init_error(exc, address or os.environ.get("RAY_ADDRESS", ""), os.environ)
+        else:
+            line = "could not start Ray: " + (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(f"kvhandoff demo: {line}", file=sys.stderr)
         return 2
     ray_init_s = time.perf_counter() - t0
     failed: _LaunchFailed | None = None

@@ -64,9 +64,18 @@ def main(argv: list[str] | None = None) -> int:
     # before Ray starts, so that every worker inherits it.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     local_ray_auth(args, os.environ, sys.modules)
-    # Only now the heavy part: Ray, torch, NIXL.
-    command = importlib.import_module(f"kvhandoff.actors._{args.command}")
     try:
+        # Joining a cluster (--address, RAY_ADDRESS): nothing Ray answers there
+        # is one line and exit status 2, in seconds (issue 20). Before Ray is
+        # imported: it reads the connect bounds this sets then.
+        from kvhandoff.actors._address import check_join
+
+        error = check_join(args, os.environ)
+        if error is not None:
+            print(f"kvhandoff {args.command}: {error}", file=sys.stderr)
+            return 2
+        # Only now the heavy part: Ray, torch, NIXL.
+        command = importlib.import_module(f"kvhandoff.actors._{args.command}")
         return int(command.run(args))
     finally:
         _no_color_reset_at_exit()

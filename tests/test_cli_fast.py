@@ -9,8 +9,10 @@ import io
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -202,6 +204,149 @@ def test_no_escape_sequence_after_the_last_line_in_a_terminal() -> None:
     os.close(main_fd)
     assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
     assert out.rstrip().endswith(b"last line"), out[-40:]
+
+
+# -- joining a cluster where no Ray listens: one line, in seconds (issue 20) ----------------------
+
+
+def _no_listener() -> socket.socket:
+    """A loopback port bound but not listening: a connect to it is refused,
+    and nothing else can take the port while the socket is open."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_joining_an_address_where_nothing_listens_fails_at_once_in_one_line(command: str) -> None:
+    """`kvhandoff demo --address 127.0.0.1:PORT` with nothing on PORT took
+    13.7 minutes (Ray's GCS retries), printed dozens of Ray warnings and a
+    token hint. Now: exit status 2, one line naming the address, no Ray."""
+    with _no_listener() as sock:
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+        code = (
+            "import atexit, json, sys\n"
+            "atexit.register(lambda: print('MODULES=' + json.dumps(sorted(sys.modules))))\n"
+            "from kvhandoff.actors.cli import main\n"
+            f"sys.exit(main([{command!r}, '--address', {address!r}]))\n"
+        )
+        env = _env()
+        env.pop("RAY_ADDRESS", None)
+        start = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env
+        )
+        elapsed = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr
+    assert elapsed < 30, elapsed
+    assert proc.stderr.splitlines() == [f"kvhandoff {command}: no Ray cluster at {address} (connection refused)"]
+    assert "token" not in proc.stderr.lower()
+    modules = json.loads(proc.stdout.rsplit("MODULES=", 1)[1])
+    assert not [m for m in modules if m.split(".")[0] == "ray"]  # Ray never started
+
+
+def test_joining_a_listener_that_is_not_ray_fails_in_one_line() -> None:
+    """Something accepts TCP connections but is no Ray GCS: Ray's own GCS
+    connect, bounded (here to ~3 s by the user's own RAY_* settings, which
+    win over the defaults the CLI sets), and its warnings held back."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)  # the kernel accepts; nobody answers
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+        env = {**_env(), "RAY_py_gcs_connect_timeout_s": "1", "RAY_gcs_rpc_server_connect_timeout_s": "1"}
+        env.pop("RAY_ADDRESS", None)
+        start = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvhandoff.actors.cli", "demo", "--address", address],
+            capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
+        )
+        elapsed = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr
+    assert elapsed < 30, elapsed
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"kvhandoff demo: no Ray cluster at {address} (it accepts connections, but no Ray GCS"), line
+    assert "token" not in line
+
+
+def test_probe_answers_refused_at_once_and_retries_only_silence() -> None:
+    from kvhandoff.actors._address import probe
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        assert probe("127.0.0.1", server.getsockname()[1]) is None
+    with _no_listener() as sock:
+        start = time.monotonic()
+        assert probe("127.0.0.1", sock.getsockname()[1]) == "connection refused"
+        assert time.monotonic() - start < 2
+    # No answer: retried (each attempt at most timeout_s) until the budget is spent.
+    now = [0.0]
+    timeouts: list[float] = []
+
+    def silent(target: tuple[str, int], timeout: float) -> socket.socket:
+        timeouts.append(timeout)
+        now[0] += timeout
+        raise TimeoutError
+
+    why = probe("127.0.0.1", 6379, timeout_s=5.0, budget_s=20.0, connect=silent, clock=lambda: now[0])
+    assert why == "no answer within 20 s"
+    assert timeouts == [5.0, 5.0, 5.0, 5.0] and now[0] == 20.0
+
+    def refused(target: tuple[str, int], timeout: float) -> socket.socket:
+        timeouts.append(timeout)
+        raise ConnectionRefusedError
+
+    timeouts.clear()
+    assert probe("127.0.0.1", 6379, connect=refused) == "connection refused"
+    assert len(timeouts) == 1  # final at once
+
+    def unknown(target: tuple[str, int], timeout: float) -> socket.socket:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    assert probe("no-such-host", 6379, connect=unknown) == "unknown host 'no-such-host': Name or service not known"
+
+
+def test_which_addresses_are_probed() -> None:
+    from kvhandoff.actors import _address
+
+    assert _address.host_port("127.0.0.1:6379") == ("127.0.0.1", 6379)
+    assert _address.host_port("[::1]:6379") == ("::1", 6379)
+    assert _address.host_port("ray://127.0.0.1") == ("127.0.0.1", 10001)
+    assert _address.host_port("ray://127.0.0.1:10002") == ("127.0.0.1", 10002)
+    for unprobed in ("127.0.0.1", "127.0.0.1:x", "127.0.0.1:0", "::1", "http://127.0.0.1:8265"):
+        assert _address.host_port(unprobed) is None, unprobed
+    demo = cli.build_parser().parse_args(["demo"])
+    joining = cli.build_parser().parse_args(["demo", "--address", "127.0.0.1:6379"])
+    assert _address.join_address(demo, {}) is None
+    assert _address.join_address(demo, {"RAY_ADDRESS": "auto"}) is None
+    assert _address.join_address(demo, {"RAY_ADDRESS": "127.0.0.1:1"}) == ("127.0.0.1:1", " from RAY_ADDRESS")
+    assert _address.join_address(joining, {"RAY_ADDRESS": "127.0.0.1:1"}) == ("127.0.0.1:6379", "")
+    assert _address.check_join(demo, {}) is None  # a local cluster: nothing to probe
+    with _no_listener() as sock:
+        environ = {"RAY_ADDRESS": f"127.0.0.1:{sock.getsockname()[1]}"}
+        assert _address.check_join(demo, environ) == (
+            f"no Ray cluster at {environ['RAY_ADDRESS']} from RAY_ADDRESS (connection refused)"
+        )
+    environ = {"RAY_py_gcs_connect_timeout_s": "60"}
+    _address.bound_ray_connect(environ)  # the user's setting stays
+    assert environ == {"RAY_py_gcs_connect_timeout_s": "60", "RAY_gcs_server_port_wait_time_s": "1"}
+
+
+def test_a_failed_join_names_the_token_only_when_the_token_was_refused() -> None:
+    from kvhandoff.actors._address import init_error
+
+    try:
+        try:
+            raise RuntimeError("Failed to connect to GCS. Last connection error: ... InvalidAuthToken: ...")
+        except RuntimeError as cause:
+            raise ConnectionError("Failed to connect to Ray cluster at 127.0.0.1:6379") from cause
+    except ConnectionError as exc:
+        refused = exc
+    line = init_error(refused, "127.0.0.1:6379", {})
+    assert line.startswith("could not join the Ray cluster at 127.0.0.1:6379: Failed to connect")
+    assert "RAY_AUTH_MODE=token" in line and "\n" not in line
+    other = init_error(ConnectionError("Failed to connect to Ray cluster at 127.0.0.1:6379\nmore"), "127.0.0.1:6379", {})
+    assert other == "could not join the Ray cluster at 127.0.0.1:6379: Failed to connect to Ray cluster at 127.0.0.1:6379"
 
 
 # -- progress -------------------------------------------------------------------------------------
