@@ -209,6 +209,9 @@ class HandoffResult(msgspec.Struct, frozen=True, kw_only=True):
     latency_s: float = 0.0
     ctx_outcomes: tuple[str, ...] = ()
     gen_outcomes: tuple[str, ...] = ()
+    #: The instance ids of the pair it ran between (a fleet's; "" for a `Deployment`).
+    ctx_instance: str = ""
+    gen_instance: str = ""
 
 
 class _RankFactory:

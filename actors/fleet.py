@@ -64,6 +64,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import ray
 
 from kvhandoff.actors._coordinator import Coordinator
@@ -179,6 +180,7 @@ class Fleet(Deployment):
         self.events: list[tuple[str, str, float]] = []
         self._t0 = time.monotonic()
         self._membership = asyncio.Lock()
+        self._steer: dict[Role, tuple[dict[str, float], dict[str, str]]] = {Role.CTX: ({}, {}), Role.GEN: ({}, {})}
 
     # -- launch ---------------------------------------------------------------------
 
@@ -204,6 +206,10 @@ class Fleet(Deployment):
         synthetic: bool = True,
         fault_plan: FaultPlan | None = None,
         name: str | None = None,
+        ctx_resources: dict[str, float] | None = None,
+        gen_resources: dict[str, float] | None = None,
+        ctx_labels: dict[str, str] | None = None,
+        gen_labels: dict[str, str] | None = None,
     ) -> Fleet:
         """Start a fleet: `ctx` and `gen` are the TP of each instance (a list)
         or how many tp=1 instances (an int). Instances are named ctx0, ctx1,
@@ -214,7 +220,12 @@ class Fleet(Deployment):
         that can never work, and `LaunchFailed` (after stopping everything it
         started) when the instances did not come up within `start_timeout_s`.
         The fleet's data plane is direct (one descriptor per piece): staging
-        arenas are partitioned per peer rank of one peer instance."""
+        arenas are partitioned per peer rank of one peer instance.
+
+        Placement: each instance is one STRICT_PACK placement group (its
+        ranks share a node; docs/design.md "Placement"); `ctx_resources` /
+        `gen_resources` and `ctx_labels` / `gen_labels` steer every instance
+        of that role to the nodes that carry them, as for `Deployment`."""
         self = cls()
         self.name = name or f"kvh-{uuid.uuid4().hex[:8]}"
         ctx_tps = _tps("ctx", ctx)
@@ -247,6 +258,10 @@ class Fleet(Deployment):
         self._start_timeout_s = start_timeout_s
         self._round_timeout_s = round_timeout_s
         self._max_restarts = max_restarts
+        self._steer = {
+            Role.CTX: (dict(ctx_resources or {}), dict(ctx_labels or {})),
+            Role.GEN: (dict(gen_resources or {}), dict(gen_labels or {})),
+        }
         self._common = {
             "memory": mem,
             "transfer_timeout_s": transfer_timeout_s,
@@ -345,7 +360,10 @@ class Fleet(Deployment):
             for r in range(tp)
         ]
         try:
-            request = place_instance(spec, num_ranks=tp, gpus_per_rank=self._gpus_per_rank)
+            resources, labels = self._steer[role]
+            request = place_instance(
+                spec, num_ranks=tp, gpus_per_rank=self._gpus_per_rank, resources=resources, labels=labels
+            )
         except TopologyError as exc:
             raise InvalidConfig(str(exc)) from None
         inst = _Instance(
@@ -592,7 +610,7 @@ class Fleet(Deployment):
             for inst in (c, g):
                 inst.leased -= blocks
         self.pair_outcomes[f"{c.name}->{g.name}"][result.outcome] += 1
-        return result
+        return msgspec.structs.replace(result, ctx_instance=c.id, gen_instance=g.id)
 
     # -- Deployment's hooks, per attempt's pair ----------------------------------------------
 

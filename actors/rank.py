@@ -605,7 +605,10 @@ class RankCore(RoundParticipant):
     def _pair_for(self, message: Message) -> _Pair:
         """The pair a received frame belongs to: the peer instance its ticket
         names. A frame naming an instance we do not pair with is refused."""
-        ns = self._peer_ns(message.ticket)  # type: ignore[union-attr]
+        ticket = getattr(message, "ticket", None)
+        if not isinstance(ticket, ContextTicket):  # e.g. a descriptor frame: not a control frame
+            raise UnknownSessionError(f"a {type(message).__name__} is not a control frame for a session")
+        ns = self._peer_ns(ticket)
         pair = self._pairs.get(ns.instance_id)
         if pair is None or ns.role is not self.peer_role:
             raise UnknownSessionError(f"{ns.role.value} instance {ns.instance_id!r} does not pair with {self.ns.instance_id!r}")
@@ -695,7 +698,16 @@ class RankCore(RoundParticipant):
         pair = self._pairs.get(instance)
         if pair is None:
             return
-        pair.left = True
+        if not pair.left:
+            pair.left = True
+            # Whatever still pairs with it ends now, not at a deadline: a
+            # drained instance has none; a dead one leaves its handoffs
+            # behind. A cancel intent: the round decides, the protocol
+            # drains or proves what is in flight (nothing is freed here).
+            for parent in [p for p, peer in self._pair_of.items() if peer == instance]:
+                self.member.record_cancel(parent)
+                self.counters["cancelled_peer_left"] += 1
+                self._nudge()
         if any(peer == instance for peer in self._pair_of.values()):
             return  # unloaded when the last parent with it ends (`_finish`)
         del self._pairs[instance]

@@ -1,0 +1,291 @@
+"""A fleet (docs/design.md "Fleet") on a real multi-node Ray cluster.
+
+`ray.cluster_utils.Cluster` runs a head and two worker raylets on this host:
+CTX instances are placed on the node with the `ctx_node` resource, GEN
+instances on the node with `gen_node`. Every handoff moves real bytes over
+NIXL and every GEN rank verifies them (S2). Each test builds its own fleet
+(the tests kill, drain and add instances) and ends with every pool whole.
+
+What would fail if the fleet broke:
+- a pair routed to the wrong instance, or a shard map of the wrong pair:
+  bytes do not verify (`completed` needs every byte on every GEN rank);
+- a negotiation or digest not per pair: the mixed-TP pairs are refused;
+- a fault that leaks across instances: a bystander pair fails;
+- a peer that is not told an instance left: its pair and agents stay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+import pytest
+
+from kvhandoff.actors import InvalidConfig
+from kvhandoff.actors.fleet import Fleet, InstanceUnavailable, UnknownInstance
+from kvhandoff.topology import KVLayout
+
+from .helpers import assert_clean
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.ray
+
+POOL = 32
+TOKENS = 40  # 3 blocks of 16 tokens
+TIMEOUT = 60.0
+# 4 KV heads: TP 1, 2 and 4 pair with each other; TP 3 pairs with nothing.
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, dtype="float16", tokens_per_block=16)
+CTX_RESOURCES = {"ctx_node": 0.01}
+GEN_RESOURCES = {"gen_node": 0.01}
+# A loaded 2-core box must not trip a watchdog: the bounds are generous, the
+# tests wait on conditions, never on them.
+FLEET = dict(
+    layout=LAYOUT,
+    pool_blocks=POOL,
+    round_timeout_s=20.0,
+    transfer_timeout_s=10.0,
+    lease_timeout_s=20.0,
+    start_timeout_s=300.0,
+    ctx_resources=CTX_RESOURCES,
+    gen_resources=GEN_RESOURCES,
+)
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    """A head and two worker nodes (3 raylets); shut down when the module ends."""
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, connect=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        ctx = cluster.add_node(num_cpus=1, resources={"ctx_node": 1})
+        gen = cluster.add_node(num_cpus=1, resources={"gen_node": 1})
+        cluster.wait_for_nodes()
+        yield {"ctx": ctx.node_id, "gen": gen.node_id, "head": cluster.head_node.node_id}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def fleet_stats(fleet: Fleet, timeout: float = TIMEOUT) -> dict:
+    """Stats once no live rank holds a lease (bounded: L1)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await fleet.stats()
+        if all(s.get("leased") == 0 for s in stats["ranks"]) or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.05)
+
+
+async def traffic(fleet: Fleet, pairs: list[tuple[str, str]], stop: asyncio.Event, tag: str) -> list:
+    """Handoffs round-robin over `pairs` until `stop`; (pair, outcome) each."""
+    seen = []
+    i = 0
+    while not stop.is_set():
+        c, g = pairs[i % len(pairs)]
+        try:
+            r = await fleet.handoff(f"{tag}-{i}", TOKENS, ctx=c, gen=g, timeout=TIMEOUT)
+            seen.append(((c, g), r.outcome))
+        except InstanceUnavailable:
+            seen.append(((c, g), "unavailable"))
+            await asyncio.sleep(0.01)
+        i += 1
+    return seen
+
+
+def test_handoffs_over_every_pair_with_different_tp(nodes) -> None:
+    """CTX tp=2 and tp=1, GEN tp=1 and tp=2, placed on their nodes: every pair
+    moves verified bytes, every rank negotiated with every peer instance."""
+
+    async def scenario():
+        fleet = await Fleet.launch(ctx=[2, 1], gen=[1, 2], **FLEET)
+        try:
+            pairs = [(c, g) for c in ("ctx0", "ctx1") for g in ("gen0", "gen1")]
+            results = await asyncio.gather(
+                *(fleet.handoff(f"p{i}-{c}-{g}", TOKENS, ctx=c, gen=g, timeout=TIMEOUT) for i in range(2) for c, g in pairs)
+            )
+            chosen = await asyncio.gather(*(fleet.handoff(f"any-{i}", TOKENS, timeout=TIMEOUT) for i in range(6)))
+            return fleet.instances(), results, chosen, dict(fleet.pair_outcomes), await fleet_stats(fleet)
+        finally:
+            await fleet.shutdown()
+
+    instances, results, chosen, pairs, stats = run(scenario())
+    expected = 3 * (LAYOUT.num_layers * 2 * LAYOUT.num_kv_heads * LAYOUT.tokens_per_block * LAYOUT.head_dim * 2)
+    assert [r.outcome for r in results + chosen] == ["completed"] * 14, results + chosen
+    assert all(r.bytes_verified == expected for r in results + chosen)
+    assert all(pairs[f"{c}->{g}"]["completed"] >= 2 for c in ("ctx0", "ctx1") for g in ("gen0", "gen1")), pairs
+    where = {i["id"]: i["node"] for i in instances}
+    assert where["ctx0"] == where["ctx1"] == nodes["ctx"] and where["gen0"] == where["gen1"] == nodes["gen"], where
+    ids = {i["id"]: i["instance_id"] for i in instances}
+    for s in stats["ranks"]:
+        peers = ("gen0", "gen1") if s["role"] == "ctx" else ("ctx0", "ctx1")
+        assert set(s["pairs"]) == {ids[p] for p in peers}, s["pairs"]
+        assert all(v.get("active_cancel") for v in s["pairs"].values()), s["pairs"]
+    assert_clean(stats)
+
+
+def test_bad_input_is_typed_and_changes_nothing(nodes) -> None:
+    """Unknown instances, wrong roles, draining instances, a TP no peer can
+    pair with, a duplicate name: a typed error, nothing sent, nothing held."""
+
+    async def scenario():
+        fleet = await Fleet.launch(ctx=1, gen=[1, 2], **FLEET)
+        errors = {}
+        try:
+            for key, call in {
+                "unknown": lambda: fleet.handoff("x1", TOKENS, gen="gen9"),
+                "wrong-role": lambda: fleet.handoff("x2", TOKENS, ctx="gen0"),
+                "bad-tp": lambda: fleet.add_instance("ctx", tp=3),
+                "duplicate": lambda: fleet.add_instance("gen", tp=1, name="gen0"),
+                "bad-name": lambda: fleet.add_instance("gen", tp=1, name="no such/name"),
+                "drain-unknown": lambda: fleet.drain("ctx7"),
+            }.items():
+                try:
+                    await call()
+                except Exception as exc:
+                    errors[key] = exc
+            assert await fleet.drain("gen1", TIMEOUT)
+            for key, call in {
+                "drained": lambda: fleet.handoff("x3", TOKENS, gen="gen1"),
+                "drain-again": lambda: fleet.drain("gen1"),
+            }.items():
+                try:
+                    await call()
+                except Exception as exc:
+                    errors[key] = exc
+            after = await fleet.handoff("ok", TOKENS, timeout=TIMEOUT)
+            return errors, after, fleet.instances(), await fleet_stats(fleet)
+        finally:
+            await fleet.shutdown()
+
+    errors, after, instances, stats = run(scenario())
+    assert isinstance(errors["unknown"], UnknownInstance) and "gen9" in str(errors["unknown"])
+    assert isinstance(errors["wrong-role"], InstanceUnavailable)
+    assert isinstance(errors["bad-tp"], InvalidConfig) and "tp=3" in str(errors["bad-tp"])
+    assert isinstance(errors["duplicate"], InvalidConfig)
+    assert isinstance(errors["bad-name"], InvalidConfig)
+    assert isinstance(errors["drain-unknown"], UnknownInstance)
+    assert isinstance(errors["drained"], InstanceUnavailable) and errors["drained"].state == "removed"
+    assert isinstance(errors["drain-again"], InstanceUnavailable)
+    assert after.outcome == "completed"
+    assert [i["id"] for i in instances] == ["ctx0", "gen0", "gen1"]  # nothing was added
+    assert [i["state"] for i in instances] == ["serving", "serving", "removed"]
+    assert sum(s["counters"].get("admit_refused", 0) for s in stats["ranks"]) == 0
+    assert_clean(stats)
+
+
+def test_drain_and_join_under_traffic(nodes) -> None:
+    """Draining a GEN instance under traffic fails nothing and it leaves:
+    every CTX rank forgets it and unloads its agents. An instance added under
+    traffic serves at once; nobody paused."""
+
+    async def scenario():
+        fleet = await Fleet.launch(ctx=2, gen=2, **FLEET)
+        try:
+            stop = asyncio.Event()
+            pairs = [(c, g) for c in ("ctx0", "ctx1") for g in ("gen0", "gen1")]
+            clients = [asyncio.create_task(traffic(fleet, pairs[k:] + pairs[:k], stop, f"t{k}")) for k in range(3)]
+            await asyncio.sleep(0.5)
+            drained = await fleet.drain("gen0", TIMEOUT)
+            joined = await fleet.add_instance("gen", tp=2)
+            new = await asyncio.gather(*(fleet.handoff(f"new-{i}", TOKENS, gen=joined, timeout=TIMEOUT) for i in range(4)))
+            stop.set()
+            seen = [x for c in await asyncio.gather(*clients) for x in c]
+            gen0_id = next(i["instance_id"] for i in fleet.instances() if i["id"] == "gen0")
+            return drained, joined, new, seen, gen0_id, fleet.events, await fleet_stats(fleet)
+        finally:
+            await fleet.shutdown()
+
+    drained, joined, new, seen, gen0_id, events, stats = run(scenario())
+    assert drained is True
+    outcomes = collections.Counter(o for _, o in seen)
+    assert outcomes["completed"] > 0 and set(outcomes) <= {"completed", "unavailable"}, outcomes
+    assert all(o == "completed" for (_, g), o in seen if g != "gen0"), outcomes  # 0 failed
+    assert joined == "gen2" and [r.outcome for r in new] == ["completed"] * 4
+    assert [e[:2] for e in events] == [("drain", "gen0"), ("join", "gen2")]
+    for s in stats["ranks"]:
+        if s["role"] == "ctx":
+            assert gen0_id not in s["pairs"], s["pairs"]  # the drained instance is forgotten
+            assert s["counters"].get("pairs_removed", 0) == 1
+            assert s["counters"].get("agents_unloaded", 0) >= 1, s["counters"]  # and its agent unloaded
+    assert_clean(stats)
+
+
+def test_a_dead_rank_fails_only_handoffs_touching_its_instance(nodes) -> None:
+    """Kill one rank of ctx1 mid-traffic: handoffs of ctx0 go on unaffected,
+    its coordinator restarts the rank (a new epoch), ctx1 serves again."""
+
+    async def scenario():
+        fleet = await Fleet.launch(ctx=2, gen=2, **FLEET)
+        try:
+            stop = asyncio.Event()
+            pairs = [(c, g) for c in ("ctx0", "ctx1") for g in ("gen0", "gen1")]
+            clients = [asyncio.create_task(traffic(fleet, pairs[k:] + pairs[:k], stop, f"t{k}")) for k in range(3)]
+            await asyncio.sleep(0.5)
+            victim = (await fleet.instance_ranks("ctx1"))[0]
+            ray.kill(victim, no_restart=True)
+            # Wait on progress: the restarted rank carries a new epoch.
+            deadline = time.monotonic() + TIMEOUT
+            while (await fleet.coordinator_of("ctx1").epochs.remote())[0] == 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            stop.set()
+            seen = [x for c in await asyncio.gather(*clients) for x in c]
+            after = await asyncio.gather(*(fleet.handoff(f"after-{g}", TOKENS, ctx="ctx1", gen=g, timeout=TIMEOUT) for g in ("gen0", "gen1")))
+            epochs = await fleet.coordinator_of("ctx1").epochs.remote()
+            return seen, after, epochs, await fleet_stats(fleet)
+        finally:
+            await fleet.shutdown()
+
+    seen, after, epochs, stats = run(scenario())
+    assert epochs[0] > 1, epochs
+    bystanders = [o for (c, _), o in seen if c == "ctx0"]
+    assert bystanders and all(o == "completed" for o in bystanders), collections.Counter(bystanders)
+    assert [r.outcome for r in after] == ["completed", "completed"], after
+    assert_clean(stats, quarantined_ok=True)
+    assert all(s["leased"] == 0 for s in stats["ranks"])
+
+
+def test_a_dead_coordinator_is_fenced_and_replaced(nodes) -> None:
+    """Kill gen1's coordinator (its ranks die with it) mid-traffic: the fleet
+    sees it at once, fences it, every CTX rank forgets it and ends what it
+    held with it, bystander pairs fail nothing, and a replacement joins with
+    the next incarnation and serves."""
+
+    async def scenario():
+        fleet = await Fleet.launch(ctx=2, gen=2, **FLEET)
+        try:
+            stop = asyncio.Event()
+            pairs = [(c, g) for c in ("ctx0", "ctx1") for g in ("gen0", "gen1")]
+            clients = [asyncio.create_task(traffic(fleet, pairs[k:] + pairs[:k], stop, f"t{k}")) for k in range(3)]
+            await asyncio.sleep(0.5)
+            ray.kill(fleet.coordinator_of("gen1"), no_restart=True)
+            deadline = time.monotonic() + TIMEOUT
+            while next(i["state"] for i in fleet.instances() if i["id"] == "gen1") != "dead":
+                assert time.monotonic() < deadline, fleet.instances()
+                await asyncio.sleep(0.05)
+            stop.set()
+            seen = [x for c in await asyncio.gather(*clients) for x in c]
+            old_id = next(i["instance_id"] for i in fleet.instances() if i["id"] == "gen1")
+            replaced = await fleet.add_instance("gen", tp=1, name="gen1")
+            after = await asyncio.gather(*(fleet.handoff(f"after-{c}", TOKENS, ctx=c, gen="gen1", timeout=TIMEOUT) for c in ("ctx0", "ctx1")))
+            return seen, replaced, after, old_id, fleet.instances(), await fleet_stats(fleet)
+        finally:
+            await fleet.shutdown()
+
+    seen, replaced, after, old_id, instances, stats = run(scenario())
+    bystanders = [o for (_, g), o in seen if g == "gen0"]
+    assert bystanders and all(o == "completed" for o in bystanders), collections.Counter(bystanders)
+    assert replaced == "gen1" and [r.outcome for r in after] == ["completed", "completed"], after
+    gen1 = next(i for i in instances if i["id"] == "gen1")
+    assert gen1["incarnation"] == 2 and gen1["instance_id"] != old_id and gen1["state"] == "serving"
+    for s in stats["ranks"]:
+        assert old_id not in s["pairs"], s["pairs"]
+    assert_clean(stats)
