@@ -881,6 +881,11 @@ class _Bench:
         if "crossover" in sections:
             with self._section("crossover", "staged vs direct by request size (descriptors per edge)"):
                 out["crossover"] = await self.crossover()
+        if "scale" in sections:
+            from kvhandoff.actors._bench_scale import scale
+
+            with self._section("scale", "aggregate handoff rate of NxN fleets vs independent pairs"):
+                out["scale"] = await scale(a, self.reporter, self.rid)
         if self.pool_samples:
             out["pools"] = self.pool_samples
         out["targets"] = _targets(out)
@@ -1103,6 +1108,11 @@ def _targets(out: dict[str, Any]) -> list[dict[str, Any]]:
             ">=",
             1.0,
         )
+    if out.get("scale"):
+        from kvhandoff.actors._bench_scale import scale_targets
+
+        cores = out.get("machine", {}).get("cpus") or 0
+        scale_targets(out["scale"], "GPU host target (16 cores)" if cores < 16 else "", add)
     cancel = out.get("cancel")
     if cancel:
         bound = out.get("chunk_s", math.nan) + cancel["round_s_p50"]
@@ -1406,6 +1416,11 @@ def render(out: dict[str, Any]) -> str:
         ]
         for t in out["targets"]
     ]
+    if out.get("scale"):
+        from kvhandoff.actors._bench_scale import scale_table
+
+        scale_headers, scale_rows = scale_table(out["scale"])
+        parts.append(_table("Scale: aggregate small-handoff rate of fleets (tp=1 instances)", scale_headers, scale_rows))
     parts.append(_table("Targets (docs/design.md)", ["target", "measured", "bound", "", "note"], rows))
     if out["notes"]:
         parts.append("\nnotes: " + "; ".join(out["notes"]))

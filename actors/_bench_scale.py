@@ -74,7 +74,8 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
     from kvhandoff.actors.deployment import Deployment
     from kvhandoff.actors.fleet import Fleet
 
-    sizes = sorted({int(s) for s in str(args.scale_sizes).split(",") if s.strip()})
+    raw = args.scale_sizes
+    sizes = sorted({int(s) for s in (raw if isinstance(raw, list) else str(raw).split(",")) if str(s).strip()})
     per = args.scale_clients
     tokens = SCALE_LAYOUT.tokens_per_block  # one block
     pool = max(64, 4 * per * max(sizes))
@@ -134,6 +135,26 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
         )
     out["failures"] = dict(failures)
     return out
+
+
+def scale_table(scale_out: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """The `scale` section as table rows: one per fleet size, then the independent pairs."""
+    headers = ["setup", "clients", "handoffs/s", "x 1x1", "p50 ms"]
+    rows: list[list[Any]] = []
+    for r in scale_out.get("rows", []):
+        p50 = r.get("latency_p50_s")
+        rows.append([
+            f"fleet {r['instances']}x{r['instances']}", r["clients"], f"{r['handoffs_per_s']:.0f}",
+            f"{r['over_1x1']:.2f}" if r.get("over_1x1") else "-", f"{p50 * 1e3:.1f}" if p50 else "-",
+        ])
+    ind = scale_out.get("independent")
+    if ind:
+        p50 = ind.get("latency_p50_s")
+        rows.append([
+            f"{ind['deployments']} independent pairs", ind["clients"], f"{ind['handoffs_per_s']:.0f}",
+            "-", f"{p50 * 1e3:.1f}" if p50 else "-",
+        ])
+    return headers, rows
 
 
 def scale_targets(scale_out: dict[str, Any], cpu_note: str, add: Callable[..., None]) -> None:

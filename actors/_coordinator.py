@@ -200,6 +200,7 @@ class CoordinatorCore:
         peer: str | None = None,
         peer_claims: bool = False,
         fleet: str | None = None,
+        reattach: str | None = None,
     ) -> None:
         if ranks is None and (rank_factory is None or not tp):
             raise ValueError("give the rank handles, or a rank_factory and tp")
@@ -225,6 +226,13 @@ class CoordinatorCore:
         self._fleet = fleet
         self._peers: dict[str, Any] = {}
         self._draining = False  # `drain()`: admit nothing new, ever again
+        # Ranks we cannot restart (an engine's workers: `reattach` names the
+        # deployment's directory): a failed one is detached until the engine
+        # re-attaches a new incarnation (`replace_rank`); admission stays
+        # stopped and no round runs meanwhile.
+        self._reattach_directory = reattach
+        self._detached: set[int] = set()
+        self._reattached = 0
         self._stopped: asyncio.Event | None = None  # set by shutdown (`watch` returns)
         self._round_done = asyncio.Event()  # set after every round (drain waits on it)
         # Submitted parents -> their peer instance (for cancels), bounded.
@@ -675,6 +683,8 @@ class CoordinatorCore:
             "reclaim_restarts": self._reclaim_restarts,
             "blocks_reclaimed_by_restart": self._reclaimed_by_restart,
             "epochs": list(self._epochs),
+            "detached": sorted(self._detached),
+            "reattached": self._reattached,
             "in_flight": len(self._leader.in_flight) if self._leader else 0,
             "pending_admits": len(self._pending_admits),
             "pending_cancels": len(self._pending_cancels),
@@ -729,6 +739,8 @@ class CoordinatorCore:
         """Is there anything a round could decide now?"""
         leader = self._leader
         assert leader is not None
+        if self._detached:
+            return False  # no round without every rank: they wait for `replace_rank`
         return bool(
             self._pending_admits
             or self._pending_cancels
@@ -987,6 +999,8 @@ class CoordinatorCore:
         self._fail_admits(AdmissionStopped(self.topology, reason))
         for rank in ranks:
             await self._restart_rank(rank, reason, budgeted=True)
+        if self._detached:
+            return  # admission stays stopped until the engine re-attaches them
         self.state = self._serving_state()
         self._failure_reason = ""
 
@@ -1004,6 +1018,15 @@ class CoordinatorCore:
         # holds sessions with it (the factory knows how, e.g. through the
         # deployment's directory, which confirms the death before it tells the
         # peers that the incarnation is dead: their proof for reclaiming).
+        if self._rank_factory is None and self._reattach_directory is not None:
+            # Not ours to restart (nor to kill: the engine owns the process):
+            # detached until `replace_rank`. Its peers end their sessions
+            # with the old incarnation now, and reclaim once the directory
+            # confirmed it dead.
+            self._retire(rank, self._epochs[rank])
+            self._detached.add(rank)
+            self._rank_errors.append(f"rank {rank} detached: {reason}"[:500])
+            return
         _kill(self._handles[rank])
         retired = getattr(self._rank_factory, "retired", None)
         if retired is not None:
@@ -1039,6 +1062,66 @@ class CoordinatorCore:
             self._handles[rank] = handle
             self._metrics.restarted("failure" if budgeted else "quarantine")
             return
+
+    def _retire(self, rank: int, epoch: int) -> None:
+        """Tell the directory that incarnation `epoch` of `rank` is gone
+        (fire-and-forget): peers end their sessions with it, and hear
+        `peer_dead` once it is confirmed dead."""
+        assert self._reattach_directory is not None
+        with contextlib.suppress(Exception):
+            ray.get_actor(self._reattach_directory).retire.remote(self.topology, rank, epoch)
+
+    async def replace_rank(self, rank: int, handle: Any) -> int:
+        """An engine re-attaches rank `rank` as a new incarnation: `handle`
+        hosts a new endpoint (a new epoch, its own new NIXL agent, over the
+        engine's tensors), e.g. after the engine restarted that worker. The
+        old incarnation is retired (if it still runs, it is fenced: its epoch
+        is stale everywhere), every parent still in flight in this instance
+        fails (the new incarnation holds none of them), and the new one joins
+        at the next round; admission resumes once no rank is detached.
+        Returns the new epoch. Only for instances constructed with
+        ``reattach``; raises `RoundError` for a rank out of range, an
+        incarnation that is not newer, or one that does not answer as `rank`
+        within the restart bound (nothing changes then)."""
+        await self._ensure_started()
+        if self._reattach_directory is None:
+            raise CoordinatorError("replace_rank is for instances whose ranks an engine hosts (reattach=...)")
+        if not 0 <= rank < self._tp:
+            raise RoundError(f"rank {rank} is not in [0, {self._tp})")
+        async with self._round_lock:
+            self._raise_if_unusable()
+            leader = self._leader
+            assert leader is not None
+            try:
+                async with asyncio.timeout(self._restart_timeout):
+                    answered, epoch = await handle.round_identity.remote()
+            except Exception as exc:
+                raise RoundError(f"the new incarnation of rank {rank} did not answer: {exc!r}") from None
+            if answered != rank or epoch <= self._epochs[rank]:
+                raise RoundError(
+                    f"rank {rank} epoch {self._epochs[rank]} can only be replaced by a newer incarnation of "
+                    f"that rank, got rank {answered} epoch {epoch}"
+                )
+            old = self._epochs[rank]
+            reason = f"rank {rank} re-attached (epoch {old} -> {epoch})"
+            self.state = TopologyState.RECOVERING
+            self._failure_reason = reason
+            self._fail_admits(AdmissionStopped(self.topology, reason))
+            self._pending_failures |= leader.in_flight
+            if rank not in self._detached:
+                self._retire(rank, old)  # the engine replaced a rank we still held: fence it
+            await handle.round_join.remote(leader.next_round, epoch)
+            leader.set_epoch(rank, epoch)
+            self._epochs[rank] = epoch
+            self._handles[rank] = handle
+            self._detached.discard(rank)
+            self._metrics.restarted("reattach")
+            self._reattached += 1
+            if not self._detached:
+                self.state = self._serving_state()
+                self._failure_reason = ""
+        self._wakeup.set()
+        return epoch
 
     async def request_restart(self, rank: int, epoch: int, quarantined: int = 0) -> bool:
         """A rank past its quarantine limit, holding nothing else, asks to be

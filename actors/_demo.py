@@ -318,6 +318,16 @@ def run(args: argparse.Namespace) -> int:
     `args` are the `kvhandoff demo` flags (actors/_flags.py)."""
     # Before Ray (and therefore any worker) starts: workers inherit it.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    fleet = getattr(args, "ctx_instances", 1) > 1 or getattr(args, "gen_instances", 1) > 1
+    for role in ("ctx", "gen"):  # one TP per instance: checked before Ray starts
+        tps = getattr(args, f"{role}_tp")
+        if isinstance(tps, list):
+            if not fleet and len(tps) > 1:
+                print(f"kvhandoff demo: --{role}-tp {','.join(map(str, tps))}: one instance takes one TP "
+                      f"(a list needs --{role}-instances above 1)", file=sys.stderr)
+                return 2
+            if not fleet:
+                setattr(args, f"{role}_tp", tps[0])
     t0 = time.perf_counter()
     reporter = Reporter("kvhandoff demo", quiet=args.json)
     address = getattr(args, "address", None)  # --address: an existing cluster
@@ -349,7 +359,12 @@ def run(args: argparse.Namespace) -> int:
     ray_init_s = time.perf_counter() - t0
     failed: _LaunchFailed | None = None
     try:
-        report = asyncio.run(_run_async(args, reporter))
+        if fleet:
+            from kvhandoff.actors._fleet_demo import run_fleet
+
+            report = asyncio.run(run_fleet(args, reporter))
+        else:
+            report = asyncio.run(_run_async(args, reporter))
     except _LaunchFailed as exc:
         failed = exc
     finally:
@@ -371,6 +386,10 @@ def run(args: argparse.Namespace) -> int:
         for violation in report.violations:
             # Errors go to stderr too, so that `--json` callers see why it failed.
             print(f"kvhandoff demo: invariant violated: {violation}", file=sys.stderr)
+    elif fleet:
+        from kvhandoff.actors._fleet_demo import print_summary as print_fleet_summary
+
+        print_fleet_summary(report)
     else:
         print_summary(report)
     return 0 if not report.violations else 1

@@ -36,7 +36,7 @@ START_TIMEOUT_S = 600.0
 
 # -- bench choices --------------------------------------------------------------------------
 
-SECTIONS = ("data", "paged", "control", "cancel", "frames", "crossover")
+SECTIONS = ("data", "paged", "control", "cancel", "frames", "crossover", "scale")
 #: What runs without `--sections` (frames is asked for by name).
 DEFAULT_SECTIONS = ("data", "paged", "control", "cancel")
 #: `Deployment.launch(data_mode=)`; the same tuple as `_stager.DATA_MODES`
@@ -139,8 +139,26 @@ def _adder(parser: argparse.ArgumentParser) -> Callable[..., Any]:
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """The `kvhandoff demo` flags; every one has a default (the embedded demo)."""
     add = _adder(parser)
-    add("--ctx-tp", type=positive_int, default=2, help="CTX (prefill) tensor parallelism")
-    add("--gen-tp", type=positive_int, default=1, help="GEN (decode) tensor parallelism")
+    add(
+        "--ctx-tp",
+        type=positive_ints,
+        default="2",
+        help="CTX (prefill) tensor parallelism; with --ctx-instances, a comma list cycled over the instances",
+    )
+    add(
+        "--gen-tp",
+        type=positive_ints,
+        default="1",
+        help="GEN (decode) tensor parallelism; with --gen-instances, a comma list cycled over the instances",
+    )
+    add(
+        "--ctx-instances",
+        type=positive_int,
+        default=1,
+        help="CTX instances: above 1 (or --gen-instances above 1) runs a fleet, every request "
+        "paired by the built-in chooser; with --chaos and both >= 2, a membership storm too",
+    )
+    add("--gen-instances", type=positive_int, default=1, help="GEN instances (see --ctx-instances)")
     add("--requests", type=positive_int, default=300, help="number of requests")
     add(
         "--cancel-rate",
@@ -216,7 +234,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--chaos",
         action="store_true",
-        help="defer every DMA chunk's real post by 5 ms, so cancels meet DMA genuinely in flight",
+        help="defer every DMA chunk's real post by 5 ms, so cancels meet DMA genuinely in flight; "
+        "on a fleet of 2x2 or more: kill a rank, kill a coordinator, add an instance and drain one "
+        "mid-traffic",
     )
 
 
@@ -295,6 +315,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--concurrency", type=positive_ints, default="1,8,32", help="concurrent small handoffs for the rate")
     add("--sustain-s", type=positive_float, default=3.0, help="seconds of sustained handoffs per concurrency")
     add("--ping-n", type=positive_int, default=1000, help="pipelined ping.remote() calls per rate sample")
+    add("--scale-sizes", type=positive_ints, default="1,2,4", help="scale section: NxN fleets of tp=1 instances")
+    add("--scale-clients", type=positive_int, default=4, help="scale section: clients per instance of a role")
     add("--frames-n", type=positive_int, default=2000, help="ping-pong round trips per frame size (frames)")
     add("--frames-burst", type=positive_int, default=10000, help="frames per one-way burst (frames)")
     add("--frames-bytes", type=positive_ints, default="200,2048", help="frame sizes in bytes (frames)")

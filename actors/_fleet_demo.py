@@ -47,9 +47,9 @@ CHAOS_AT = (("kill_rank", 0.15), ("kill_coordinator", 0.35), ("join", 0.5), ("dr
 SETTLE_S = 30.0
 
 
-def tps(text: str | int, count: int) -> list[int]:
+def tps(values: list[int] | int, count: int) -> list[int]:
     """`--ctx-tp 2,1` over `count` instances: the list, cycled."""
-    values = [int(v) for v in str(text).split(",") if v.strip()]
+    values = values if isinstance(values, list) else [values]
     return [values[i % len(values)] for i in range(count)]
 
 
@@ -137,16 +137,21 @@ async def run_fleet(args: argparse.Namespace, reporter: Reporter) -> FleetReport
     ctx_tps, gen_tps = tps(args.ctx_tp, n), tps(args.gen_tp, m)
     durations: dict[str, float] = {}
     t = time.perf_counter()
-    with reporter.step(f"launching a fleet: CTX tp={ctx_tps} x GEN tp={gen_tps} ({args.memory}, NIXL/UCX)", done="fleet ready"):
-        fleet = await Fleet.launch(
-            ctx=ctx_tps,
-            gen=gen_tps,
-            pool_blocks=args.pool_blocks,
-            memory=args.memory,
-            start_timeout_s=args.start_timeout,
-            round_timeout_s=10.0,
-            name=f"kvh-fleet-{random.getrandbits(24):06x}",
-        )
+    from kvhandoff.actors._demo import _LaunchFailed
+
+    try:
+        with reporter.step(f"launching a fleet: CTX tp={ctx_tps} x GEN tp={gen_tps} ({args.memory}, NIXL/UCX)", done="fleet ready"):
+            fleet = await Fleet.launch(
+                ctx=ctx_tps,
+                gen=gen_tps,
+                pool_blocks=args.pool_blocks,
+                memory=args.memory,
+                start_timeout_s=args.start_timeout,
+                round_timeout_s=10.0,
+                name=f"kvh-fleet-{random.getrandbits(24):06x}",
+            )
+    except Exception as exc:  # InvalidConfig, LaunchFailed: one line, no traceback
+        raise _LaunchFailed(f"{type(exc).__name__}: {exc}") from exc
     durations["launch_s"] = time.perf_counter() - t
     plan = plan_workload(args.requests, args.cancel_rate, args.seed, exact_phases=False)
     results: list[Any] = []

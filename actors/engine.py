@@ -65,7 +65,7 @@ from typing import Any
 import msgspec
 import ray
 
-from kvhandoff.actors._coordinator import Coordinator
+from kvhandoff.actors._coordinator import AdmissionStopped, Coordinator
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors._metrics import record_handoff
 from kvhandoff.actors._stager import DATA_MODES
@@ -275,6 +275,8 @@ class EngineDeployment:
                 topology_digest=topology_digest(spec),
                 peer=peer,
                 peer_claims=role is Role.GEN,
+                # A failed worker is detached, not fatal: the engine re-attaches it (`reattach`).
+                reattach=f"{plan.name}.directory",
             )
         try:
             async with asyncio.timeout(start_timeout_s):
@@ -311,7 +313,10 @@ class EngineDeployment:
         self._check_open()
         parent = self._new_parent(request_id)
         ids = self._check_blocks(num_tokens, blocks)
-        ok = await self._coords[Role.CTX].admit.remote(parent, num_tokens, ids)
+        try:
+            ok = await self._coords[Role.CTX].admit.remote(parent, num_tokens, ids)
+        except AdmissionStopped as exc:  # a worker is detached (re-attach it) or a rank restarting
+            raise PublishRefused(request_id, f"the CTX instance admits nothing now: {exc.reason}") from None
         if not ok:
             raise PublishRefused(request_id, "a CTX rank refused the blocks (see its stats' counters)")
         return HandoffTicket(
@@ -372,6 +377,35 @@ class EngineDeployment:
         )
 
     # -- either side ------------------------------------------------------------------
+
+    async def reattach(self, role: Role | str, rank: int, worker: Any) -> int:
+        """Re-attach a restarted engine worker as rank `rank` of `role`'s
+        instance, without rebuilding anything or touching the other
+        instance's workers: `worker` hosts a new endpoint (`ctx_endpoint` /
+        `gen_endpoint` in its constructor: a new epoch, a new NIXL agent over
+        its tensors). The old incarnation is retired (its peers end their
+        sessions with it; its frames are stale from now on), handoffs still
+        in flight in that instance end failed, and the new one joins at the
+        next round; the instance admits again once no worker is detached (a
+        worker that died or missed a round bound is detached until then:
+        `stats()["coordinators"][role]["detached"]`). Returns the new epoch.
+        Raises `InvalidRequest` for a rank out of range and `LaunchFailed`
+        when the worker does not answer as that rank."""
+        self._check_open()
+        try:
+            role = Role(role)
+        except ValueError:
+            raise InvalidRequest(f"role must be 'ctx' or 'gen', got {_short(role)}") from None
+        tp = self.plan.spec(role).tp
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < tp:
+            raise InvalidRequest(f"rank must be an int in [0, {tp}), got {_short(rank)}")
+        try:
+            epoch = int(await self._coords[role].replace_rank.remote(rank, worker))
+            await worker.connect.remote()
+        except Exception as exc:
+            raise LaunchFailed(self.plan.name, f"{role.value} rank {rank} could not re-attach: {exc}") from exc
+        self._ranks[role][rank] = worker
+        return epoch
 
     async def cancel(self, ticket: HandoffTicket | str) -> None:
         """Cancel at any moment, from either side (module docstring, step 7)."""

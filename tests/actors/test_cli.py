@@ -116,6 +116,41 @@ def test_demo_json_reports_every_field_and_holds_the_invariants() -> None:
 
 
 @pytest.mark.ray
+def test_fleet_demo_with_chaos_reports_the_storm_and_fails_no_bystander() -> None:
+    """`kvhandoff demo --ctx-instances 2 --gen-instances 2 --chaos --json`: a
+    fleet with mixed TP runs the workload through a membership storm (a rank
+    killed, a coordinator killed, a replacement joining, an instance
+    draining); the JSON carries instances, pairs, faults and
+    bystander_failed, and the invariants hold."""
+    requests = 60
+    argv = ["demo", "--json", "--requests", str(requests), "--ctx-instances", "2", "--gen-instances", "2"]
+    argv += ["--ctx-tp", "2,1", "--gen-tp", "1", "--chaos", "--concurrency", "6", "--pool-blocks", "256"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvhandoff.actors.cli", *argv],
+        capture_output=True, text=True, timeout=400, cwd=ROOT, env=_env(),
+    )
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, f"stdout must be one JSON line, got:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    report = json.loads(lines[0])
+    assert report["requests"] == requests
+    assert sum(report["outcomes"].values()) == requests
+    assert report["completed"] > 0 and report["bytes_verified"] > 0
+    assert [f["kind"] for f in report["faults"]] == ["kill_rank", "kill_coordinator", "join", "drain"]
+    assert all({"kind", "instance", "at_s"} <= set(f) for f in report["faults"])
+    states = {(i["id"], i["incarnation"]): i["state"] for i in report["instances"]}
+    assert states == {("ctx0", 1): "serving", ("ctx1", 1): "serving", ("gen0", 1): "removed", ("gen1", 2): "serving"}
+    tps = {i["id"]: i["tp"] for i in report["instances"]}
+    assert tps == {"ctx0": 2, "ctx1": 1, "gen0": 1, "gen1": 1}
+    assert set(report["pairs"]) >= {"ctx0->gen0", "ctx1->gen0"}
+    for counts in report["pairs"].values():
+        assert set(counts) == {"completed", "cancelled", "failed"}
+    assert report["bystander_failed"] == 0
+    assert report["leaked_blocks"] == 0 and report["timeout"] == 0
+    assert report["invariant_violations"] == [] and report["ok"] is True, report["invariant_violations"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.ray
 def test_ray_job_example_runs_and_leaks_nothing() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "ray_job.py")],

@@ -19,7 +19,10 @@ import pytest
 import ray
 import torch
 
-from kvhandoff.actors import Deployment  # noqa: F401  (the package imports cleanly)
+from kvhandoff.actors import (
+    Deployment,  # noqa: F401  (the package imports cleanly)
+    RoundTimeout,
+)
 from kvhandoff.actors._phases import hold_frames, release_frames
 from kvhandoff.actors.deployment import InvalidConfig, InvalidRequest
 from kvhandoff.actors.endpoint import EnginePlan, ctx_endpoint, gen_endpoint
@@ -403,3 +406,47 @@ async def test_a_request_larger_than_one_open_is_refused_typed(engine: Engine) -
     after = [s["leased"] for s in (await engine.dep.stats())["ranks"]]
     # Nothing was leased for it (an earlier test's blocks may still be coming back).
     assert all(a <= b for a, b in zip(after, before)), (before, after)
+
+
+async def test_a_restarted_worker_reattaches_and_its_next_request_is_exact(ray_cluster: Any) -> None:
+    """An engine worker dies and the engine restarts it: kvhandoff detaches
+    that rank at the next round (its instance admits nothing, typed:
+    PublishRefused), the engine re-attaches the new worker (a new epoch, a
+    new agent over its new tensors) without rebuilding anything, and the
+    next request is byte-exact. A live worker can be replaced too (fenced:
+    its epoch is stale from then on). The other instance's workers are the
+    same actors throughout."""
+    eng = await _engine(2, 1, "paged", "split", round_timeout_s=3.0)
+    gen_before = list(eng.gen)
+    try:
+        assert await _handoff(eng, "before", seed=1, tokens=9) == "completed"
+        ctx_coord = eng.dep._coords[Role.CTX]
+        old = (await ctx_coord.epochs.remote())[1]
+        ray.kill(eng.ctx[1], no_restart=True)  # the engine's worker process died
+        with pytest.raises(RoundTimeout):  # the next round finds it dead: detached
+            await ctx_coord.run_round.remote()
+        assert (await ctx_coord.stats.remote())["detached"] == [1]
+        with pytest.raises(PublishRefused):
+            await eng.dep.publish("while-detached", 9, eng.free[Role.CTX][:3])
+        # The engine restarts the worker and re-attaches it.
+        eng.ctx[1] = Worker.remote(eng.dep.plan, "ctx", 1)
+        epoch = await eng.dep.reattach("ctx", 1, eng.ctx[1])
+        assert epoch > old
+        stats = await ctx_coord.stats.remote()
+        assert stats["detached"] == [] and stats["state"] == "running" and stats["reattached"] == 1
+        for i in range(3):
+            assert await _handoff(eng, f"after-{i}", seed=10 + i, tokens=9 + 4 * i) == "completed"
+        # A live GEN worker replaced by a new one: the old is fenced, the new serves.
+        fresh = Worker.remote(eng.dep.plan, "gen", 0)
+        await eng.dep.reattach(Role.GEN, 0, fresh)
+        stale, eng.gen[0] = eng.gen[0], fresh
+        assert await _handoff(eng, "after-gen", seed=20, tokens=13) == "completed"
+        ray.kill(stale)
+        with pytest.raises(InvalidRequest):
+            await eng.dep.reattach("gen", 1, fresh)  # GEN has one rank
+        await eng.check_clean()
+        assert eng.gen[0] is not gen_before[0] and eng.ctx[0] is not None
+    finally:
+        await eng.dep.shutdown()
+        for w in eng.ctx + eng.gen:
+            ray.kill(w)

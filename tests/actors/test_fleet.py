@@ -24,6 +24,15 @@ import pytest
 
 from kvhandoff.actors import InvalidConfig
 from kvhandoff.actors.fleet import Fleet, InstanceUnavailable, UnknownInstance
+from kvhandoff.protocol import Cancel as CancelMsg
+from kvhandoff.protocol import (
+    CancelReason,
+    ContextTicket,
+    Endpoint,
+    RankNamespace,
+    Role,
+    encode_frame,
+)
 from kvhandoff.topology import KVLayout
 
 from .helpers import assert_clean
@@ -276,11 +285,27 @@ def test_a_dead_coordinator_is_fenced_and_replaced(nodes) -> None:
             old_id = next(i["instance_id"] for i in fleet.instances() if i["id"] == "gen1")
             replaced = await fleet.add_instance("gen", tp=1, name="gen1")
             after = await asyncio.gather(*(fleet.handoff(f"after-{c}", TOKENS, ctx=c, gen="gen1", timeout=TIMEOUT) for c in ("ctx0", "ctx1")))
-            return seen, replaced, after, old_id, fleet.instances(), await fleet_stats(fleet)
+            # A frame of the old incarnation (its instance id) is refused, and changes nothing (S3).
+            ctx = (await fleet.instance_ranks("ctx0"))[0]
+            (ctx_ep, *_), _ = (await fleet._directory.all_of.remote(fleet._named("ctx0").id))[0]
+            old_gen = Endpoint(ns=RankNamespace(instance_id=old_id, role=Role.GEN, rank=0), epoch=1)
+            ticket = ContextTicket(
+                request_id="after-ctx0", ctx_attempt=1, gen_attempt=1, ctx=ctx_ep, gen=old_gen,
+                ctx_digest=b"\0" * 32, gen_digest=b"\0" * 32,
+            )
+            before = await ctx.stats.remote()
+            accepted = await ctx.receive_frame.remote(encode_frame(CancelMsg(ticket=ticket, reason=CancelReason.PEER)))
+            refused = await ctx.stats.remote()
+            stale = (accepted, before, refused)
+            return seen, replaced, after, old_id, fleet.instances(), stale, await fleet_stats(fleet)
         finally:
             await fleet.shutdown()
 
-    seen, replaced, after, old_id, instances, stats = run(scenario())
+    seen, replaced, after, old_id, instances, stale, stats = run(scenario())
+    accepted, before, refused = stale
+    assert accepted is False
+    assert refused["counters"].get("refused_UnknownSessionError", 0) == before["counters"].get("refused_UnknownSessionError", 0) + 1
+    assert (refused["free"], refused["leased"], refused["parents"]) == (before["free"], before["leased"], before["parents"])
     bystanders = [o for (_, g), o in seen if g == "gen0"]
     assert bystanders and all(o == "completed" for o in bystanders), collections.Counter(bystanders)
     assert replaced == "gen1" and [r.outcome for r in after] == ["completed", "completed"], after
