@@ -1483,7 +1483,10 @@ def run(args: argparse.Namespace) -> int:
         started_ray = True
     failed: _LaunchFailed | None = None
     try:
-        out = asyncio.run(_Bench(args, reporter).run())
+        # With --json, stdout carries the one JSON object: what Ray's driver
+        # prints there meanwhile (its raylet's warnings) goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            out = asyncio.run(_Bench(args, reporter).run())
     except _LaunchFailed as exc:
         failed = exc
     finally:

@@ -359,12 +359,15 @@ def run(args: argparse.Namespace) -> int:
     ray_init_s = time.perf_counter() - t0
     failed: _LaunchFailed | None = None
     try:
-        if fleet:
-            from kvhandoff.actors._fleet_demo import run_fleet
+        # With --json, stdout carries the one JSON object: what Ray's driver
+        # prints there meanwhile (its raylet's warnings) goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            if fleet:
+                from kvhandoff.actors._fleet_demo import run_fleet
 
-            report = asyncio.run(run_fleet(args, reporter))
-        else:
-            report = asyncio.run(_run_async(args, reporter))
+                report = asyncio.run(run_fleet(args, reporter))
+            else:
+                report = asyncio.run(_run_async(args, reporter))
     except _LaunchFailed as exc:
         failed = exc
     finally:

@@ -93,6 +93,11 @@ class EnginePlan(msgspec.Struct, frozen=True, kw_only=True):
     staging_slot_bytes: int = 0
     #: The fewest pieces x blocks an edge needs for "auto" to stage it; 0: the device's default.
     staged_min_descriptors: int = 0
+    #: An engine fleet's plan (actors/engine_fleet.py): `instance` names the
+    #: instance these workers host (its spec is `ctx` or `gen`, the other is
+    #: its default peer); the endpoints pair with every instance of the other
+    #: role in the fleet's directory. "": a one-pair `EngineDeployment`.
+    instance: str = ""
 
     def spec(self, role: Role) -> TopologySpec:
         return self.ctx if role is Role.CTX else self.gen
@@ -100,6 +105,8 @@ class EnginePlan(msgspec.Struct, frozen=True, kw_only=True):
 
 def _config(plan: EnginePlan, role: Role, rank: int, tensors: Sequence[torch.Tensor]) -> RankConfig:
     spec, peer = (plan.ctx, plan.gen) if role is Role.CTX else (plan.gen, plan.ctx)
+    if plan.instance and spec.instance_id != plan.instance:
+        raise ValueError(f"this plan is for instance {plan.instance!r}, a {spec.role.value} instance, not a {role.value} one")
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < spec.tp:
         raise ValueError(f"rank must be an int in [0, {spec.tp}), got {rank!r}")
     if not tensors:
@@ -126,6 +133,8 @@ def _config(plan: EnginePlan, role: Role, rank: int, tensors: Sequence[torch.Ten
         staged_below=plan.staged_below,
         staging_slot_bytes=plan.staging_slot_bytes,
         staged_min_descriptors=plan.staged_min_descriptors,
+        fleet=bool(plan.instance),
+        coordinator=f"{plan.name}.coord.{plan.instance}" if plan.instance else "",
     )
 
 

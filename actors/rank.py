@@ -336,6 +336,10 @@ class RankCore(RoundParticipant):
     role: ClassVar[Role]
     peer_role: ClassVar[Role]
     side: CtxRank | GenRank
+    #: Whether a fleet rank may admit a parent before it knows the peer
+    #: instance (CTX: an engine publishes before a GEN instance claims the
+    #: ticket; its first OPEN binds it). A GEN rank always knows its CTX.
+    admits_unpaired: ClassVar[bool] = False
 
     def __init__(self, config: RankConfig, epoch: int, *, tensors: Sequence[torch.Tensor] | None = None) -> None:
         spec, peer = config.spec, config.peer_spec
@@ -447,10 +451,11 @@ class RankCore(RoundParticipant):
         """The protocol object of our role, over our pool."""
         raise NotImplementedError
 
-    def _admit(self, request: AdmissionRequest, blocks: int, now: float, deadline: float, pair: _Pair) -> None:
+    def _admit(self, request: AdmissionRequest, blocks: int, now: float, deadline: float, pair: _Pair | None) -> None:
         """Lease `blocks` for a proposed admission tentatively (in our vote),
-        paired with the peer instance `pair`; a refusal raises (`PoolError`,
-        or whatever the admission carries)."""
+        paired with the peer instance `pair` (None: not known yet, see
+        `admits_unpaired`); a refusal raises (`PoolError`, or whatever the
+        admission carries)."""
         raise NotImplementedError
 
     def _admitted(self, parent: ParentKey, now: float) -> None:
@@ -851,15 +856,16 @@ class RankCore(RoundParticipant):
             if stopped:
                 self.counters["admit_refused_stopped"] += 1
                 continue
-            peer = request.peer_instance or self._default_peer
-            pair = self._pairs.get(peer)
-            if pair is None or pair.left:
+            peer = request.peer_instance or ("" if self.config.fleet else self._default_peer)
+            pair = self._pairs.get(peer) if peer else None
+            if (pair is None and (peer or not self.admits_unpaired)) or (pair is not None and pair.left):
                 # An instance we do not pair with (unknown, or it left): refused.
                 self.counters["refused_unknown_instance"] += 1
                 continue
             # No agreed protocol with that instance: admit nothing (refused
-            # before any lease or DMA).
-            if not isinstance(pair.negotiation, Negotiated):
+            # before any lease or DMA). An unpaired admission (a published
+            # engine ticket) is checked against its pair at its first OPEN.
+            if pair is not None and not isinstance(pair.negotiation, Negotiated):
                 refusal = refusal_kind(pair.negotiation)
                 if refusal == "pending":
                     self._renegotiate(pair)
@@ -878,7 +884,8 @@ class RankCore(RoundParticipant):
                 log.warning("rank %s: admission of %s refused: %r", self.ns, request.parent, exc)
                 continue
             self._tokens[request.parent] = request.num_tokens
-            self._pair_of[request.parent] = peer
+            if peer:
+                self._pair_of[request.parent] = peer
             ok.append(request.parent)
         return VoteNews(admit_ok=tuple(ok))
 
@@ -1358,6 +1365,7 @@ class CtxRankCore(RankCore):
     role = Role.CTX
     peer_role = Role.GEN
     side: CtxRank
+    admits_unpaired = True
 
     def __init__(self, config: RankConfig, epoch: int, *, tensors: Sequence[torch.Tensor] | None = None) -> None:
         # The data plane: per edge ticket, its chunk plans, the GEN geometry
@@ -1405,9 +1413,10 @@ class CtxRankCore(RankCore):
             conservative=self.config.conservative, quarantine_limit=self.config.quarantine_limit,
         )
 
-    def _admit(self, request: AdmissionRequest, blocks: int, now: float, deadline: float, pair: _Pair) -> None:
-        # This parent's edges here: as many as the GEN instance it pairs with gives us.
-        edges = len(pair.shards.edges_for_ctx_rank(self.config.rank))
+    def _admit(self, request: AdmissionRequest, blocks: int, now: float, deadline: float, pair: _Pair | None) -> None:
+        # This parent's edges here: as many as the GEN instance it pairs with
+        # gives us (bound at its first OPEN when that is not known yet).
+        edges = len(pair.shards.edges_for_ctx_rank(self.config.rank)) if pair is not None else None
         self.side.admit(request.parent, blocks, now=now, lease_deadline=deadline, blocks=request.blocks, edges=edges)
 
     def _admitted(self, parent: ParentKey, now: float) -> None:
@@ -1447,9 +1456,26 @@ class CtxRankCore(RankCore):
         # another GEN digest is a stale or forged proposal.
         if message.ticket.gen_digest != pair.gen_digest:
             raise StaleError("gen topology digest", message.ticket.gen_digest.hex(), pair.gen_digest.hex())
-        paired = self._pair_of.get(message.ticket.parent)
+        parent = message.ticket.parent
+        paired = self._pair_of.get(parent)
         if paired is not None and paired != gen.ns.instance_id:
             raise StaleError("gen instance", gen.ns.instance_id, paired)
+        binding = paired is None and self.config.fleet and self.pool.holds(parent)
+        if binding:
+            # A published parent's first OPEN names the GEN instance that
+            # claimed it (a ticket is claimed once, by one instance): bind
+            # the parent to that pair; undone if this OPEN is refused.
+            self.side.bind_edges(parent, len(pair.shards.edges_for_ctx_rank(self.config.rank)))
+            self._pair_of[parent] = gen.ns.instance_id
+        try:
+            return self._receive_open(message, pair, now)
+        except ProtocolError:
+            if binding and not self.side.edges(parent):
+                self._pair_of.pop(parent, None)
+            raise
+
+    def _receive_open(self, message: Open, pair: _Pair, now: float) -> list[Action]:
+        gen = message.ticket.gen
         chunks = self._plan_chunks(message, pair)
         geometry = self._geometry.get(message.buffer.agent_name)
         peer = None

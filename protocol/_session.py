@@ -1350,6 +1350,19 @@ class CtxRank(_Rank):
     def _edges_of(self, record: _Parent) -> int:
         return record.expected_edges or self.edges_per_parent
 
+    def bind_edges(self, parent: ParentKey, edges: int) -> None:
+        """Say how many edges `parent` has here once the GEN instance it pairs
+        with is known (an engine fleet publishes before any GEN instance
+        claims the ticket: the first OPEN names it). Allowed only while no
+        edge is recorded and the parent is admitted or resident; raises
+        `LeaseError` otherwise and changes nothing."""
+        record = self._require(parent)
+        if edges < 1:
+            raise LeaseError(f"a parent needs at least one edge, got {edges}")
+        if record.edges or record.state not in (_PS.ADMITTED, _PS.RESIDENT):
+            raise LeaseError(f"{parent!r}: its edges are bound already (state {record.state.value})")
+        record.expected_edges = edges
+
     def prefilled(self, parent: ParentKey) -> list[Action]:
         """Prefill finished: the KV is resident and OPENs may be prepared."""
         return self._fire_parent(parent, _PE.PREFILLED)

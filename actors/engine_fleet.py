@@ -1,0 +1,508 @@
+"""`EngineFleet`: many engine instances, any-to-any handoffs (docs/design.md "Fleet").
+
+The fleet form of `EngineDeployment` (actors/engine.py): the engine owns
+its workers, tensors and block managers; kvhandoff owns the handoffs and
+the membership. Every instance is one engine instance (one TP group of the
+engine's worker actors, each hosting an endpoint) with its own coordinator:
+
+    fleet = await EngineFleet.create(layout=layout)
+    plan = await fleet.plan("ctx", tp=2, memory_kind="paged")     # -> its workers
+    await fleet.attach(plan, workers)                             # serves
+    ticket = await fleet.publish("req-1", 300, blocks, ctx=plan.instance)
+    r = await fleet.receive(ticket.encode(), gen_blocks, gen=gen_plan.instance)
+
+An instance is named by its instance id (`<fleet>-<name>-i<incarnation>`,
+`plan.instance`); a ticket carries its CTX instance's id and digest, so a
+ticket of an old incarnation is refused (`StaleTicket`). A CTX instance
+publishes before any GEN instance is chosen: the parent is admitted
+unpaired, the GEN instance that claims the ticket (a ticket is claimed once)
+is the one whose OPENs bind it on every CTX rank. Membership is as for
+`Fleet`: `attach` pairs every live worker of the other role with the new
+instance before it is used; `drain` stops admissions, waits until nothing of
+it is in flight, and removes it (peers unload its agents); `reattach`
+replaces one worker; a worker that dies or misses a round bound detaches
+its rank (its instance admits nothing until the engine re-attaches it).
+The data plane is direct.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from kvhandoff.actors._coordinator import AdmissionStopped, Coordinator
+from kvhandoff.actors._directory import Directory
+from kvhandoff.actors._metrics import record_handoff
+from kvhandoff.actors.deployment import (
+    DeploymentClosed,
+    InvalidConfig,
+    InvalidRequest,
+    LaunchFailed,
+    _check_int,
+    _ref,
+    _short,
+)
+from kvhandoff.actors.endpoint import EnginePlan
+from kvhandoff.actors.engine import EngineDeployment, EngineResult, PublishRefused, StaleTicket
+from kvhandoff.actors.fleet import InstanceUnavailable, UnknownInstance
+from kvhandoff.protocol import (
+    HandoffTicket,
+    MemoryKind,
+    ParentKey,
+    Role,
+    TicketError,
+    TopologyError,
+)
+from kvhandoff.topology import KVLayout, TopologySpec, check_memory_kind, shard_map, topology_digest
+
+__all__ = ["EngineFleet"]
+
+log = logging.getLogger("kvhandoff.engine_fleet")
+
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")
+#: Parents received recently -> their GEN instance (for `returned(..., GEN)`), bounded.
+_RECENT = 65536
+
+
+@dataclass
+class _EngineInstance:
+    name: str
+    role: Role
+    tp: int
+    incarnation: int
+    spec: TopologySpec
+    plan: EnginePlan
+    memory_kind: str
+    state: str = "planned"  # planned | serving | draining | detached | removed
+    coord: Any = None
+    workers: list[Any] = field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        return self.spec.instance_id
+
+
+class EngineFleet:
+    """The control side of a fleet of engine instances (module docstring)."""
+
+    def __init__(self, name: str, layout: KVLayout) -> None:
+        self.name = name
+        self.layout = layout
+        self._by_id: dict[str, _EngineInstance] = {}
+        self._names: dict[str, _EngineInstance] = {}  # logical name -> current incarnation
+        self._counters = {Role.CTX: 0, Role.GEN: 0}
+        self._common: dict[str, Any] = {}
+        self._directory: Any = None
+        self._closed = False
+        self._round_timeout_s = 5.0
+        self._received: collections.OrderedDict[ParentKey, str] = collections.OrderedDict()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._membership = asyncio.Lock()
+        # The parts of `EngineDeployment` that need only the layout (block checks, attempts).
+        self._checks = EngineDeployment.__new__(EngineDeployment)
+        self._checks.plan = EnginePlan(
+            name=name,
+            ctx=TopologySpec(instance_id=f"{name}-none", role=Role.CTX, tp=1),
+            gen=TopologySpec(instance_id=f"{name}-none", role=Role.GEN, tp=1),
+            layout=layout,
+        )
+
+    @classmethod
+    async def create(
+        cls,
+        *,
+        layout: KVLayout,
+        memory: str = "DRAM",
+        chunk_bytes: int = 1 << 20,
+        transfer_timeout_s: float = 10.0,
+        lease_timeout_s: float = 30.0,
+        round_timeout_s: float = 5.0,
+        control_frames: str = "ray",
+        name: str | None = None,
+    ) -> EngineFleet:
+        """Check the settings every instance shares (`InvalidConfig`) and
+        start the fleet's directory; then `plan` and `attach` instances."""
+        if not isinstance(layout, KVLayout):
+            raise InvalidConfig(f"layout must be a KVLayout, got {_short(layout)}")
+        _check_int("chunk_bytes", chunk_bytes, 1)
+        for fname, value in (
+            ("transfer_timeout_s", transfer_timeout_s),
+            ("lease_timeout_s", lease_timeout_s),
+            ("round_timeout_s", round_timeout_s),
+        ):
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise InvalidConfig(f"{fname} must be a positive number of seconds, got {_short(value)}")
+        if control_frames not in ("ray", "nixl"):
+            raise InvalidConfig(f"control_frames must be 'ray' or 'nixl', got {_short(control_frames)}")
+        try:
+            mem = MemoryKind(memory)
+        except ValueError:
+            raise InvalidConfig(f"memory must be one of {[m.value for m in MemoryKind]}, got {memory!r}") from None
+        self = cls(name or f"kvh-{uuid.uuid4().hex[:8]}", layout)
+        self._round_timeout_s = float(round_timeout_s)
+        self._common = {
+            "memory": mem,
+            "transfer_timeout_s": float(transfer_timeout_s),
+            "chunk_bytes": chunk_bytes,
+            "lease_timeout_s": float(lease_timeout_s),
+            "control_frames": control_frames,
+        }
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False)
+        self._directory = Directory.options(name=f"{self.name}.directory").remote()
+        await self._directory.descriptors.remote()  # up before any endpoint registers
+        return self
+
+    # -- membership -------------------------------------------------------------------
+
+    async def plan(self, role: str | Role, tp: int, *, memory_kind: str = "paged", name: str | None = None) -> EnginePlan:
+        """Plan a new instance of `role` (or, with the `name` of one removed,
+        its next incarnation): the plan its workers build their endpoints
+        from (`ctx_endpoint` / `gen_endpoint`); `plan.instance` is its id.
+        Raises `InvalidConfig` for a TP that cannot pair with a live instance
+        of the other role, a bad memory kind or name."""
+        self._check_open()
+        try:
+            role = Role(role)
+            check_memory_kind(memory_kind)
+        except (ValueError, TopologyError) as exc:
+            raise InvalidConfig(str(exc)) from None
+        _check_int("tp", tp, 1)
+        if name is None:
+            name = f"{role.value}{self._counters[role]}"
+            self._counters[role] += 1
+        elif not isinstance(name, str) or not _NAME.match(name):
+            raise InvalidConfig(f"instance name must match {_NAME.pattern}, got {_short(name)}")
+        before = self._names.get(name)
+        if before is not None and before.state not in ("removed",):
+            raise InvalidConfig(f"instance {name!r} exists ({before.state}): a new incarnation needs it removed")
+        others = [i for i in self._names.values() if i.role is not role and i.state in ("serving", "draining", "detached")]
+        for other in others:
+            c, g = (tp, other.tp) if role is Role.CTX else (other.tp, tp)
+            try:
+                shard_map(self.layout, c, g)
+            except (TopologyError, ValueError) as exc:
+                raise InvalidConfig(f"a CTX tp={c} and a GEN tp={g} instance cannot pair: {exc}") from None
+        incarnation = before.incarnation + 1 if before is not None else 1
+        spec = TopologySpec(
+            instance_id=f"{self.name}-{name}-i{incarnation}", role=role, tp=tp,
+            memory=self._common["memory"], transfer_timeout_s=self._common["transfer_timeout_s"],
+        )
+        other_role = Role.GEN if role is Role.CTX else Role.CTX
+        peer = others[0].spec if others else TopologySpec(
+            instance_id=f"{self.name}-none", role=other_role, tp=1,
+            memory=self._common["memory"], transfer_timeout_s=self._common["transfer_timeout_s"],
+        )
+        peer_kind = others[0].memory_kind if others else memory_kind
+        ctx, gen = (spec, peer) if role is Role.CTX else (peer, spec)
+        plan = EnginePlan(
+            name=self.name,
+            ctx=ctx,
+            gen=gen,
+            layout=self.layout,
+            ctx_memory=memory_kind if role is Role.CTX else peer_kind,
+            gen_memory=memory_kind if role is Role.GEN else peer_kind,
+            chunk_bytes=self._common["chunk_bytes"],
+            lease_timeout_s=self._common["lease_timeout_s"],
+            control_frames=self._common["control_frames"],
+            data_mode="direct",
+            instance=spec.instance_id,
+        )
+        inst = _EngineInstance(name=name, role=role, tp=tp, incarnation=incarnation, spec=spec, plan=plan, memory_kind=memory_kind)
+        self._names[name] = inst
+        self._by_id[spec.instance_id] = inst
+        await self._directory.add_instance.remote(spec, memory_kind)
+        return plan
+
+    async def attach(self, plan: EnginePlan, workers: list[Any], *, start_timeout_s: float = 600.0) -> None:
+        """Start the instance's coordinator over the engine's `workers` (rank
+        r is the r-th), wait until each registered, then pair: its workers
+        negotiate with every instance of the other role, and every live
+        worker of the other role pairs with it (awaited). Then it serves.
+        Raises `LaunchFailed` (and takes the instance out) on failure."""
+        self._check_open()
+        inst = self._by_id.get(plan.instance)
+        if inst is None or inst.state != "planned":
+            raise InvalidRequest(f"plan {plan.instance!r} is not a planned instance of this fleet")
+        if len(workers) != inst.tp:
+            raise InvalidConfig(f"instance {inst.name} has tp={inst.tp}, got {len(workers)} workers")
+        async with self._membership:
+            inst.workers = list(workers)
+            inst.coord = Coordinator.options(name=f"{self.name}.coord.{inst.id}").remote(
+                inst.id,
+                ranks=inst.workers,
+                round_timeout=self._round_timeout_s,
+                max_restarts=0,
+                topology_digest=topology_digest(inst.spec),
+                fleet=self.name,
+                peer_claims=inst.role is Role.GEN,
+                reattach=f"{self.name}.directory",
+            )
+            try:
+                async with asyncio.timeout(start_timeout_s):
+                    epochs = await inst.coord.epochs.remote()
+                    if not await self._directory.wait_for.remote({inst.id: epochs}, start_timeout_s):
+                        raise LaunchFailed(self.name, f"instance {inst.name}: endpoints did not register")
+                    peers = [w for o in self._live(Role.GEN if inst.role is Role.CTX else Role.CTX) for w in o.workers]
+                    await asyncio.gather(
+                        *(w.connect.remote() for w in inst.workers),
+                        *(w.peer_joined.remote(inst.spec, inst.memory_kind) for w in peers),
+                    )
+            except Exception as exc:
+                await self._remove(inst)
+                if isinstance(exc, LaunchFailed):
+                    raise
+                raise LaunchFailed(self.name, f"instance {inst.name}: {type(exc).__name__}: {exc}") from exc
+            inst.state = "serving"
+
+    async def drain(self, instance: str, timeout: float = 120.0) -> bool:
+        """Stop admissions into `instance` (its coordinator refuses them:
+        publish raises `PublishRefused`, a receive ends "rejected"), wait
+        until nothing of it is in flight (its rounds, and every peer worker's
+        live parents with it), then remove it: every peer forgets it and
+        unloads its agents. The engine stops its workers afterwards. True
+        when removed within `timeout`; False if still busy (call again)."""
+        self._check_open()
+        inst = self._instance(instance)
+        if inst.state not in ("serving", "draining"):
+            raise InstanceUnavailable(inst.name, inst.state)
+        inst.state = "draining"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if not await inst.coord.drain.remote(timeout):
+            return False
+        others = [w for o in self._live(Role.GEN if inst.role is Role.CTX else Role.CTX) for w in o.workers]
+        delay = 0.005
+        while sum(await asyncio.gather(*(w.paired_with.remote(inst.id) for w in others))):
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(delay)  # an observable condition, polled with backoff
+            delay = min(delay * 2, 0.2)
+        await self._remove(inst)
+        return True
+
+    async def _remove(self, inst: _EngineInstance) -> None:
+        inst.state = "removed"
+        with contextlib.suppress(Exception):
+            await self._directory.remove_instance.remote(inst.id)
+        if inst.role is Role.CTX:
+            for other in self._live(Role.GEN):
+                with contextlib.suppress(Exception):
+                    await other.coord.forget_peer.remote(inst.id)
+        if inst.coord is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(_ref(inst.coord.shutdown.remote(False)), 10.0)
+            with contextlib.suppress(Exception):
+                ray.kill(inst.coord, no_restart=True)
+
+    async def reattach(self, instance: str, rank: int, worker: Any) -> int:
+        """`EngineDeployment.reattach` for one instance of the fleet."""
+        self._check_open()
+        inst = self._instance(instance)
+        if inst.state not in ("serving", "draining"):
+            raise InstanceUnavailable(inst.name, inst.state)
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < inst.tp:
+            raise InvalidRequest(f"rank must be an int in [0, {inst.tp}), got {_short(rank)}")
+        try:
+            epoch = int(await inst.coord.replace_rank.remote(rank, worker))
+            await worker.connect.remote()
+        except Exception as exc:
+            raise LaunchFailed(self.name, f"{inst.name} rank {rank} could not re-attach: {exc}") from exc
+        inst.workers[rank] = worker
+        return epoch
+
+    # -- handoffs -----------------------------------------------------------------------
+
+    async def publish(self, request_id: str, num_tokens: int, blocks: Any, *, ctx: str) -> HandoffTicket:
+        """`EngineDeployment.publish` on CTX instance `ctx` (its id). The
+        ticket names that instance and its incarnation."""
+        self._check_open()
+        inst = self._serving(ctx, Role.CTX)
+        parent = self._checks._new_parent(request_id)
+        ids = self._checks._check_blocks(num_tokens, blocks)
+        try:
+            ok = await inst.coord.admit.remote(parent, num_tokens, ids)
+        except AdmissionStopped as exc:
+            raise PublishRefused(request_id, f"the CTX instance admits nothing now: {exc.reason}") from None
+        if not ok:
+            raise PublishRefused(request_id, "a CTX rank refused the blocks (see its stats' counters)")
+        return HandoffTicket(
+            deployment=self.name,
+            request_id=parent.request_id,
+            ctx_attempt=parent.ctx_attempt,
+            gen_attempt=parent.gen_attempt,
+            ctx_instance=inst.id,
+            ctx_digest=topology_digest(inst.spec),
+            num_tokens=num_tokens,
+        )
+
+    async def receive(self, ticket: HandoffTicket | str, blocks: Any, *, gen: str, timeout: float = 60.0) -> EngineResult:
+        """`EngineDeployment.receive` into GEN instance `gen` (its id): the
+        GEN coordinator claims the ticket on the CTX instance it names."""
+        self._check_open()
+        ticket = self._ticket(ticket)
+        inst = self._serving(gen, Role.GEN)
+        ids = self._checks._check_blocks(ticket.num_tokens, blocks)
+        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
+            raise InvalidRequest(f"timeout must be a positive number of seconds, got {_short(timeout)}")
+        parent = ticket.parent
+        self._received[parent] = inst.id
+        self._received.move_to_end(parent)
+        while len(self._received) > _RECENT:
+            self._received.popitem(last=False)
+        start = time.perf_counter()
+        submission = asyncio.ensure_future(
+            _ref(inst.coord.submit.remote(parent, ticket.num_tokens, True, ids, ticket.ctx_instance))
+        )
+        try:
+            decided = await asyncio.wait_for(asyncio.shield(submission), timeout)
+        except TimeoutError:
+            decided = "timeout"
+        except asyncio.CancelledError:
+            self._spawn(self._cancel_parent(parent, ticket.ctx_instance))
+            raise
+        except Exception as exc:  # its coordinator died, or it is draining: an outcome
+            log.warning("%s: receive of %s raised: %r", self.name, parent, exc)
+            decided = "rejected" if isinstance(exc, AdmissionStopped) else "failed"
+        if decided not in ("completed", "rejected"):
+            await self._cancel_parent(parent, ticket.ctx_instance)
+        left = max(timeout - (time.perf_counter() - start), self._round_timeout_s)
+        back = await self._returned_on(inst.workers, parent, left)
+        if decided == "completed" and not back:
+            decided = "failed"
+        latency = time.perf_counter() - start
+        record_handoff(self.name, str(decided), latency)
+        return EngineResult(request_id=parent.request_id, outcome=str(decided), blocks_returned=back, latency_s=latency)
+
+    async def cancel(self, ticket: HandoffTicket | str) -> None:
+        """Cancel at any moment, from either side: on the ticket's CTX
+        instance and on every GEN instance (a GEN instance that never
+        claimed it changes nothing)."""
+        self._check_open()
+        ticket = self._ticket(ticket)
+        await self._cancel_parent(ticket.parent, ticket.ctx_instance)
+
+    async def returned(self, ticket: HandoffTicket | str, role: Role | str, timeout: float = 60.0) -> bool:
+        """True once every worker of `role` that held the ticket's blocks
+        (the CTX instance it names; the GEN instance that received it) holds
+        none of them any more."""
+        self._check_open()
+        ticket = self._ticket(ticket)
+        role = Role(role)
+        instance = ticket.ctx_instance if role is Role.CTX else self._received.get(ticket.parent)
+        inst = self._by_id.get(instance or "")
+        if inst is None:
+            return True  # no GEN instance ever received it: none holds it
+        return await self._returned_on(inst.workers, ticket.parent, timeout)
+
+    # -- views ------------------------------------------------------------------------------
+
+    def instances(self) -> list[dict[str, Any]]:
+        """Every instance: {id (logical name), instance_id, role, tp, incarnation, state}."""
+        return [
+            {"id": i.name, "instance_id": i.id, "role": i.role.value, "tp": i.tp, "incarnation": i.incarnation, "state": i.state}
+            for i in self._names.values()
+        ]
+
+    async def stats(self) -> dict[str, Any]:
+        """Every live instance's coordinator and every worker's endpoint stats."""
+        self._check_open()
+        live = [i for i in self._names.values() if i.state in ("serving", "draining", "detached")]
+        ranks = [(i, r, w) for i in live for r, w in enumerate(i.workers)]
+        per_rank = await asyncio.gather(*(w.stats.remote() for _, _, w in ranks), return_exceptions=True)
+        coords = await asyncio.gather(*(i.coord.stats.remote() for i in live), return_exceptions=True)
+        out = []
+        for (inst, rank, _), s in zip(ranks, per_rank):
+            entry = s if isinstance(s, dict) else {"error": repr(s)[:300], "role": inst.role.value, "rank": rank}
+            entry["instance"] = inst.name
+            out.append(entry)
+        return {
+            "fleet": self.name,
+            "instances": self.instances(),
+            "ranks": out,
+            "coordinators": {
+                i.name: c if isinstance(c, dict) else {"state": "unreachable", "error": repr(c)[:300]}
+                for i, c in zip(live, coords)
+            },
+        }
+
+    async def shutdown(self) -> None:
+        """Stop the coordinators and the directory (idempotent); the engine's
+        workers are the engine's to stop."""
+        if self._closed:
+            return
+        self._closed = True
+        tasks = [t for t in self._tasks if not t.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        coords = [i.coord for i in self._by_id.values() if i.coord is not None]
+        await asyncio.gather(
+            *(asyncio.wait_for(_ref(c.shutdown.remote(False)), 10.0) for c in coords), return_exceptions=True
+        )
+        for handle in [*coords, self._directory]:
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(handle, no_restart=True)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DeploymentClosed(self.name)
+
+    def _live(self, role: Role) -> list[_EngineInstance]:
+        return [i for i in self._names.values() if i.role is role and i.state in ("serving", "draining", "detached")]
+
+    def _instance(self, instance: Any) -> _EngineInstance:
+        inst = self._by_id.get(instance) if isinstance(instance, str) else None
+        if inst is None:
+            raise UnknownInstance(str(instance)[:80], sorted(self._by_id))
+        return inst
+
+    def _serving(self, instance: Any, role: Role) -> _EngineInstance:
+        inst = self._instance(instance)
+        if inst.role is not role:
+            raise InstanceUnavailable(inst.name, f"a {inst.role.value} instance, not {role.value}")
+        if inst.state != "serving":
+            raise InstanceUnavailable(inst.name, inst.state)
+        return inst
+
+    def _ticket(self, ticket: Any) -> HandoffTicket:
+        if isinstance(ticket, str):
+            ticket = HandoffTicket.decode(ticket)
+        if not isinstance(ticket, HandoffTicket):
+            raise TicketError(f"a ticket is a HandoffTicket or its string form, got {type(ticket).__name__}")
+        if ticket.deployment != self.name:
+            raise StaleTicket(f"ticket of deployment {ticket.deployment!r}, this is {self.name!r}")
+        inst = self._by_id.get(ticket.ctx_instance)
+        if inst is None or inst.role is not Role.CTX or ticket.ctx_digest != topology_digest(inst.spec):
+            raise StaleTicket(f"ticket of a CTX instance this fleet does not have ({ticket.ctx_instance!r})")
+        if inst.state == "removed":
+            raise StaleTicket(f"ticket of CTX instance {inst.name} incarnation {inst.incarnation}, which left the fleet")
+        return ticket
+
+    async def _cancel_parent(self, parent: ParentKey, ctx_instance: str) -> None:
+        coords = [i.coord for i in self._live(Role.GEN)]
+        ctx = self._by_id.get(ctx_instance)
+        if ctx is not None and ctx.state != "removed":
+            coords.append(ctx.coord)
+        await asyncio.gather(*(c.cancel.remote(parent) for c in coords), return_exceptions=True)
+
+    async def _returned_on(self, workers: list[Any], parent: ParentKey, timeout: float) -> bool:
+        answers = await asyncio.gather(*(w.returned.remote(parent, timeout) for w in workers), return_exceptions=True)
+        return all(a is True for a in answers)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,137 @@
+"""A fleet of engine instances (actors/engine_fleet.py) on real engine workers.
+
+The workers are test_engine's: Ray actors with their own KV tensors (paged
+or split), hosting an endpoint, writing and checking their own bytes. The
+test plays each instance's block manager and reuses a block only after
+kvhandoff gave it back. What would fail if the engine fleet broke: a ticket
+claimed by a GEN instance of another TP than the CTX parent was bound to
+(the bytes would not match, or the OPENs would be refused), a ticket of a
+removed incarnation accepted, a re-attached worker not serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import ray
+
+from kvhandoff.actors.engine import PublishRefused, StaleTicket
+from kvhandoff.actors.engine_fleet import EngineFleet
+from kvhandoff.actors.fleet import InstanceUnavailable, UnknownInstance
+from kvhandoff.protocol import Role
+
+from .test_engine import BLOCKS, LAYOUT, Worker
+
+pytestmark = pytest.mark.ray
+
+
+class Blocks:
+    """One block manager per instance."""
+
+    def __init__(self) -> None:
+        self.free: dict[str, list[int]] = {}
+
+    def take(self, instance: str, n: int) -> list[int]:
+        free = self.free.setdefault(instance, list(range(BLOCKS)))
+        got, self.free[instance] = free[:n], free[n:]
+        assert len(got) == n
+        return got
+
+    def give(self, instance: str, blocks: list[int]) -> None:
+        self.free[instance] += blocks
+
+
+async def _instance(fleet: EngineFleet, role: str, tp: int, kind: str, name: str | None = None) -> tuple[str, list[Any]]:
+    plan = await fleet.plan(role, tp, memory_kind=kind, name=name)
+    workers = [Worker.remote(plan, role, r) for r in range(tp)]
+    await fleet.attach(plan, workers)
+    return plan.instance, workers
+
+
+async def _handoff(fleet: EngineFleet, mgr: Blocks, workers: dict[str, list[Any]], rid: str, seed: int, tokens: int, ctx: str, gen: str) -> str:
+    n = -(-tokens // LAYOUT.tokens_per_block)
+    ctx_blocks = mgr.take(ctx, n)
+    await asyncio.gather(*(w.prefill.remote(seed, ctx_blocks) for w in workers[ctx]))
+    ticket = await fleet.publish(rid, tokens, ctx_blocks, ctx=ctx)
+    gen_blocks = mgr.take(gen, n)
+    result = await fleet.receive(ticket.encode(), gen_blocks, gen=gen, timeout=60)
+    if result.outcome == "completed":
+        assert all(await asyncio.gather(*(w.matches.remote(seed, gen_blocks) for w in workers[gen])))
+    assert result.blocks_returned
+    mgr.give(gen, gen_blocks)
+    assert await fleet.returned(ticket, Role.CTX, timeout=60)
+    mgr.give(ctx, ctx_blocks)
+    return result.outcome
+
+
+async def test_engine_instances_join_pair_any_to_any_drain_and_reattach(ray_cluster: Any) -> None:
+    fleet = await EngineFleet.create(layout=LAYOUT, chunk_bytes=1024, round_timeout_s=5.0)
+    mgr = Blocks()
+    workers: dict[str, list[Any]] = {}
+    try:
+        ctx0, workers_ctx0 = await _instance(fleet, "ctx", 2, "paged")
+        gen0, workers_gen0 = await _instance(fleet, "gen", 1, "split")
+        workers.update({ctx0: workers_ctx0, gen0: workers_gen0})
+        assert await _handoff(fleet, mgr, workers, "a", 1, 9, ctx0, gen0) == "completed"
+        # Two instances join: a GEN of another TP and memory kind, a CTX of another TP.
+        gen1, workers[gen1] = await _instance(fleet, "gen", 2, "paged")
+        ctx1, workers[ctx1] = await _instance(fleet, "ctx", 1, "split")
+        for i, (c, g) in enumerate([(ctx0, gen1), (ctx1, gen0), (ctx1, gen1), (ctx0, gen0)]):
+            assert await _handoff(fleet, mgr, workers, f"pair-{i}", 10 + i, 5 + 4 * i, c, g) == "completed"
+        # A ticket is claimed once: a second GEN instance is refused, nothing held.
+        blocks = mgr.take(ctx0, 3)
+        await asyncio.gather(*(w.prefill.remote(40, blocks) for w in workers[ctx0]))
+        ticket = await fleet.publish("once", 9, blocks, ctx=ctx0)
+        g0, g1 = mgr.take(gen0, 3), mgr.take(gen1, 3)
+        first, second = await fleet.receive(ticket, g0, gen=gen0), await fleet.receive(ticket, g1, gen=gen1)
+        assert (first.outcome, second.outcome) == ("completed", "rejected") and second.blocks_returned
+        mgr.give(gen0, g0), mgr.give(gen1, g1)
+        assert await fleet.returned(ticket, Role.CTX)
+        mgr.give(ctx0, blocks)
+        # Bad input: typed, before any call.
+        with pytest.raises(UnknownInstance):
+            await fleet.publish("x", 4, [0], ctx="no-such-instance")
+        with pytest.raises(InstanceUnavailable):
+            await fleet.publish("x", 4, [0], ctx=gen0)
+        # ctx1 drains and leaves: its tickets are stale, the peers forgot it.
+        blocks = mgr.take(ctx1, 2)
+        await asyncio.gather(*(w.prefill.remote(50, blocks) for w in workers[ctx1]))
+        late = await fleet.publish("late", 5, blocks, ctx=ctx1)
+        late_gen = mgr.take(gen1, 2)
+        done = await fleet.receive(late, late_gen, gen=gen1)
+        assert done.outcome == "completed" and done.blocks_returned
+        assert all(await asyncio.gather(*(w.matches.remote(50, late_gen) for w in workers[gen1])))
+        mgr.give(gen1, late_gen)
+        assert await fleet.returned(late, Role.CTX)
+        mgr.give(ctx1, blocks)
+        assert await fleet.drain(ctx1, 60.0)
+        with pytest.raises(StaleTicket):
+            await fleet.receive(late.encode(), [0, 1], gen=gen0)
+        with pytest.raises(InstanceUnavailable):
+            await fleet.publish("y", 4, [0], ctx=ctx1)
+        for w in workers[gen0] + workers[gen1]:
+            pairs = await w.pairs.remote()
+            assert ctx1 not in pairs and set(pairs) == {ctx0}, pairs
+        # A GEN worker of gen1 is restarted by the engine and re-attached.
+        fresh = Worker.remote(fleet._by_id[gen1].plan, "gen", 1)
+        await fleet.reattach(gen1, 1, fresh)
+        workers[gen1][1] = fresh
+        assert await _handoff(fleet, mgr, workers, "after-reattach", 60, 13, ctx0, gen1) == "completed"
+        stats = await fleet.stats()
+        for s in stats["ranks"]:
+            assert s["violations"] == [] and s["leased"] == 0 and s["quarantined"] == 0, s
+            assert s["free"] == s["pool"] == BLOCKS, s
+        # A block kvhandoff still holds for another ticket refuses a publish, typed.
+        held = mgr.take(ctx0, 1)
+        h1 = await fleet.publish("h1", 4, held, ctx=ctx0)
+        with pytest.raises(PublishRefused):
+            await fleet.publish("h2", 4, held, ctx=ctx0)
+        await fleet.cancel(h1)
+        assert await fleet.returned(h1, Role.CTX)
+    finally:
+        await fleet.shutdown()
+        for ws in workers.values():
+            for w in ws:
+                ray.kill(w)
