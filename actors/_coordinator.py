@@ -74,6 +74,7 @@ from typing import Any
 
 import msgspec
 import ray
+from ray.exceptions import ActorDiedError
 
 from kvhandoff.actors._metrics import InstanceMetrics
 from kvhandoff.protocol import (
@@ -330,6 +331,8 @@ class CoordinatorCore:
             self.state = TopologyState.RUNNING
             # Owned: kept in self._loop_task and cancelled by shutdown().
             self._loop_task = asyncio.get_running_loop().create_task(self._round_loop())
+            for rank in range(self._tp):
+                self._watch_rank(rank)
 
     async def _identities(self) -> list[tuple[int, int]]:
         """Every rank's ``round_identity``, which it answers once constructed.
@@ -1060,6 +1063,7 @@ class CoordinatorCore:
             leader.set_epoch(rank, epoch)
             self._epochs[rank] = epoch
             self._handles[rank] = handle
+            self._watch_rank(rank)
             self._metrics.restarted("failure" if budgeted else "quarantine")
             return
 
@@ -1114,6 +1118,7 @@ class CoordinatorCore:
             leader.set_epoch(rank, epoch)
             self._epochs[rank] = epoch
             self._handles[rank] = handle
+            self._watch_rank(rank)
             self._detached.discard(rank)
             self._metrics.restarted("reattach")
             self._reattached += 1
@@ -1122,6 +1127,26 @@ class CoordinatorCore:
                 self._failure_reason = ""
         self._wakeup.set()
         return epoch
+
+    def _watch_rank(self, rank: int) -> None:
+        """Learn of rank `rank`'s death at once: its `watch` never answers
+        while it lives. A death makes the next round a vote round, which
+        finds it and runs the fail policy (as a missed deadline would, only
+        without waiting for the next round to happen)."""
+        handle, epoch = self._handles[rank], self._epochs[rank]
+
+        async def watch() -> None:
+            try:
+                await handle.watch.remote()
+            except ActorDiedError:
+                if self._epochs[rank] == epoch and self.state not in (TopologyState.FAILED, TopologyState.SHUT_DOWN):
+                    self.calls["rank_deaths_seen"] += 1
+                    self._want_votes = True
+                    self._wakeup.set()
+            except Exception:
+                pass  # a host without `watch`, or a call that broke otherwise: the rounds still find it
+
+        self._own(watch())
 
     async def request_restart(self, rank: int, epoch: int, quarantined: int = 0) -> bool:
         """A rank past its quarantine limit, holding nothing else, asks to be

@@ -430,6 +430,7 @@ class RankCore(RoundParticipant):
         self._returns: dict[ParentKey, list[asyncio.Future[bool]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._poll_task: asyncio.Task[None] | None = None
+        self._stopped: asyncio.Event | None = None  # `watch` returns once set (shutdown)
         self._wake = asyncio.Event()
         self.counters: collections.Counter[str] = collections.Counter()
         # Exported through Ray from the poll loop's expire tick (`_export_metrics`).
@@ -1345,7 +1346,17 @@ class RankCore(RoundParticipant):
         self._ensure_polling()  # a decision may post chunks or start drains
         return await super().round_apply(decision, epoch)
 
+    async def watch(self) -> None:
+        """Never answers while this rank lives (returns at `shutdown`): its
+        coordinator awaits it and learns of the rank's death at once (Ray
+        fails the call), without waiting for its next round."""
+        if self._stopped is None:
+            self._stopped = asyncio.Event()
+        await self._stopped.wait()
+
     async def shutdown(self) -> None:
+        if self._stopped is not None:
+            self._stopped.set()
         for task in list(self._tasks):
             task.cancel()
         if self._poll_task is not None:

@@ -152,7 +152,8 @@ def test_count_defaults_parse_to_their_values() -> None:
     assert (args.repeats, args.sizes_mib, args.paged_kib, args.concurrency) == (5, [64, 256], [16, 64, 256, 1024], [1, 8, 32])
     assert args.sections == "data,paged,control,cancel"
     demo = cli.build_parser().parse_args(["demo"])
-    assert (demo.requests, demo.cancel_rate, demo.ctx_tp, demo.gen_tp) == (300, 0.3, 2, 1)
+    assert (demo.requests, demo.cancel_rate, demo.ctx_tp, demo.gen_tp) == (300, 0.3, [2], [1])
+    assert (demo.ctx_instances, demo.gen_instances) == (1, 1)
 
 
 # -- Ray's token-auth warning; the terminal after exit ---------------------------------------------

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Issue 20 on the GPU host (one H200, 16 cores), in one device call (repo
+# root, with .dev/ray.txz and .dev/rest.txz carried: see bench/h200.sh).
+# Writes JSON under $OUT.
+#  1. The scale section: NxN fleets of tp=1 instances (1, 2, 4) and 4
+#     independent one-pair deployments, small handoffs, clients in
+#     proportion to the instances (host memory: the control plane's rate).
+#  2. The fleet chaos demo: 2x2 with mixed TP, a rank and a coordinator
+#     killed, a replacement joining, an instance draining.
+set -euo pipefail
+out=${OUT:-out}; mkdir -p "$out"
+site=$(mktemp -d); for f in .dev/ray.txz .dev/rest.txz; do tar xJf "$f" -C "$site"; done
+tree=$(mktemp -d); mkdir -p "$tree/kvhandoff"
+ln -s "$PWD/pkg/__init__.py" "$tree/kvhandoff/__init__.py"
+for layer in protocol topology actors; do ln -s "$PWD/$layer" "$tree/kvhandoff/$layer"; done
+export PYTHONPATH=$tree:$site:$PWD NIXL_LOG_LEVEL=WARN RAY_AUTH_MODE=token
+kvh() { python -c "import sys; from kvhandoff.actors.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
+nproc; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+[ "${SCALE:-1}" = 1 ] && kvh bench --json --sections scale --scale-sizes ${SIZES:-1,2,4} --scale-clients ${CLIENTS:-4} \
+  --sustain-s ${SUSTAIN:-5} --round-timeout-s 30 > "$out/bench_scale.json" 2> "$out/bench_scale.err" || echo "scale bench failed: $?"
+tail -3 "$out/bench_scale.err" 2>/dev/null || true
+[ "${DEMO:-1}" = 1 ] && kvh demo --json --chaos --ctx-instances 2 --gen-instances 2 --ctx-tp 2,1 --gen-tp 1,2 \
+  --requests ${REQ:-300} > "$out/demo_fleet_chaos.json" 2> "$out/demo_fleet_chaos.err" || echo "demo failed: $?"
+tail -3 "$out/demo_fleet_chaos.err" 2>/dev/null || true
+ls -la "$out"
