@@ -139,11 +139,9 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
         synthetic=False,  # time the protocol, not the test pattern
     )
     rows = []
-    window = getattr(args, "scale_batch_ms", 0.0) / 1e3
-    runs = [(n, 0.0) for n in sizes] + ([(max(sizes), window)] if window else [])
-    for n, batch in runs:
+    for n in sizes:
         with reporter.step(f"launching a {n}x{n} fleet (tp=1)", done=f"{n}x{n} fleet ready"):
-            fleet = await Fleet.launch(ctx=n, gen=n, batch_window_s=batch, **common)
+            fleet = await Fleet.launch(ctx=n, gen=n, **common)
         try:
             pairs = [(f"ctx{i}", f"gen{j}") for i in range(n) for j in range(n)]
             # Warm every pair once (negotiated at launch; agents load on first use).
@@ -158,7 +156,7 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
                 row = await _front_ends([routes] * n, tokens, per, args.sustain_s, rid("scale"), failures)
         finally:
             await fleet.shutdown()
-        rows.append({"instances": n, "pairs": len(pairs), "batch_window_s": batch, **row})
+        rows.append({"instances": n, "pairs": len(pairs), **row})
     independent: dict[str, Any] = {}
     k = max(sizes)
     if k > 1:
@@ -180,7 +178,7 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
     out: dict[str, Any] = {"clients_per_instance": per, "seconds": args.sustain_s, "rows": rows}
     if independent:
         out["independent"] = independent
-        largest = max((r for r in rows if r["instances"] == k and not r["batch_window_s"]), key=lambda r: r["handoffs_per_s"])
+        largest = max((r for r in rows if r["instances"] == k), key=lambda r: r["handoffs_per_s"])
         out["largest_over_independent"] = (
             largest["handoffs_per_s"] / independent["handoffs_per_s"] if independent["handoffs_per_s"] else None
         )
@@ -195,8 +193,7 @@ def scale_table(scale_out: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     for r in scale_out.get("rows", []):
         p50 = r.get("latency_p50_s")
         rows.append([
-            f"fleet {r['instances']}x{r['instances']}" + (f", batch {r['batch_window_s'] * 1e3:g} ms" if r.get("batch_window_s") else ""),
-            r["clients"], f"{r['handoffs_per_s']:.0f}",
+            f"fleet {r['instances']}x{r['instances']}", r["clients"], f"{r['handoffs_per_s']:.0f}",
             f"{r['over_1x1']:.2f}" if r.get("over_1x1") else "-", f"{p50 * 1e3:.1f}" if p50 else "-",
         ])
     ind = scale_out.get("independent")
@@ -213,7 +210,7 @@ def scale_targets(scale_out: dict[str, Any], cpu_note: str, add: Callable[..., N
     """The issue's fleet targets from one `scale` result."""
     best: dict[int, float] = {}
     for row in scale_out.get("rows", []):
-        if row.get("over_1x1") is not None and not row.get("batch_window_s"):
+        if row.get("over_1x1") is not None:
             best[row["instances"]] = max(best.get(row["instances"], 0.0), row["over_1x1"])
     for n, bound in ((2, 1.8), (4, 2.8)):
         if n in best:

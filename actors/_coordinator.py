@@ -236,15 +236,6 @@ class CoordinatorCore:
         self._reattached = 0
         self._stopped: asyncio.Event | None = None  # set by shutdown (`watch` returns)
         self._round_done = asyncio.Event()  # set after every round (drain waits on it)
-        # Early peer admission: a submission is asked of its peer instance at
-        # once, not at our next round, so the peer's round runs while the
-        # submission waits for ours; the round takes the answer (`_early`).
-        # At most one call in flight per peer: what comes meanwhile queues
-        # (`_early_queue`) and goes out in one call when it returns, so the
-        # batching grows with the load as a round's would.
-        self._early: dict[ParentKey, asyncio.Future[bool]] = {}
-        self._early_queue: dict[str, list[AdmissionRequest]] = {}
-        self._early_sending: set[str] = set()
         # Submitted parents -> their peer instance (for cancels), bounded.
         self._peer_of: collections.OrderedDict[ParentKey, str] = collections.OrderedDict()
         self._next_epoch = first_epoch
@@ -540,62 +531,10 @@ class CoordinatorCore:
         self._peer_of.move_to_end(parent)
         while len(self._peer_of) > 65536:
             self._peer_of.popitem(last=False)
-        self._ask_peer_early(AdmissionRequest(parent=parent, num_tokens=num_tokens, peer_instance=peer_instance))
         outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._submitted[parent] = outcome
         self._wakeup.set()
         return await outcome
-
-    def _ask_peer_early(self, admission: AdmissionRequest) -> None:
-        """Ask `admission`'s peer instance now (or as soon as our call in
-        flight to it returns)."""
-        self._early[admission.parent] = asyncio.get_running_loop().create_future()
-        self._early_queue.setdefault(admission.peer_instance, []).append(admission)
-        self._send_early(admission.peer_instance)
-
-    def _send_early(self, peer: str) -> None:
-        if peer in self._early_sending:
-            return  # sent when the call in flight returns
-        batch = self._early_queue.pop(peer, [])
-        if not batch:
-            return
-        self._early_sending.add(peer)
-        self._own(self._answer_early(peer, batch))
-
-    async def _answer_early(self, peer: str, batch: list[AdmissionRequest]) -> None:
-        try:
-            admitted = await self._peer_admit(peer, batch)
-        finally:
-            self._early_sending.discard(peer)
-        for a in batch:
-            future = self._early.get(a.parent)
-            if future is not None and not future.done():
-                future.set_result(a.parent in admitted)
-        self._send_early(peer)
-
-    def _unask_early(self, parent: ParentKey) -> bool:
-        """Take `parent`'s early admission back before it is sent (its future
-        answers False). False if it was sent already (or never asked)."""
-        queue = self._early_queue.get(self._peer_of.get(parent, ""), [])
-        for a in queue:
-            if a.parent == parent:
-                queue.remove(a)
-                future = self._early.pop(parent)
-                if not future.done():
-                    future.set_result(False)
-                return True
-        return False
-
-    async def _peers_answer(self, admissions: list[AdmissionRequest]) -> set[ParentKey]:
-        """The parents their peer instances admitted: the early answers
-        (asked at submission), or, for one asked of no peer yet, now."""
-        early = [a for a in admissions if a.parent in self._early]
-        late = [a for a in admissions if a.parent not in self._early]
-        answers = await asyncio.gather(*(self._early[a.parent] for a in early))
-        admitted = {a.parent for a, ok in zip(early, answers) if ok}
-        if late:
-            admitted |= await self._peers_admit(late)
-        return admitted
 
     def _peer_coordinator(self, instance: str = "") -> Any:
         """The coordinator of peer instance `instance` ("": the configured peer)."""
@@ -650,9 +589,7 @@ class CoordinatorCore:
         if self._peer_name is not None or parent in self._peer_of:
             # We admit in the peer instance too: cancel there as well. Sent
             # after any admission we asked it for (tasks start in creation
-            # order), so it can never overtake that admission; one still
-            # queued for the peer is taken back instead of sent.
-            self._unask_early(parent)
+            # order), so it can never overtake that admission.
             self._own(self._peer_cancel([parent], self._peer_of.get(parent, "")))
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._pending_cancels.setdefault(parent, []).append(future)
@@ -853,7 +790,7 @@ class CoordinatorCore:
             # it now, in one call, while our ranks vote.
             paired = [a for a in admissions if a.parent in self._submitted]
             peer_answer = (
-                asyncio.ensure_future(self._peers_answer(paired)) if paired else None
+                asyncio.ensure_future(self._peers_admit(paired)) if paired else None
             )
 
             want_votes, self._want_votes = self._want_votes, False
@@ -879,8 +816,6 @@ class CoordinatorCore:
                 undo = [p for p in peer_ok if p not in ours]
                 for instance in sorted({self._peer_of.get(p, "") for p in undo}):
                     self._own(self._peer_cancel([p for p in undo if self._peer_of.get(p, "") == instance], instance))
-            for a in admissions:
-                self._early.pop(a.parent, None)
             self._record(decision, taken_admits, taken_cancels, time.perf_counter() - started)
             if bad:
                 if not decision.timed_out:
@@ -1250,11 +1185,6 @@ class CoordinatorCore:
 
     def _fail_admits(self, error: Exception) -> None:
         admits, self._pending_admits = self._pending_admits, {}
-        for parent in [p for p in admits if p in self._early]:
-            if not self._unask_early(parent):
-                # Asked of the peer already: it may admit it (or did): take it back there.
-                self._early.pop(parent)
-                self._own(self._peer_cancel([parent], self._peer_of.get(parent, "")))
         for parent, (_, future, _, _, _) in admits.items():
             if not future.done():
                 future.set_exception(error)

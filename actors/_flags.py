@@ -317,7 +317,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--ping-n", type=positive_int, default=1000, help="pipelined ping.remote() calls per rate sample")
     add("--scale-sizes", type=positive_ints, default="1,2,4,1", help="scale section: NxN fleets of tp=1 instances, in this order (1 again last: no size gains from the order)")
     add("--scale-clients", type=positive_int, default=4, help="scale section: clients per instance of a role")
-    add("--scale-batch-ms", type=non_negative_float, default=0.0, help="scale section: also the largest fleet with this coordinator batch window")
     add("--frames-n", type=positive_int, default=2000, help="ping-pong round trips per frame size (frames)")
     add("--frames-burst", type=positive_int, default=10000, help="frames per one-way burst (frames)")
     add("--frames-bytes", type=positive_ints, default="200,2048", help="frame sizes in bytes (frames)")

@@ -174,7 +174,6 @@ class Fleet(Deployment):
         self._start_timeout_s = 600.0
         self._round_timeout_s = 5.0
         self._max_restarts = 3
-        self._batch_window_s = 0.0
         #: Handoff outcomes per pair of logical names: {"ctx0->gen1": Counter}.
         self.pair_outcomes: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         #: Membership events: (kind, instance name, seconds since launch).
@@ -211,7 +210,6 @@ class Fleet(Deployment):
         gen_resources: dict[str, float] | None = None,
         ctx_labels: dict[str, str] | None = None,
         gen_labels: dict[str, str] | None = None,
-        batch_window_s: float = 0.0,
     ) -> Fleet:
         """Start a fleet: `ctx` and `gen` are the TP of each instance (a list)
         or how many tp=1 instances (an int). Instances are named ctx0, ctx1,
@@ -223,10 +221,6 @@ class Fleet(Deployment):
         started) when the instances did not come up within `start_timeout_s`.
         The fleet's data plane is direct (one descriptor per piece): staging
         arenas are partitioned per peer rank of one peer instance.
-
-        `batch_window_s`: seconds each coordinator waits after new work
-        before it runs a round, to gather more into it (a CTX coordinator
-        gets its admissions from every GEN instance, in separate calls).
 
         Placement: each instance is one STRICT_PACK placement group (its
         ranks share a node; docs/design.md "Placement"); `ctx_resources` /
@@ -264,9 +258,6 @@ class Fleet(Deployment):
         self._start_timeout_s = start_timeout_s
         self._round_timeout_s = round_timeout_s
         self._max_restarts = max_restarts
-        if not isinstance(batch_window_s, int | float) or isinstance(batch_window_s, bool) or not 0 <= batch_window_s < 1:
-            raise InvalidConfig(f"batch_window_s must be in [0, 1) seconds, got {_short(batch_window_s)}")
-        self._batch_window_s = float(batch_window_s)
         self._steer = {
             Role.CTX: (dict(ctx_resources or {}), dict(ctx_labels or {})),
             Role.GEN: (dict(gen_resources or {}), dict(gen_labels or {})),
@@ -405,7 +396,6 @@ class Fleet(Deployment):
             rank_factory=_RankFactory(inst.configs, inst.resources),
             tp=inst.tp,
             round_timeout=self._round_timeout_s,
-            batch_window=self._batch_window_s,
             max_restarts=self._max_restarts,
             restart_timeout=self._start_timeout_s,
             topology_digest=topology_digest(inst.spec),
