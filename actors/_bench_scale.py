@@ -112,6 +112,26 @@ async def _front_ends(
     }
 
 
+async def _work(stats: list[dict[str, Any]]) -> collections.Counter[str]:
+    """What the coordinators and ranks did so far, summed: rounds, Ray calls
+    by kind, frames and reports (the work a handoff costs, machine-free)."""
+    total: collections.Counter[str] = collections.Counter()
+    for st in stats:
+        for c in st.get("coordinators", {}).values():
+            if isinstance(c, dict):
+                total["rounds"] += int(c.get("rounds", 0))
+                total.update({f"coord_{k}": int(v) for k, v in c.get("calls", {}).items()})
+        for r in st.get("ranks", []):
+            counters = r.get("counters", {}) if isinstance(r, dict) else {}
+            for key in ("frame_calls", "frames_sent", "reports_sent"):
+                total[f"rank_{key}"] += int(counters.get(key, 0))
+    return total
+
+
+def _per_handoff(before: collections.Counter[str], after: collections.Counter[str], n: int) -> dict[str, float]:
+    return {k: round((after[k] - before[k]) / n, 3) for k in sorted(after) if n and after[k] != before[k]}
+
+
 async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str], str]) -> dict[str, Any]:
     """The `scale` section (module docstring)."""
     from kvhandoff.actors.deployment import Deployment
@@ -153,7 +173,9 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
             routes = [(f"{fleet.name}.coord.{ids[g]}", ids[c]) for c, g in pairs]
             with reporter.step(f"{n}x{n}: {n} front ends x {per} clients for {args.sustain_s:g}s", done=f"{n}x{n} measured"):
                 await _front_ends([routes] * n, tokens, per, warm_s, rid("scale-warm"), collections.Counter())
+                before = await _work([await fleet.stats()])
                 row = await _front_ends([routes] * n, tokens, per, args.sustain_s, rid("scale"), failures)
+                row["per_handoff"] = _per_handoff(before, await _work([await fleet.stats()]), row["completed"])
         finally:
             await fleet.shutdown()
         rows.append({"instances": n, "pairs": len(pairs), **row})
@@ -168,7 +190,10 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
             routes = [[(f"{d.name}.coord.gen", "")] for d in deps]  # front end j: deployment j
             with reporter.step(f"{k} independent pairs: {k} front ends x {per} clients", done="independent pairs measured"):
                 await _front_ends(routes, tokens, per, warm_s, rid("indep-warm"), collections.Counter())
+                before = await _work(list(await asyncio.gather(*(d.stats() for d in deps))))
                 independent = {"deployments": k, **await _front_ends(routes, tokens, per, args.sustain_s, rid("indep"), failures)}
+                after = await _work(list(await asyncio.gather(*(d.stats() for d in deps))))
+                independent["per_handoff"] = _per_handoff(before, after, independent["completed"])
         finally:
             await asyncio.gather(*(d.shutdown() for d in deps), return_exceptions=True)
     # The best 1x1 of the run: a ratio to a slow 1x1 would flatter the fleet.
