@@ -70,7 +70,7 @@ from typing import Any, TypeVar
 import msgspec
 import ray
 
-from kvhandoff.actors._coordinator import Coordinator
+from kvhandoff.actors._coordinator import AdmissionStopped, Coordinator
 from kvhandoff.actors._dataplane import FaultPlan
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors._metrics import record_handoff
@@ -903,6 +903,8 @@ class Deployment:
         self.calls["submit"] += 1
         try:
             return str(await self._submit_call(attempt))
+        except AdmissionStopped:  # draining (a fleet's instance): refused before anything was queued
+            return "rejected"
         except Exception as exc:
             log.warning("%s: submitting %s raised: %r", self.name, attempt.parent, exc)
             return "broken"

@@ -216,8 +216,10 @@ def test_drain_and_join_under_traffic(nodes) -> None:
     drained, joined, new, seen, gen0_id, events, stats = run(scenario())
     assert drained is True
     outcomes = collections.Counter(o for _, o in seen)
-    assert outcomes["completed"] > 0 and set(outcomes) <= {"completed", "unavailable"}, outcomes
-    assert all(o == "completed" for (_, g), o in seen if g != "gen0"), outcomes  # 0 failed
+    # 0 failed: a handoff routed to gen0 as it began to drain is refused
+    # cleanly ("rejected": nothing was queued), later ones are not routed.
+    assert outcomes["completed"] > 0 and set(outcomes) <= {"completed", "unavailable", "rejected"}, outcomes
+    assert all(o == "completed" for (_, g), o in seen if g != "gen0"), outcomes
     assert joined == "gen2" and [r.outcome for r in new] == ["completed"] * 4
     assert [e[:2] for e in events] == [("drain", "gen0"), ("join", "gen2")]
     for s in stats["ranks"]:
