@@ -37,6 +37,10 @@ _SOURCES = {
     "endpoint_actor": "endpoint",
     "gen_endpoint": "endpoint",
     "EngineDeployment": "engine",
+    "EngineFleet": "engine_fleet",
+    "Fleet": "fleet",
+    "InstanceUnavailable": "fleet",
+    "UnknownInstance": "fleet",
     "EngineResult": "engine",
     "PublishRefused": "engine",
     "StaleTicket": "engine",
@@ -63,6 +67,8 @@ if TYPE_CHECKING:
     )
     from .endpoint import EnginePlan, ctx_endpoint, endpoint_actor, gen_endpoint
     from .engine import EngineDeployment, EngineResult, PublishRefused, StaleTicket
+    from .engine_fleet import EngineFleet
+    from .fleet import Fleet, InstanceUnavailable, UnknownInstance
     from .rank import ENDPOINT_METHODS, EndpointHost, RankActor, RankConfig
 
 
@@ -80,6 +86,10 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "Fleet",
+    "EngineFleet",
+    "UnknownInstance",
+    "InstanceUnavailable",
     "EngineDeployment",
     "EngineResult",
     "EnginePlan",

@@ -14,6 +14,11 @@ def test_public_names_exist() -> None:
         assert hasattr(actors, name), name
     for name in ("launch", "launch_sync", "handoff", "cancel", "stats", "shutdown"):
         assert callable(getattr(actors.Deployment, name)), name
+    for name in ("launch", "handoff", "cancel", "add_instance", "drain", "instances", "stats", "shutdown"):
+        assert callable(getattr(actors.Fleet, name)), name
+    for name in ("create", "plan", "attach", "publish", "receive", "cancel", "returned", "drain", "reattach", "shutdown"):
+        assert callable(getattr(actors.EngineFleet, name)), name
+    assert callable(actors.EngineDeployment.reattach)
 
 
 def test_cancel_phases_are_exactly_the_documented_ones() -> None:
