@@ -482,14 +482,12 @@ class Deployment:
         _check_int("pool_blocks", pool_blocks, 1)
         _check_int("chunk_bytes", chunk_bytes, 1)
         _check_int("max_restarts", max_restarts, 0)
-        for field, value in (
-            ("lease_timeout_s", lease_timeout_s),
-            ("round_timeout_s", round_timeout_s),
-            ("start_timeout_s", start_timeout_s),
-            ("placement_timeout_s", placement_timeout_s),
-        ):
-            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-                raise InvalidConfig(f"{field} must be a positive number of seconds, got {value!r}")
+        _check_seconds(
+            lease_timeout_s=lease_timeout_s,
+            round_timeout_s=round_timeout_s,
+            start_timeout_s=start_timeout_s,
+            placement_timeout_s=placement_timeout_s,
+        )
         if (
             not isinstance(gpus_per_rank, int | float)
             or isinstance(gpus_per_rank, bool)
@@ -507,8 +505,7 @@ class Deployment:
         _check_int("staged_min_descriptors", staged_min_descriptors, 0)
         if placement not in INSTANCE_LAYOUTS:
             raise InvalidConfig(f"placement must be one of {list(INSTANCE_LAYOUTS)}, got {_short(placement)}")
-        if control_frames not in ("ray", "nixl"):
-            raise InvalidConfig(f"control_frames must be 'ray' or 'nixl', got {_short(control_frames)}")
+        _check_frames(control_frames)
         try:
             check_memory_kind(memory_kind)
         except TopologyError as exc:
@@ -1137,6 +1134,18 @@ def _overall(gen: list[str], ctx: list[str]) -> str:
     if "rejected" in every and not ({"cancelled", "released"} & every):
         return "rejected"
     return "cancelled"
+
+
+def _check_seconds(**values: Any) -> None:
+    """Every value a positive number of seconds, or `InvalidConfig` naming the first that is not."""
+    for field, value in values.items():
+        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+            raise InvalidConfig(f"{field} must be a positive number of seconds, got {_short(value)}")
+
+
+def _check_frames(control_frames: Any) -> None:
+    if control_frames not in ("ray", "nixl"):
+        raise InvalidConfig(f"control_frames must be 'ray' or 'nixl', got {_short(control_frames)}")
 
 
 def _check_int(field: str, value: Any, least: int) -> None:

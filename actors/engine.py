@@ -75,7 +75,9 @@ from kvhandoff.actors.deployment import (
     InvalidConfig,
     InvalidRequest,
     LaunchFailed,
+    _check_frames,
     _check_int,
+    _check_seconds,
     _ref,
     _short,
 )
@@ -190,15 +192,12 @@ class EngineDeployment:
         _check_int("ctx_tp", ctx_tp, 1)
         _check_int("gen_tp", gen_tp, 1)
         _check_int("chunk_bytes", chunk_bytes, 1)
-        for field, value in (
-            ("transfer_timeout_s", transfer_timeout_s),
-            ("lease_timeout_s", lease_timeout_s),
-            ("round_timeout_s", round_timeout_s),
-        ):
-            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-                raise InvalidConfig(f"{field} must be a positive number of seconds, got {_short(value)}")
-        if control_frames not in ("ray", "nixl"):
-            raise InvalidConfig(f"control_frames must be 'ray' or 'nixl', got {_short(control_frames)}")
+        _check_seconds(
+            transfer_timeout_s=transfer_timeout_s,
+            lease_timeout_s=lease_timeout_s,
+            round_timeout_s=round_timeout_s,
+        )
+        _check_frames(control_frames)
         if data_mode not in DATA_MODES:
             raise InvalidConfig(f"data_mode must be one of {list(DATA_MODES)}, got {_short(data_mode)}")
         _check_int("staging_window", staging_window, 1)

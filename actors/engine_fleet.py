@@ -47,7 +47,9 @@ from kvhandoff.actors.deployment import (
     InvalidConfig,
     InvalidRequest,
     LaunchFailed,
+    _check_frames,
     _check_int,
+    _check_seconds,
     _ref,
     _short,
 )
@@ -134,15 +136,12 @@ class EngineFleet:
         if not isinstance(layout, KVLayout):
             raise InvalidConfig(f"layout must be a KVLayout, got {_short(layout)}")
         _check_int("chunk_bytes", chunk_bytes, 1)
-        for fname, value in (
-            ("transfer_timeout_s", transfer_timeout_s),
-            ("lease_timeout_s", lease_timeout_s),
-            ("round_timeout_s", round_timeout_s),
-        ):
-            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-                raise InvalidConfig(f"{fname} must be a positive number of seconds, got {_short(value)}")
-        if control_frames not in ("ray", "nixl"):
-            raise InvalidConfig(f"control_frames must be 'ray' or 'nixl', got {_short(control_frames)}")
+        _check_seconds(
+            transfer_timeout_s=transfer_timeout_s,
+            lease_timeout_s=lease_timeout_s,
+            round_timeout_s=round_timeout_s,
+        )
+        _check_frames(control_frames)
         try:
             mem = MemoryKind(memory)
         except ValueError:

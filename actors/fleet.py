@@ -88,7 +88,9 @@ from kvhandoff.actors.deployment import (
     LaunchFailed,
     PlacementFailed,
     _Attempt,
+    _check_frames,
     _check_int,
+    _check_seconds,
     _RankFactory,
     _ref,
     _short,
@@ -233,17 +235,14 @@ class Fleet(Deployment):
         _check_int("pool_blocks", pool_blocks, 1)
         _check_int("chunk_bytes", chunk_bytes, 1)
         _check_int("max_restarts", max_restarts, 0)
-        for fname, value in (
-            ("transfer_timeout_s", transfer_timeout_s),
-            ("lease_timeout_s", lease_timeout_s),
-            ("round_timeout_s", round_timeout_s),
-            ("start_timeout_s", start_timeout_s),
-            ("placement_timeout_s", placement_timeout_s),
-        ):
-            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-                raise InvalidConfig(f"{fname} must be a positive number of seconds, got {_short(value)}")
-        if control_frames not in ("ray", "nixl"):
-            raise InvalidConfig(f"control_frames must be 'ray' or 'nixl', got {_short(control_frames)}")
+        _check_seconds(
+            transfer_timeout_s=transfer_timeout_s,
+            lease_timeout_s=lease_timeout_s,
+            round_timeout_s=round_timeout_s,
+            start_timeout_s=start_timeout_s,
+            placement_timeout_s=placement_timeout_s,
+        )
+        _check_frames(control_frames)
         try:
             check_memory_kind(memory_kind)
             mem = MemoryKind(memory)
