@@ -18,6 +18,11 @@ finished), never by the clock:
 - join: a replacement for it joins with the next incarnation and serves;
 - drain: the first GEN instance drains (its handoffs finish) and leaves.
 
+A fleet's data plane is direct, and it runs in the qualified scope: the
+demo's `--data-mode`, `--unqualified` and `--placement` apply to one pair
+only. With `--memory VRAM` the ranks share the cluster's GPUs (room is left
+for the replacement instance).
+
 `bystander_failed` counts handoffs that failed (or timed out) although
 neither of their instances (by incarnation) was killed: it must be 0.
 `faults` lists what happened, `pairs` the outcomes per pair of logical
@@ -139,6 +144,14 @@ async def run_fleet(args: argparse.Namespace, reporter: Reporter) -> FleetReport
     t = time.perf_counter()
     from kvhandoff.actors._demo import _LaunchFailed
 
+    gpus_per_rank = getattr(args, "gpus_per_rank", 0.0) or 1.0
+    if args.memory == "VRAM" and not getattr(args, "gpus_per_rank", 0.0):
+        import ray
+
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if gpus:  # every rank on a GPU: share them when there are fewer GPUs than ranks
+            gpus_per_rank = min(1.0, int(100 * gpus / (sum(ctx_tps) + sum(gen_tps) + gen_tps[-1])) / 100)
+
     try:
         with reporter.step(f"launching a fleet: CTX tp={ctx_tps} x GEN tp={gen_tps} ({args.memory}, NIXL/UCX)", done="fleet ready"):
             fleet = await Fleet.launch(
@@ -146,6 +159,7 @@ async def run_fleet(args: argparse.Namespace, reporter: Reporter) -> FleetReport
                 gen=gen_tps,
                 pool_blocks=args.pool_blocks,
                 memory=args.memory,
+                gpus_per_rank=gpus_per_rank,
                 start_timeout_s=args.start_timeout,
                 round_timeout_s=10.0,
                 name=f"kvh-fleet-{random.getrandbits(24):06x}",
