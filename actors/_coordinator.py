@@ -181,7 +181,10 @@ class CoordinatorCore:
     ``batch_window`` (extra seconds to gather a batch); ``max_batch``
     (admissions per round); ``restart_timeout`` (bound on restarting one
     rank actor; the first start waits on progress instead, see
-    `_identities`); ``topology_digest`` (checked by the followers if set).
+    `_identities`); ``restart_attempts`` (incarnations tried for one
+    restart before the topology fails; failed tries back off from
+    ``restart_backoff`` seconds, doubling, capped at ``restart_timeout``);
+    ``topology_digest`` (checked by the followers if set).
     """
 
     def __init__(
@@ -196,6 +199,8 @@ class CoordinatorCore:
         batch_window: float = 0.0,
         max_batch: int = 1024,
         restart_timeout: float = 30.0,
+        restart_attempts: int = 3,
+        restart_backoff: float = 0.1,
         topology_digest: bytes | None = None,
         first_epoch: int = 1,
         peer: str | None = None,
@@ -209,6 +214,10 @@ class CoordinatorCore:
             raise ValueError("round_timeout must be positive")
         if not 1 <= max_batch <= MAX_ROUND_ITEMS:
             raise ValueError(f"max_batch must be in [1, {MAX_ROUND_ITEMS}]")
+        if type(restart_attempts) is not int or restart_attempts < 1:
+            raise ValueError(f"restart_attempts must be an int >= 1, got {restart_attempts!r}")
+        if not restart_backoff >= 0:
+            raise ValueError(f"restart_backoff must be >= 0, got {restart_backoff!r}")
         self.topology = topology
         self._handles: list[Any] = list(ranks) if ranks is not None else []
         self._tp = len(self._handles) if ranks is not None else int(tp or 0)
@@ -219,6 +228,9 @@ class CoordinatorCore:
         self._batch_window = batch_window
         self._max_batch = max_batch
         self._restart_timeout = restart_timeout
+        self._restart_attempts = restart_attempts
+        self._restart_backoff = float(restart_backoff)
+        self._restart_failures = 0  # incarnations that failed to start (stats)
         self._digest = topology_digest
         self._peer_name = peer
         self._peer: Any = None
@@ -683,6 +695,7 @@ class CoordinatorCore:
             "rounds_timed_out": self._rounds_timed_out,
             "restarts": self._restarts,
             "max_restarts": self._max_restarts,
+            "restart_failures": self._restart_failures,
             "reclaim_restarts": self._reclaim_restarts,
             "blocks_reclaimed_by_restart": self._reclaimed_by_restart,
             "epochs": list(self._epochs),
@@ -1035,13 +1048,25 @@ class CoordinatorCore:
         if retired is not None:
             with contextlib.suppress(Exception):
                 retired(rank, self._epochs[rank])
-        while True:
+        # Bounded: a rank that cannot start (its node is gone, its
+        # constructor fails) is tried `restart_attempts` times, backing off
+        # between tries, then the topology fails. The round lock is held
+        # meanwhile (no round may run without every rank), so an unbounded
+        # retry would freeze the whole instance.
+        for attempt in range(self._restart_attempts + 1):
             if self._rank_factory is None:
                 self._enter_failed(f"{reason}; no rank_factory to restart rank {rank}")
                 raise TopologyFailed(self.topology, self._failure_reason)
             if budgeted and self._restarts >= self._max_restarts:
                 self._enter_failed(f"{reason}; restart budget ({self._max_restarts}) exhausted")
                 raise TopologyFailed(self.topology, self._failure_reason)
+            if attempt == self._restart_attempts:
+                self._enter_failed(
+                    f"{reason}; rank {rank} did not start in {self._restart_attempts} attempts"
+                )
+                raise TopologyFailed(self.topology, self._failure_reason)
+            if attempt:
+                await asyncio.sleep(min(self._restart_backoff * 2 ** (attempt - 1), self._restart_timeout))
             if budgeted:
                 self._restarts += 1
             epoch = self._take_epoch()
@@ -1056,6 +1081,7 @@ class CoordinatorCore:
                         )
                     await handle.round_join.remote(leader.next_round, epoch)
             except Exception as exc:
+                self._restart_failures += 1
                 self._rank_errors.append(f"restart rank {rank} epoch {epoch}: {exc!r}"[:500])
                 if handle is not None:
                     _kill(handle)

@@ -22,6 +22,7 @@ import ray
 from kvhandoff.actors._coordinator import (
     AdmissionStopped,
     Coordinator,
+    CoordinatorCore,
     RoundTimeout,
     TopologyFailed,
 )
@@ -167,6 +168,32 @@ class Factory:
 
     def __call__(self, rank: int, epoch: int) -> Any:
         return BlockRank.remote(rank, epoch, self.blocks.get(rank, 64), self.join_delay)
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class UnstartableRank:
+    """A rank whose constructor fails (its node is gone, its setup raises)."""
+
+    def __init__(self, rank: int, epoch: int) -> None:
+        raise RuntimeError(f"rank {rank} epoch {epoch} cannot start")
+
+    async def round_identity(self) -> tuple[int, int]:
+        raise AssertionError("never constructed")
+
+
+class UnstartableAfterFirst(Factory):
+    """The first `tp` ranks start; every later incarnation fails to start."""
+
+    def __init__(self, tp: int) -> None:
+        super().__init__()
+        self.tp = tp
+        self.made = 0
+
+    def __call__(self, rank: int, epoch: int) -> Any:
+        self.made += 1
+        if self.made <= self.tp:
+            return super().__call__(rank, epoch)
+        return UnstartableRank.remote(rank, epoch)
 
 
 def make(tp: int, **kwargs: Any) -> tuple[Any, list[Any]]:
@@ -460,6 +487,36 @@ def test_restart_budget_exhausted_fails_the_topology(ray_cluster: Any) -> None:
         with pytest.raises(TopologyFailed):
             ray.get(call)
     assert ray.get(coordinator.stats.remote())["state"] == "failed"
+
+
+def test_planned_restart_that_cannot_start_fails_the_topology_and_frees_the_round_lock(ray_cluster: Any) -> None:
+    # A rank past its quarantine limit asks for a restart, and no new
+    # incarnation can start. The coordinator tries `restart_attempts` times,
+    # backing off, then fails the topology; it never retries forever while
+    # holding the round lock (which froze the whole instance).
+    coordinator, ranks = make(2, factory=UnstartableAfterFirst(2), restart_attempts=3, restart_backoff=0.01)
+    ray.get(coordinator.run_round.remote())
+    epoch = ray.get(ranks[1].snapshot.remote())["epoch"]
+    # Bounded only to turn the old endless retry into a failure, not a hang:
+    # three failed constructions take well under a second.
+    with pytest.raises(TopologyFailed) as info:
+        ray.get(coordinator.request_restart.remote(1, epoch, 5), timeout=120)
+    assert "did not start in 3 attempts" in str(info.value)
+    stats = ray.get(coordinator.stats.remote())
+    assert stats["state"] == "failed"
+    assert stats["restart_failures"] == 3
+    # The round lock is free: calls that take it answer (typed) at once.
+    for call in (coordinator.run_round.remote(), coordinator.request_restart.remote(0, 1, 0)):
+        with pytest.raises(TopologyFailed):
+            ray.get(call, timeout=120)
+    with pytest.raises(TopologyFailed):
+        ray.get(coordinator.admit.remote(pk("after"), 16), timeout=120)
+
+
+def test_restart_attempts_and_backoff_are_checked() -> None:
+    for bad in ({"restart_attempts": 0}, {"restart_attempts": 1.5}, {"restart_backoff": -1.0}):
+        with pytest.raises(ValueError):
+            CoordinatorCore("t", rank_factory=Factory(), tp=1, **bad)
 
 
 def test_control_messages_racing_rounds_do_not_deadlock(ray_cluster: Any) -> None:
