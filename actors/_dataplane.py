@@ -502,16 +502,23 @@ class PreparedEdge:
 
 
 class Chunk:
-    """One posted WRITE. Poll it to DONE or ERR; only then release it."""
+    """One posted WRITE. Poll it to DONE or ERR; only then release it.
+
+    `descriptors` is how many descriptors the post handed to NIXL (0: none,
+    the post failed before any DMA). It says what an ERR proves: one
+    descriptor is one transport operation, which has ended when it reports
+    ERR; with several, one failing does not end the others, whose bytes may
+    still land (the protocol then takes the edge as UNKNOWN)."""
 
     def __init__(
-        self, transport: NixlTransport, handle: object, nbytes: int, state: XferState
+        self, transport: NixlTransport, handle: object, nbytes: int, state: XferState, descriptors: int = 1
     ) -> None:
         self._transport = transport
         self.handle = handle
         self.nbytes = nbytes
         self.state = state
         self.released = False
+        self.descriptors = descriptors
 
     @property
     def terminal(self) -> bool:
@@ -522,13 +529,24 @@ class Chunk:
             self.state = self._transport.check(self)
         return self.state
 
+    @property
+    def unproven(self) -> bool:
+        """ERR with several descriptors: some of its writes may still run."""
+        return self.state is XferState.ERR and self.descriptors > 1
+
     def release(self) -> bool:
         """Release the handle if the chunk is terminal; an in-flight chunk is never
-        released (that is not an abort in NIXL). Returns whether it was released."""
+        released (that is not an abort in NIXL), nor an unproven one (its
+        handle is kept, in `NixlTransport.unproven`, until the agent goes).
+        Returns whether it was released."""
         if self.released:
             return True
         if not self.terminal:
             log.error("refusing to release in-flight chunk %r (state %s)", self.handle, self.state)
+            return False
+        if self.unproven:
+            if self not in self._transport.unproven:
+                self._transport.unproven.append(self)
             return False
         self.released = self._transport.release(self)
         return self.released
@@ -555,6 +573,9 @@ class NixlTransport:
         self._local_lists: dict[tuple[Piece, ...], object] = {}
         self._prepared: dict[tuple[str, tuple[Piece, ...]], PreparedEdge] = {}
         self.leaked: list[object] = []  # handles whose release failed: kept, never retried blindly
+        # Chunks that reported ERR with several descriptors: writes of theirs
+        # may still run, so their handles are kept, never released.
+        self.unproven: list[Chunk] = []
         self.posted_chunks = 0
         self.posted_bytes = 0
 
@@ -686,15 +707,17 @@ class NixlTransport:
         except Exception as exc:
             raise DataPlaneError(f"NIXL could not build the WRITE to {peer}: {exc}") from exc
 
-    def start(self, handle: object, nbytes: int, notif: bytes = b"") -> Chunk:
+    def start(self, handle: object, nbytes: int, notif: bytes = b"", descriptors: int = 1) -> Chunk:
+        """Post a built WRITE handle of `descriptors` descriptors."""
         try:
             status = self.agent.transfer(handle, notif)
         except Exception as exc:
+            # Part of a multi-descriptor WRITE may have been posted already.
             log.warning("NIXL transfer() raised: %s", exc)
             status = "ERR"
         self.posted_chunks += 1
         self.posted_bytes += nbytes
-        return Chunk(self, handle, nbytes, XferState(status))
+        return Chunk(self, handle, nbytes, XferState(status), descriptors)
 
     def post(
         self,
@@ -705,7 +728,7 @@ class NixlTransport:
     ) -> Chunk:
         """Build and post one WRITE of `work` (regions, or a chunk plan) to `peer`."""
         nbytes = _nbytes(work)
-        return self.start(self.build(peer, work, notif, prepared), nbytes, notif)
+        return self.start(self.build(peer, work, notif, prepared), nbytes, notif, _descriptors(work, prepared))
 
     def check(self, chunk: Chunk) -> XferState:
         try:
@@ -753,18 +776,31 @@ class FaultPlan:
 
     `defer_polls` / `defer_s`: a chunk's real post happens only after this many
     polls / seconds (the real bytes land late). `fail_every`: every Nth chunk reports ERR without
-    being posted. `hold`: while True, deferred chunks stay PENDING/PROC.
+    being posted. `fail_partial_every`: every Nth chunk is posted for real and
+    reports ERR. `hold`: while True, deferred chunks stay PENDING/PROC.
     """
 
     defer_polls: int = 0
     fail_every: int = 0
     hold: bool = False
+    #: Every Nth chunk is really posted (its bytes land) but reports ERR at
+    #: once: a multi-descriptor WRITE whose first descriptor failed while the
+    #: others still write.
+    fail_partial_every: int = 0
     #: A chunk's real post happens this many seconds after it was posted (a slow link).
     defer_s: float = 0.0
 
 
 def _nbytes(work: Sequence[Region] | ChunkPlan) -> int:
     return work.nbytes if isinstance(work, ChunkPlan) else sum(n for _, _, n in work)
+
+
+def _descriptors(work: Sequence[Region] | ChunkPlan, prepared: PreparedEdge | None) -> int:
+    """How many descriptors a post of `work` hands to NIXL (prepared: the
+    indices, before NIXL merges contiguous ones; so never fewer than posted)."""
+    if isinstance(work, ChunkPlan):
+        return len(work.local) if prepared is not None else len(work.regions)
+    return len(work)
 
 
 class _DeferredHandle:
@@ -796,6 +832,9 @@ class FaultyTransport(NixlTransport):
         super().__init__(agent_name, buffer)
         self.plan = plan or FaultPlan()
         self._count = 0
+        # The real WRITEs behind chunks that reported ERR while writing: kept
+        # (and polled by `progress_partial`) so they finish for real.
+        self.partial_failures: list[Chunk] = []
 
     def post(
         self,
@@ -809,15 +848,23 @@ class FaultyTransport(NixlTransport):
             raise DataPlaneError(f"unknown peer agent {peer!r}")
         self._count += 1
         handle = _DeferredHandle(peer, work, notif, prepared)
+        descriptors = _descriptors(work, prepared)
         if self.plan.fail_every and self._count % self.plan.fail_every == 0:
             handle.failed = True
-            return Chunk(self, handle, nbytes, XferState.ERR)
+            return Chunk(self, handle, nbytes, XferState.ERR, descriptors=0)  # nothing posted
+        if self.plan.fail_partial_every and self._count % self.plan.fail_partial_every == 0:
+            handle.real = super().post(peer, work, notif, prepared)  # the bytes really go
+            handle.failed = True  # ... and the chunk reports ERR at once
+            self.partial_failures.append(handle.real)
+            return Chunk(self, handle, nbytes, XferState.ERR, descriptors)
         if self.plan.defer_polls <= 0 and self.plan.defer_s <= 0 and not self.plan.hold:
             handle.real = super().post(peer, work, notif, prepared)
-            return Chunk(self, handle, nbytes, handle.real.state)
-        return Chunk(self, handle, nbytes, XferState.PROC)
+            return Chunk(self, handle, nbytes, handle.real.state, descriptors)
+        return Chunk(self, handle, nbytes, XferState.PROC, descriptors)
 
     def check(self, chunk: Chunk) -> XferState:
+        if self.partial_failures:
+            self.progress_partial()
         handle = chunk.handle
         if not isinstance(handle, _DeferredHandle):  # a real chunk of ours
             return super().check(chunk)
@@ -837,4 +884,15 @@ class FaultyTransport(NixlTransport):
             return super().release(chunk)
         if handle.real is None:
             return True  # never posted: nothing to release
+        if handle.real in self.partial_failures:
+            return False  # still writing: released by `progress_partial` once DONE
         return handle.real.release()
+
+    def progress_partial(self) -> int:
+        """Poll the real WRITEs of partial failures; release the finished ones.
+        Returns how many are still writing."""
+        for real in list(self.partial_failures):
+            if real.poll() in (XferState.DONE, XferState.ERR):
+                real.release()
+                self.partial_failures.remove(real)
+        return len(self.partial_failures)

@@ -1296,6 +1296,7 @@ class RankCore(RoundParticipant):
             "posted_chunks": self.transport.posted_chunks,
             "posted_bytes": self.transport.posted_bytes,
             "leaked_handles": len(self.transport.leaked),
+            "unproven_chunks": len(self.transport.unproven),
             # Per-request bookkeeping of requests still in progress: empty when idle.
             "tracking": len(self._tokens) + len(self._waiters) + len(self._returns) + self._tracking(),
             "counters": dict(self.counters),
@@ -1556,7 +1557,7 @@ class CtxRankCore(RankCore):
                 if state is XferState.DONE:
                     actions = self.side.chunk_done(ticket, index, chunk.nbytes, now)
                 else:
-                    actions = self.side.chunk_failed(ticket, index, now)
+                    actions = self.side.chunk_failed(ticket, index, now, chunk.descriptors)
             except ProtocolError as exc:
                 self.counters[f"poll_{type(exc).__name__}"] += 1
                 continue

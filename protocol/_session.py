@@ -1317,6 +1317,8 @@ class CtxRank(_Rank):
         self.chunk_window = chunk_window
         self.post_on_decide = post_on_decide
         self.conservative = conservative
+        #: Chunks that reported ERR with more than one descriptor (unproven).
+        self.unproven_chunks = 0
 
     def admit(
         self,
@@ -1498,11 +1500,23 @@ class CtxRank(_Rank):
                 actions += self._fire_edge(edge, _EE.DRAIN_DONE)
         return actions + self._settle(record, now)
 
-    def chunk_failed(self, ticket: ContextTicket, index: int, now: float) -> list[Action]:
-        """A posted chunk reported ERR: it is quiescent, the edge is incomplete, the parent is cancelled."""
+    def chunk_failed(self, ticket: ContextTicket, index: int, now: float, descriptors: int = 1) -> list[Action]:
+        """A posted chunk reported ERR: the edge is incomplete, the parent is cancelled.
+
+        `descriptors` is how many descriptors the post handed to the transport
+        (0: none, it failed before any DMA). An ERR proves the chunk quiescent
+        only with at most one: one transport operation, ended. With several,
+        one failing does not end the others, whose bytes may still land in the
+        peer's blocks: the chunk stays in flight, unproven, and the edge is
+        UNKNOWN at once (quarantine until a proof: the peer's TERMINAL cannot
+        give one, a death or restart of this incarnation does)."""
+        if type(descriptors) is not int or descriptors < 0:
+            raise PoolError(f"descriptors must be an int >= 0, got {descriptors!r}")
         edge = self._posted_edge(ticket, index)
-        edge.in_flight.discard(index)
         record = self._parents[ticket.parent]
+        if descriptors > 1:
+            return self._chunk_unproven(record, edge, now)
+        edge.in_flight.discard(index)
         if edge.state is _ES.UNKNOWN:
             return self._fire_edge(edge, _EE.CHUNK_FAILED) + self._late_drain(edge, now)
         edge.failed = True
@@ -1513,6 +1527,23 @@ class CtxRank(_Rank):
             actions += self._cancel(record, CancelReason.FAILURE, now, intent=True)
         elif record.state is _PS.FINISHING:
             actions += self._stop_finishing(record, now)  # incomplete: stop waiting for it
+        return actions + self._settle(record, now)
+
+    def _chunk_unproven(self, record: _Parent, edge: _Edge, now: float) -> list[Action]:
+        """A multi-descriptor chunk reported ERR: its index stays in flight
+        (nothing proves its writes ended), the parent is cancelled, and the
+        edge loses quiescence: UNKNOWN, TERMINAL(UNKNOWN) to the GEN, and the
+        parent is quarantined once every edge is terminal."""
+        edge.failed = True
+        self.unproven_chunks += 1
+        actions: list[Action] = []
+        if edge.state is not _ES.UNKNOWN:
+            if record.cancel_reason is None:
+                actions += self._cancel(record, CancelReason.FAILURE, now, intent=True)
+            elif record.state is _PS.FINISHING:
+                actions += self._stop_finishing(record, now)
+            if edge.state is not _ES.UNKNOWN:  # the cancel may have moved it already
+                actions += self._fire_edge(edge, _EE.QUIESCENCE_LOST)
         return actions + self._settle(record, now)
 
     def _late_drain(self, edge: _Edge, now: float) -> list[Action]:

@@ -287,6 +287,43 @@ def test_transfer_that_never_finishes_is_quarantined_not_reused(ray_cluster) -> 
     assert ctx["in_flight_chunks"] > 0 and ctx["leaked_handles"] == 0
 
 
+def test_write_that_errs_partially_is_quarantined_not_reused(ray_cluster) -> None:
+    """A WRITE of several descriptors reports ERR while its other descriptors
+    still write (the fault plan posts it for real, then reports ERR). That ERR
+    is no proof: the CTX takes the edge as UNKNOWN, and the GEN keeps the
+    blocks quarantined, never reused, while the stray bytes land. The next
+    request gets other blocks and reads exactly its own bytes (S1/S2)."""
+
+    async def scenario():
+        dep = await Deployment.launch(
+            round_timeout_s=ROUND_TIMEOUT,
+            ctx_tp=2, gen_tp=1, pool_blocks=POOL, chunk_bytes=64 << 10, data_mode="direct",
+            fault_plan=FaultPlan(fail_partial_every=1), transfer_timeout_s=5.0,
+        )
+        try:
+            failed = await dep.handoff("partial", TOKENS, timeout=TIMEOUT)
+            after_failure = await settled_stats(dep)
+            for ctx in await dep.ranks(Role.CTX):  # no more faults from here on
+                await inside(ctx, lambda ep: setattr(ep.transport.plan, "fail_partial_every", 0))
+            fresh = await dep.handoff("after-partial", TOKENS, timeout=TIMEOUT)
+            return failed, after_failure, fresh, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    failed, after_failure, fresh, stats = run(scenario())
+    assert failed.outcome == "failed", failed
+    blocks = math.ceil(TOKENS / DEFAULT_LAYOUT.tokens_per_block)
+    ctx_ranks = [s for s in after_failure["ranks"] if s["role"] == "ctx"]
+    assert all(s["unproven_chunks"] > 0 for s in ctx_ranks), ctx_ranks  # the path ran: several descriptors
+    for s in after_failure["ranks"]:
+        assert s["quarantined"] == blocks, s  # the lease, kept on both sides, never free
+    assert_clean(after_failure, quarantined_ok=True)
+    assert fresh.outcome == "completed" and fresh.bytes_verified == gen_bytes(TOKENS, 1)
+    gen = next(s for s in stats["ranks"] if s["role"] == "gen")
+    assert gen["quarantined"] == blocks, gen
+    assert_clean(stats, quarantined_ok=True)
+
+
 def test_ctx_lease_expires_when_gen_never_opens(ray_cluster) -> None:
     async def scenario():
         dep = await Deployment.launch(ctx_tp=2, gen_tp=1, pool_blocks=POOL, lease_timeout_s=0.5, round_timeout_s=ROUND_TIMEOUT)

@@ -171,6 +171,7 @@ class Pair:
         self.gens = [self._new_gen(1, r) for r in range(n_gen)]
         self.queue: list[Envelope] = []
         self.in_flight: dict[tuple[ContextTicket, int], Write] = {}
+        self.strays: list[Write] = []  # writes of ERR chunks that may still land
         self.chunks: dict[ParentKey, int] = {}  # chunks per edge
         self.intents: set[ParentKey] = set()
         self.actions: list[Action] = []
@@ -343,6 +344,20 @@ class Pair:
             ) from exc
         self.perform(actions)
 
+    def fail_chunk_partially(self, key: tuple[ContextTicket, int], descriptors: int = 2) -> None:
+        """A posted chunk of several descriptors reports ERR while others of
+        its writes still run: the write stays in flight (it may still land)."""
+        assert key in self.in_flight, f"harness: chunk {key[1]} of {key[0].edge} was never posted"
+        ticket, index = key
+        what = f"chunk_failed({ticket.request_id} {ticket.edge} #{index}, descriptors={descriptors})"
+        self.perform(
+            protocol_call("S1", what, lambda: self.ctx.chunk_failed(ticket, index, self.now, descriptors))
+        )
+        # The CTX never hears of it again (ERR is terminal for NIXL), but its
+        # writes may still land: a stray, checked by `check_s1` until the
+        # incarnation that posted it is gone (`restart_ctx`).
+        self.strays.append(self.in_flight.pop(key))
+
     # ---- restarts ------------------------------------------------------
 
     def restart_gen(self, rank: int = 0, *, notify: bool = True) -> None:
@@ -359,6 +374,7 @@ class Pair:
     def restart_ctx(self, *, notify: bool = True) -> None:
         old = self.ctx
         self.ctx = self._new_ctx(old.our.epoch + 1)
+        self.strays = [w for w in self.strays if w.ctx_epoch != old.our.epoch]  # its process is gone
         if notify:
             for gen in self.gens:
                 self._act(
@@ -516,7 +532,7 @@ class Pair:
 
     def check_s1(self) -> None:
         """No block a chunk may still touch is FREE or re-leased (same incarnation)."""
-        for write in self.in_flight.values():
+        for write in [*self.in_flight.values(), *self.strays]:
             if write.ctx_epoch == self.ctx.our.epoch:
                 for ref in write.ctx_refs:
                     assert self.ctx.pool.is_current(ref), (

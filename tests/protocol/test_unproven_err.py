@@ -1,0 +1,97 @@
+"""An ERR from a WRITE of several descriptors is not a proof of quiescence.
+
+NIXL posts each descriptor of a WRITE as its own transport operation; one of
+them failing ends the WRITE with ERR while the others may still be writing
+into the GEN's blocks. The CTX must then take the edge as UNKNOWN: the GEN
+keeps those blocks quarantined (never reused for another request) until a
+proof, and the CTX keeps its source blocks. One descriptor is one operation:
+its ERR ends it, and the edge drains as before.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvhandoff.protocol import EdgeState, ParentState, PoolError
+
+from .harness import Pair, parent_key
+
+P = parent_key(1)
+
+
+def _posting(chunks: int = 3) -> Pair:
+    pair = Pair(chunk_window=1)
+    pair.admit(P, blocks=2, chunks=chunks)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)  # READY + the first chunk posted
+    pair.deliver_all()
+    return pair
+
+
+def test_multi_descriptor_err_quarantines_both_sides_and_no_block_is_reused() -> None:
+    pair = _posting()
+    key = next(iter(pair.in_flight))
+    pair.fail_chunk_partially(key)
+    assert pair.ctx.unproven_chunks == 1
+    pair.deliver_all()
+    (edge,) = pair.ctx.edges(P).values()
+    assert edge.state is EdgeState.UNKNOWN
+    assert pair.ctx.parent_state(P) is ParentState.QUARANTINED
+    assert pair.gens[0].parent_state(P) is ParentState.QUARANTINED
+    # Whatever else happens (rounds, deadlines, new requests wanting the
+    # blocks), the write that may still land never meets a reused block.
+    pair.handoff(parent_key(2), blocks=2, chunks=2)
+    pair.settle_everything()
+    pair.check_s1()
+    pair.check_s4_and_ownership()
+    assert pair.gens[0].parent_state(P) is ParentState.QUARANTINED
+    assert pair.ctx.parent_state(P) is ParentState.QUARANTINED
+
+
+def test_the_restart_of_the_writer_proves_it_and_the_gen_reclaims() -> None:
+    pair = _posting()
+    pair.fail_chunk_partially(next(iter(pair.in_flight)))
+    pair.deliver_all()
+    assert pair.gens[0].parent_state(P) is ParentState.QUARANTINED
+    held = pair.gens[0].pool.counts().quarantined
+    assert held > 0
+    dead = pair.ctx.our
+    pair.restart_ctx()  # the old incarnation is gone: nothing of it writes any more
+    assert pair.gens[0].parent_state(P) is ParentState.QUARANTINED  # a restart notice is not proof
+    pair.perform(pair.gens[0].peer_dead(dead, pair.now))  # the directory confirmed the death
+    pair.settle_everything()
+    assert pair.gens[0].pool.counts().quarantined == 0
+    pair.check_s4_and_ownership()
+
+
+def test_single_descriptor_err_still_drains() -> None:
+    pair = _posting()
+    pair.finish_chunk(next(iter(pair.in_flight)), ok=False)  # descriptors=1: one operation, ended
+    pair.deliver_all()
+    pair.settle_everything()
+    assert pair.ctx.unproven_chunks == 0
+    assert pair.gens[0].pool.counts().quarantined == 0
+    assert pair.ctx.pool.counts().quarantined == 0
+    pair.check_s4_and_ownership()
+
+
+def test_zero_descriptors_means_nothing_was_posted() -> None:
+    pair = _posting()
+    key = next(iter(pair.in_flight))
+    pair.fail_chunk_partially(key, descriptors=0)
+    pair.strays.clear()  # nothing was posted: nothing can land
+    pair.settle_everything()
+    assert pair.ctx.unproven_chunks == 0
+    assert pair.gens[0].pool.counts().quarantined == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_a_bad_descriptor_count_is_refused_and_changes_nothing(bad: object) -> None:
+    pair = _posting()
+    ticket, index = next(iter(pair.in_flight))
+    before = pair.ctx.snapshot()
+    with pytest.raises(PoolError):
+        pair.ctx.chunk_failed(ticket, index, pair.now, bad)  # type: ignore[arg-type]
+    assert pair.ctx.snapshot() == before
