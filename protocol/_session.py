@@ -1536,15 +1536,20 @@ class CtxRank(_Rank):
         parent is quarantined once every edge is terminal."""
         edge.failed = True
         self.unproven_chunks += 1
+        if edge.state is _ES.UNKNOWN:
+            return self._settle(record, now)
         actions: list[Action] = []
-        if edge.state is not _ES.UNKNOWN:
-            if record.cancel_reason is None:
-                actions += self._cancel(record, CancelReason.FAILURE, now, intent=True)
-            elif record.state is _PS.FINISHING:
-                actions += self._stop_finishing(record, now)
-            if edge.state is not _ES.UNKNOWN:  # the cancel may have moved it already
-                actions += self._fire_edge(edge, _EE.QUIESCENCE_LOST)
+        if record.cancel_reason is None:
+            actions += self._cancel(record, CancelReason.FAILURE, now, intent=True)
+        elif record.state is _PS.FINISHING:
+            actions += self._stop_finishing(record, now)
+        if not self._edge_unknown(edge):  # the cancel may have moved it already
+            actions += self._fire_edge(edge, _EE.QUIESCENCE_LOST)
         return actions + self._settle(record, now)
+
+    @staticmethod
+    def _edge_unknown(edge: _Edge) -> bool:
+        return edge.state is _ES.UNKNOWN
 
     def _late_drain(self, edge: _Edge, now: float) -> list[Action]:
         """An UNKNOWN edge whose last posted chunk just reported DONE/ERR: every
