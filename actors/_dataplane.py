@@ -153,6 +153,8 @@ def _region_shape(kind: str, layout: KVLayout, hl: int) -> tuple[int, ...]:
         return (2, T, hl, D)
     if kind == "paged_hnd":
         return (2, hl, T, D)
+    if kind == "paged_interleaved":
+        return (hl, T, 2, D)
     return (T, hl, D)  # split
 
 
@@ -305,6 +307,8 @@ class KVMemory:
                 out[:, layer] = self.flat[layer][idx].view(n, 2, T, hl, R).permute(0, 1, 3, 2, 4)
             elif self.kind == "paged_hnd":
                 out[:, layer] = self.flat[layer][idx].view(n, 2, hl, T, R)
+            elif self.kind == "paged_interleaved":
+                out[:, layer] = self.flat[layer][idx].view(n, hl, T, 2, R).permute(0, 3, 1, 2, 4)
             else:
                 for kv in (0, 1):
                     phys = self.flat[2 * layer + kv][idx].view(n, T, hl, R)
@@ -328,6 +332,8 @@ class KVMemory:
                 self.flat[layer][idx] = d[:, layer].permute(0, 1, 3, 2, 4).reshape(n, -1)
             elif self.kind == "paged_hnd":
                 self.flat[layer][idx] = d[:, layer].reshape(n, -1)
+            elif self.kind == "paged_interleaved":
+                self.flat[layer][idx] = d[:, layer].permute(0, 2, 3, 1, 4).reshape(n, -1)
             else:
                 for kv in (0, 1):
                     self.flat[2 * layer + kv][idx] = d[:, layer, kv].permute(0, 2, 1, 3).reshape(n, -1)

@@ -15,6 +15,10 @@ each); block `b` of region `r` starts at `region_base[r] + b * stride(r)`:
     paged       per layer [nb, 2, T, Hl, D]   L (r = l)       2*T*Hl*D*e     ((kv*T + t)*Hl + h)*D*e
     paged_hnd   per layer [nb, 2, Hl, T, D]   L (r = l)       2*Hl*T*D*e     ((kv*Hl + h)*T + t)*D*e
     split       per (layer, kv) [nb, T, Hl, D]  2L (r = 2l+kv)  T*Hl*D*e     (t*Hl + h)*D*e
+    paged_interleaved  per layer [nb, Hl, T, 2, D]  L (r = l)  2*Hl*T*D*e  ((h*T + t)*2 + kv)*D*e
+
+"paged_interleaved" is vLLM's CPU attention cache: per layer `[num_blocks,
+num_kv_heads, block_size, 2 * head_size]`, a token's K row then its V row.
 
 `memory_pieces` maps an edge's rows from the CTX kind to the GEN kind: every
 row (layer, kv, global head in the edge's overlap, token) has a place on both
@@ -49,7 +53,7 @@ __all__ = [
 ]
 
 #: The memory kinds, in the order of the table above.
-MEMORY_KINDS: tuple[str, ...] = ("blocked", "paged", "paged_hnd", "split")
+MEMORY_KINDS: tuple[str, ...] = ("blocked", "paged", "paged_hnd", "split", "paged_interleaved")
 
 #: `(src_region, src_offset, dst_region, dst_offset, length)`, offsets relative to
 #: the block's start in that region.
@@ -100,6 +104,8 @@ def _place(kind: str, L: int, hl: int, T: int, row: int, layer: int, kv: int, h:
         return layer, ((kv * T + t) * hl + h) * row
     if kind == "paged_hnd":
         return layer, ((kv * hl + h) * T + t) * row
+    if kind == "paged_interleaved":
+        return layer, ((h * T + t) * 2 + kv) * row
     return 2 * layer + kv, (t * hl + h) * row  # split
 
 

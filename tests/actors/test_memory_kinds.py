@@ -43,6 +43,7 @@ def engine_tensors(kind: str, layout: KVLayout, tp: int, nb: int, dtype: torch.d
         "paged": (nb, 2, T, hl, D),
         "paged_hnd": (nb, 2, hl, T, D),
         "split": (nb, T, hl, D),
+        "paged_interleaved": (nb, hl, T, 2, D),  # vLLM's CPU attention cache
     }[kind]
     return [torch.zeros(shape, dtype=dtype) for _ in range(memory_regions(kind, layout))]
 

@@ -42,6 +42,8 @@ def oracle_place(kind: str, lo: KVLayout, hl: int, layer: int, kv: int, h: int, 
         return layer, (kv * T + t) * hl + h
     if kind == "paged_hnd":  # per layer [2, Hl, T] rows
         return layer, (kv * hl + h) * T + t
+    if kind == "paged_interleaved":  # per layer [Hl, T, 2] rows
+        return layer, (h * T + t) * 2 + kv
     assert kind == "split"  # per (layer, kv) [T, Hl] rows
     assert L
     return 2 * layer + kv, t * hl + h
@@ -99,7 +101,7 @@ def simulate(lo: KVLayout, ctx_tp: int, gen_tp: int, ctx_kind: str, gen_kind: st
 
 
 def test_kind_names_are_checked() -> None:
-    assert MEMORY_KINDS == ("blocked", "paged", "paged_hnd", "split")
+    assert MEMORY_KINDS == ("blocked", "paged", "paged_hnd", "split", "paged_interleaved")
     for kind in MEMORY_KINDS:
         assert check_memory_kind(kind) == kind
     for bad in ("Paged", "", None, 3, "nhd"):
@@ -115,16 +117,18 @@ def test_kind_names_are_checked() -> None:
 def test_regions_and_strides() -> None:
     lo = layout(layers=3, heads=8, head_dim=64, dtype="bfloat16", tpb=16)
     e, hl = 2, 4  # tp 2
-    assert [memory_regions(k, lo) for k in MEMORY_KINDS] == [1, 3, 3, 6]
+    assert [memory_regions(k, lo) for k in MEMORY_KINDS] == [1, 3, 3, 6, 3]
     assert region_block_bytes("blocked", lo, 2) == 3 * 2 * hl * 16 * 64 * e
     assert region_block_bytes("paged", lo, 2) == 2 * 16 * hl * 64 * e
     assert region_block_bytes("paged_hnd", lo, 2) == 2 * 16 * hl * 64 * e
     assert region_block_bytes("split", lo, 2) == 16 * hl * 64 * e
+    assert region_block_bytes("paged_interleaved", lo, 2) == 2 * 16 * hl * 64 * e
     row = 64 * e
     assert row_place("blocked", lo, 2, layer=1, kv=1, head=2, token=5) == (0, (((1 * 2 + 1) * hl + 2) * 16 + 5) * row)
     assert row_place("paged", lo, 2, layer=1, kv=1, head=2, token=5) == (1, ((1 * 16 + 5) * hl + 2) * row)
     assert row_place("paged_hnd", lo, 2, layer=1, kv=1, head=2, token=5) == (1, ((1 * hl + 2) * 16 + 5) * row)
     assert row_place("split", lo, 2, layer=1, kv=1, head=2, token=5) == (3, (5 * hl + 2) * row)
+    assert row_place("paged_interleaved", lo, 2, layer=1, kv=1, head=2, token=5) == (1, ((2 * 16 + 5) * 2 + 1) * row)
     for bad in ({"layer": 3}, {"kv": 2}, {"head": 4}, {"token": 16}, {"layer": -1}):
         args = {"layer": 0, "kv": 0, "head": 0, "token": 0, **bad}
         with pytest.raises(TopologyError):
@@ -206,6 +210,8 @@ EXPECTED_COUNTS_2_TO_1 = {
     ("paged", "split"): 64,  # per (layer, kv, token)
     ("paged_hnd", "blocked"): 4,  # same (kv, head, token) order inside a layer
     ("split", "paged"): 64,  # per (layer, kv, token)
+    ("paged_interleaved", "paged_interleaved"): 2,  # per layer: the 2 heads lead the GEN block
+    ("paged", "paged_interleaved"): 128,  # every (layer, kv, head, token) row alone
 }
 
 

@@ -1,0 +1,449 @@
+"""kvhandoff inside vLLM: a KV connector and the Ray actor that hosts an engine.
+
+Theory of operation (docs/vllm.md)
+----------------------------------
+vLLM keeps its KV tensors, its block manager and its scheduler; kvhandoff
+moves a request's KV from a prefill engine to a decode engine between them,
+under the cancellation protocol. Three pieces:
+
+* `VllmEngine`, a Ray actor that runs one vLLM engine *in its own process*
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker: the scheduler, the model
+  runner and the KV tensors all live here) and hosts the engine's kvhandoff
+  rank endpoint (an `EndpointHost`). vLLM stays a library inside a Ray actor,
+  the way Ray users run it; the endpoint answers its rounds and frames on its
+  own thread while the engine steps.
+* `KVHandoffConnector`, the vLLM connector (``kv_connector_module_path`` =
+  this module). Worker side: `register_kv_caches` turns vLLM's own paged KV
+  tensors into the rank endpoint (registered with NIXL once; the CPU cache is
+  the "paged_interleaved" memory kind). Scheduler side, prefill engine:
+  `request_finished` of a request sent with ``do_remote_decode`` publishes its
+  blocks (one admission round) and returns the ticket in the request's
+  ``kv_transfer_params``; vLLM keeps the blocks until the connector reports
+  them sent, which is when every CTX rank released them (S1 proven).
+  Decode engine: a request whose ``kv_transfer_params`` carry the ticket
+  loads its prompt's KV asynchronously (`get_num_new_matched_tokens`), into
+  the blocks vLLM allocated (`update_state_after_alloc`); the endpoint's
+  `receive` drives the handoff, and the request is reported received only
+  once the blocks are back in vLLM's hands; any other outcome is a failed
+  load (vLLM fails the request, or recomputes it under its
+  ``kv_load_failure_policy``).
+* Aborts: a vLLM abort of a loading request on the decode engine cancels the
+  handoff; vLLM itself keeps the blocks of a request aborted while waiting for
+  remote KV until the load is reported finished, which the connector does
+  only once the GEN ranks gave the blocks back. A prefill request aborted
+  before it finished publishes nothing. A published ticket nobody claims is
+  cancelled by the caller (`VllmEngine.cancel`) or ends at its lease deadline.
+
+kvhandoff never frees a vLLM block: it tells vLLM when a block may be reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+# vLLM is an optional dependency (the `vllm` extra): this module needs it.
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvhandoff.actors.endpoint import (
+    EndpointHost,
+    EnginePlan,
+    ctx_endpoint,
+    endpoint_actor,
+    gen_endpoint,
+)
+from kvhandoff.actors.engine import EngineDeployment
+from kvhandoff.protocol import HandoffTicket, Role, TicketError
+
+__all__ = ["KVHandoffConnector", "VllmEngine", "InvalidTransferParams", "TICKET_KEY", "TOKENS_KEY"]
+
+#: The keys kvhandoff adds to vLLM's ``kv_transfer_params``.
+TICKET_KEY = "kvhandoff_ticket"
+TOKENS_KEY = "kvhandoff_tokens"
+
+_MODULE = "kvhandoff.integrations.vllm_connector"
+
+#: The engine host of this process (one vLLM engine per `VllmEngine` actor).
+_HOST: _EngineHost | None = None
+
+
+class InvalidTransferParams(ValueError):
+    """A request's ``kv_transfer_params`` that kvhandoff cannot use (a garbled
+    or foreign ticket, a bad token count). The request is refused before the
+    engine sees it; nothing changed."""
+
+
+class _EngineHost:
+    """What the connector reaches in its process: the plan, the role, the
+    endpoint's deployment handle and the transfers in flight. Every
+    kvhandoff call runs on one control loop in its own thread, so the
+    engine's thread (a scheduler hook) may wait on one without blocking the
+    endpoint, which answers rounds on its own loop."""
+
+    def __init__(self, owner: Any, plan: EnginePlan, role: Role) -> None:
+        self.owner = owner
+        self.plan = plan
+        self.role = role
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvhandoff-control", daemon=True)
+        self._thread.start()
+        self._dep: EngineDeployment | None = None
+        self._lock = threading.Lock()
+        self.sent: set[str] = set()  # prefill: blocks released on every CTX rank
+        self.received: set[str] = set()  # decode: load over (either way), blocks back
+        self.failed: set[str] = set()  # decode: load over without the KV
+        self.outcomes: dict[str, str] = {}  # request id -> handoff outcome (decode)
+        self.tickets: dict[str, str] = {}  # request id -> ticket of its transfer in flight
+        self.pending = 0  # transfers whose end vLLM has not been told yet
+        self.handoff_s: list[float] = []
+
+    # -- the control loop ----------------------------------------------------------
+
+    def call(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run `coro` on the control loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def spawn(self, coro: Any) -> None:
+        asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def dep(self) -> EngineDeployment:
+        if self._dep is None:
+            self._dep = await EngineDeployment.connect(self.plan)
+        return self._dep
+
+    # -- prefill ---------------------------------------------------------------------
+
+    def publish(self, request_id: str, num_tokens: int, blocks: Sequence[int]) -> str:
+        async def run() -> str:
+            ticket = await (await self.dep()).publish(request_id, num_tokens, blocks)
+            return ticket.encode()
+
+        text = str(self.call(run()))
+        with self._lock:
+            self.tickets[request_id] = text
+            self.pending += 1
+        self.spawn(self._watch_sent(request_id, text))
+        return text
+
+    async def _watch_sent(self, request_id: str, ticket: str) -> None:
+        # Held until every CTX rank released the blocks: the transfer
+        # completed, or was cancelled and drained, or never started (its
+        # lease ended). Quarantined blocks stay held until reclaimed.
+        dep = await self.dep()
+        while not await dep.returned(ticket, Role.CTX, timeout=60.0):
+            pass
+        with self._lock:
+            self.sent.add(request_id)
+            self.tickets.pop(request_id, None)
+            self.pending -= 1
+
+    # -- decode ------------------------------------------------------------------------
+
+    def receive(self, request_id: str, ticket: str, blocks: Sequence[int]) -> None:
+        with self._lock:
+            self.tickets[request_id] = ticket
+            self.pending += 1
+        self.spawn(self._receive(request_id, ticket, list(blocks)))
+
+    async def _receive(self, request_id: str, ticket: str, blocks: list[int]) -> None:
+        outcome = "failed"
+        try:
+            result = await (await self.dep()).receive(ticket, blocks)
+            outcome = result.outcome if result.blocks_returned or result.outcome != "completed" else "failed"
+            if outcome == "completed":
+                self.handoff_s.append(result.latency_s)
+            if not result.blocks_returned:
+                # Quarantined: vLLM must not get them back before a reclaim.
+                dep = await self.dep()
+                while not await dep.returned(ticket, Role.GEN, timeout=60.0):
+                    pass
+        except Exception as exc:  # a ticket refused before anything was sent
+            outcome = f"refused: {type(exc).__name__}: {exc}"
+        with self._lock:
+            self.outcomes[request_id] = outcome
+            self.tickets.pop(request_id, None)
+            self.received.add(request_id)
+            if outcome != "completed":
+                self.failed.add(request_id)
+            self.pending -= 1
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            ticket = self.tickets.get(request_id)
+        if ticket is not None:
+            self.spawn(self._cancel(ticket))
+
+    async def _cancel(self, ticket: str) -> None:
+        await (await self.dep()).cancel(ticket)
+
+    def busy(self) -> bool:
+        """Transfers in flight, or ends vLLM has not been told (the engine must step)."""
+        with self._lock:
+            return bool(self.pending or self.sent or self.received)
+
+    def take_finished(self) -> tuple[set[str], set[str], set[str]]:
+        with self._lock:
+            sent, received, failed = self.sent, self.received, self.failed
+            self.sent, self.received, self.failed = set(), set(), set()
+        return sent, received, failed
+
+
+def check_transfer_params(params: Any, plan: EnginePlan) -> None:
+    """`InvalidTransferParams` unless a decode request's kvhandoff params name a
+    ticket of this deployment's CTX instance and a positive token count."""
+    if not params or TICKET_KEY not in params:
+        return
+    try:
+        ticket = HandoffTicket.decode(params[TICKET_KEY])
+    except TicketError as exc:
+        raise InvalidTransferParams(f"{TICKET_KEY}: {exc}") from None
+    if ticket.deployment != plan.name or ticket.ctx_instance != plan.ctx.instance_id:
+        raise InvalidTransferParams(f"{TICKET_KEY}: a ticket of {ticket.deployment!r}/{ticket.ctx_instance!r}, not of this deployment")
+    tokens = params.get(TOKENS_KEY)
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens != ticket.num_tokens:
+        raise InvalidTransferParams(f"{TOKENS_KEY} must be the ticket's token count {ticket.num_tokens}, got {tokens!r}")
+
+
+class _Meta(KVConnectorMetadata):
+    """Nothing crosses from scheduler to worker: both sides share the process's host."""
+
+
+class KVHandoffConnector(KVConnectorBase_V1):
+    """The vLLM connector (module docstring). vLLM builds one per role (the
+    scheduler's and the worker's) inside a `VllmEngine` actor's process."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if _HOST is None:
+            raise RuntimeError("KVHandoffConnector runs inside a kvhandoff VllmEngine actor")
+        self._host = _HOST
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._loading: dict[str, tuple[str, int]] = {}  # request id -> (ticket, tokens), waiting for blocks
+
+    # -- worker side ---------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        host = self._host
+        layout = host.plan.layout
+        hl = layout.num_kv_heads // host.plan.spec(host.role).tp
+        tensors = []
+        for layer in sorted(kv_caches, key=_layer_index):
+            t = kv_caches[layer]
+            # vLLM's CPU cache: [blocks, kv heads, block size, 2 * head size].
+            tensors.append(t.view(t.shape[0], hl, layout.tokens_per_block, 2, layout.head_dim))
+        make = ctx_endpoint if host.role is Role.CTX else gen_endpoint
+        host.owner.kvhandoff = make(host.plan, 0, tensors)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None  # loads start from the scheduler side (update_state_after_alloc)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # the KV stays where the forward pass wrote it
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sent, received, failed = self._host.take_finished()
+        # A failed load is also "received": vLLM then fails the request (or
+        # recomputes it) instead of waiting for it.
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=received, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sent, received, _ = self._host.take_finished()
+        return sent, received
+
+    # -- scheduler side ----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        if TICKET_KEY not in params or params.get("_kvhandoff_taken"):
+            return 0, False
+        count = int(params[TOKENS_KEY]) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._loading[request.request_id] = (params[TICKET_KEY], int(params[TOKENS_KEY]))
+        return count, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        load = self._loading.pop(request.request_id, None)
+        if load is None or num_external_tokens <= 0:
+            return
+        ticket, tokens = load
+        params = request.kv_transfer_params
+        params["_kvhandoff_taken"] = True  # one transfer per request
+        need = -(-tokens // self._block_size)
+        ids = list(blocks.get_block_ids()[0])[:need]
+        self._host.receive(request.request_id, ticket, ids)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return _Meta()
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params or {}
+        host = self._host
+        if host.role is Role.GEN:
+            # Aborted while its KV was on the way: cancel the handoff. vLLM
+            # holds the blocks until the load is reported over, which
+            # happens once the GEN ranks gave them back.
+            self._loading.pop(request.request_id, None)
+            host.cancel(request.request_id)
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted before its KV was complete: nothing published
+        ids = list(block_ids[0] if block_ids and isinstance(block_ids[0], list | tuple) else block_ids)
+        tokens = int(request.num_computed_tokens)
+        need = -(-tokens // self._block_size)
+        if tokens <= 0 or len(ids) < need:
+            return False, None
+        try:
+            ticket = host.publish(request.request_id, tokens, ids[:need])
+        except Exception as exc:  # refused: vLLM frees the blocks now, nothing is held
+            return False, {"kvhandoff_error": f"{type(exc).__name__}: {exc}"}
+        return True, {TICKET_KEY: ticket, TOKENS_KEY: tokens}
+
+
+def _layer_index(name: str) -> tuple[int, str]:
+    digits = [int(p) for p in name.split(".") if p.isdigit()]
+    return (digits[0] if digits else 0, name)
+
+
+@endpoint_actor(num_cpus=0)
+class VllmEngine(EndpointHost):
+    """One vLLM engine in a Ray actor, with kvhandoff's connector and its rank
+    endpoint (module docstring). ``role`` is "ctx" (prefill) or "gen"
+    (decode); ``engine_args`` go to ``vllm.LLM``."""
+
+    def __init__(self, plan: EnginePlan, role: str, model: str, engine_args: dict[str, Any] | None = None) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        self._role = Role(role)
+        self._host = _EngineHost(self, plan, self._role)
+        # Ray ships this class by value; the connector, which vLLM imports
+        # by its module path, finds the host in the imported module.
+        importlib.import_module(_MODULE)._HOST = self._host
+        self._plan = plan
+        transfer = KVTransferConfig(
+            kv_connector="KVHandoffConnector",
+            kv_connector_module_path=_MODULE,
+            kv_role="kv_producer" if self._role is Role.CTX else "kv_consumer",
+            kv_load_failure_policy="fail",
+        )
+        args = {
+            "skip_tokenizer_init": True,
+            "enable_prefix_caching": False,
+            "enforce_eager": True,
+            "distributed_executor_backend": "uni",
+            **(engine_args or {}),
+        }
+        self.llm = LLM(model=model, kv_transfer_config=transfer, **args)
+        self._engine = self.llm.llm_engine
+        self._futures: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._stepper: asyncio.Task[None] | None = None
+        self._counter = 0
+
+    # -- serving -------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], max_tokens: int, kv_transfer_params: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Run one request to its end: ``{"token_ids", "finish_reason",
+        "kv_transfer_params", "outcome"}``. Raises `InvalidTransferParams`
+        (nothing submitted) for params kvhandoff cannot use."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self._role is Role.GEN:
+            check_transfer_params(kv_transfer_params, self._plan)
+        if request_id in self._futures:
+            raise ValueError(f"request {request_id!r} is already running")
+        params = dict(kv_transfer_params or {})
+        if self._role is Role.CTX:
+            params["do_remote_decode"] = True
+        sampling = SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
+            extra_args={"kv_transfer_params": params},
+        )
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._futures[request_id] = future
+        self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_token_ids)), sampling)
+        self._ensure_stepping()
+        return await future
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request at any moment (a vLLM abort; on the decode engine
+        a loading request's handoff is cancelled). Returns whether it was running."""
+        future = self._futures.pop(request_id, None)
+        self._engine.abort_request([request_id])
+        if future is not None and not future.done():
+            future.set_result({"token_ids": [], "finish_reason": "abort", "kv_transfer_params": None, "outcome": "aborted"})
+        self._ensure_stepping()
+        return future is not None
+
+    async def cancel(self, ticket: str) -> None:
+        """Cancel a published ticket that no decode engine will claim (the
+        prefill engine's blocks come back once the CTX ranks release them)."""
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._host._cancel(ticket), self._host._loop))
+
+    async def free_blocks(self) -> int:
+        """Free blocks in vLLM's block pool."""
+        return int(self._scheduler().kv_cache_manager.block_pool.get_num_free_blocks())
+
+    async def idle(self) -> bool:
+        """Whether nothing runs and no transfer is in flight."""
+        return not self._engine.has_unfinished_requests() and not self._host.busy() and not self._futures
+
+    async def handoff_ms(self) -> list[float]:
+        return [s * 1e3 for s in self._host.handoff_s]
+
+    def _scheduler(self) -> Any:
+        core = self._engine.engine_core
+        return getattr(core, "engine_core", core).scheduler
+
+    def _ensure_stepping(self) -> None:
+        if self._stepper is None or self._stepper.done():
+            self._stepper = asyncio.get_running_loop().create_task(self._step_loop())
+
+    async def _step_loop(self) -> None:
+        while self._engine.has_unfinished_requests() or self._host.busy() or self._futures:
+            for out in self._engine.step():
+                if not out.finished:
+                    continue
+                future = self._futures.pop(out.request_id, None)
+                if future is None or future.done():
+                    continue
+                completion = out.outputs[0]
+                reason = str(completion.finish_reason)
+                outcome = "completed" if reason in ("length", "stop") else reason
+                if self._role is Role.GEN:
+                    handoff = self._host.outcomes.pop(out.request_id, None)
+                    if handoff is not None and handoff != "completed":
+                        outcome = f"handoff {handoff}"
+                future.set_result({
+                    "token_ids": list(completion.token_ids),
+                    "finish_reason": reason,
+                    "kv_transfer_params": out.kv_transfer_params,
+                    "num_cached_tokens": out.num_cached_tokens,
+                    "outcome": outcome,
+                })
+            await asyncio.sleep(0.001 if not self._engine.has_unfinished_requests() else 0)
