@@ -124,7 +124,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if stage == "prefill":
                 await asyncio.sleep(rng.random() * 0.02)
                 await prefill.abort.remote(rid)
-            p = await first
+            try:
+                p = await asyncio.wait_for(asyncio.wrap_future(first.future()), args.request_timeout_s)
+            except TimeoutError:
+                row["outcome"] = "hung in prefill"
+                results.append(row)
+                return
             ticket_params = p.get("kv_transfer_params") or {}
             if p["outcome"] != "completed" or "kvhandoff_ticket" not in ticket_params:
                 if "kvhandoff_ticket" in ticket_params:
@@ -143,7 +148,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if stage in ("load", "decode"):
                 await asyncio.sleep(rng.random() * (0.01 if stage == "load" else 0.05))
                 await decode.abort.remote(rid)
-            d = await second
+            try:
+                d = await asyncio.wait_for(asyncio.wrap_future(second.future()), args.request_timeout_s)
+            except TimeoutError:
+                row["outcome"] = "hung in decode"
+                results.append(row)
+                return
             if d["outcome"] == "aborted":
                 row["outcome"] = "aborted"
             elif d["outcome"] == "completed":
@@ -175,6 +185,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(0.1)
     free_at_end = dict(zip(engines, await asyncio.gather(*(e.free_blocks.remote() for e in engines.values()))))
     handoff_ms = await decode.handoff_ms.remote()
+    stats = await dep.stats()
     await dep.shutdown()
 
     completed = [r for r in results if r["outcome"] == "completed"]
@@ -192,6 +203,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "invalid_params": invalid,
         "baseline": {"error": "not measured: the NixlConnector side-by-side run is not built yet"},
         "wall_s": round(time.perf_counter() - started, 1),
+        "endpoints": [
+            {k: r.get(k) for k in ("role", "rank", "pool", "quarantined", "admission_stopped", "error")}
+            | {"counters": {c: n for c, n in (r.get("counters") or {}).items() if n and ("refus" in c or "fail" in c or "stale" in c)}}
+            for r in stats.get("ranks", [])
+        ],
+        "coordinators": {
+            role: {k: c.get(k) for k in ("state", "detached", "rounds", "timeouts", "failure_reason")}
+            for role, c in stats.get("coordinators", {}).items()
+        },
         "failures": [r for r in results if r["outcome"] not in ("completed", "aborted")][:10],
     }
     out["ok"] = bool(
@@ -214,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--lease-timeout-s", type=float, default=30.0)
     ap.add_argument("--settle-s", type=float, default=120.0)
+    ap.add_argument("--request-timeout-s", type=float, default=120.0, help="a request not answered by then counts as failed (hung)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="show the engines' logs")
     args = ap.parse_args(argv)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -334,6 +335,10 @@ class VllmEngine(EndpointHost):
 
     def __init__(self, plan: EnginePlan, role: str, model: str, engine_args: dict[str, Any] | None = None) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
+        # The endpoint's thread shares the GIL with the engine's steps: hand
+        # it over every 1 ms rather than Python's default 5 ms, so a round
+        # or a frame waits for a step's Python for at most that long.
+        sys.setswitchinterval(0.001)
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
@@ -395,6 +400,10 @@ class VllmEngine(EndpointHost):
         a loading request's handoff is cancelled). Returns whether it was running."""
         future = self._futures.pop(request_id, None)
         self._engine.abort_request([request_id])
+        # Aborted after it published (prefill finished first): its ticket will
+        # reach no decode engine, so cancel it; the blocks come back once the
+        # CTX ranks release them, not at the lease deadline.
+        self._host.cancel(request_id)
         if future is not None and not future.done():
             future.set_result({"token_ids": [], "finish_reason": "abort", "kv_transfer_params": None, "outcome": "aborted"})
         self._ensure_stepping()
@@ -426,7 +435,8 @@ class VllmEngine(EndpointHost):
 
     async def _step_loop(self) -> None:
         while self._engine.has_unfinished_requests() or self._host.busy() or self._futures:
-            for out in self._engine.step():
+            outputs = self._engine.step()
+            for out in outputs:
                 if not out.finished:
                     continue
                 future = self._futures.pop(out.request_id, None)
@@ -446,4 +456,7 @@ class VllmEngine(EndpointHost):
                     "num_cached_tokens": out.num_cached_tokens,
                     "outcome": outcome,
                 })
-            await asyncio.sleep(0.001 if not self._engine.has_unfinished_requests() else 0)
+            # A step that produced nothing (every request waits for its KV or
+            # for a transfer's end) must not spin: the endpoint shares this
+            # interpreter, and a spinning engine loop starves it of the GIL.
+            await asyncio.sleep(0 if outputs else 0.002)
