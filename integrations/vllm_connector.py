@@ -40,6 +40,7 @@ kvhandoff never frees a vLLM block: it tells vLLM when a block may be reused.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib
 import os
 import sys
@@ -108,6 +109,7 @@ class _EngineHost:
         self.tickets: dict[str, str] = {}  # request id -> ticket of its transfer in flight
         self.pending = 0  # transfers whose end vLLM has not been told yet
         self.handoff_s: list[float] = []
+        self.wake = threading.Event()  # set when vLLM has something to learn (a transfer ended)
 
     # -- the control loop ----------------------------------------------------------
 
@@ -148,6 +150,7 @@ class _EngineHost:
             self.sent.add(request_id)
             self.tickets.pop(request_id, None)
             self.pending -= 1
+        self.wake.set()
 
     # -- decode ------------------------------------------------------------------------
 
@@ -178,6 +181,7 @@ class _EngineHost:
             if outcome != "completed":
                 self.failed.add(request_id)
             self.pending -= 1
+        self.wake.set()
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
@@ -327,11 +331,85 @@ def _layer_index(name: str) -> tuple[int, str]:
     return (digits[0] if digits else 0, name)
 
 
+class _EngineThread:
+    """vLLM's engine, stepped on a thread of its own.
+
+    Never on the actor's event loop: a Ray async actor whose default loop is
+    blocked (a step, or a scheduler hook waiting for an admission round)
+    stalls *every* concurrency group once a few calls queue up behind it (Ray
+    2.60 parks the finished calls' fibers on the blocked loop), so the rank
+    endpoint would stop answering its rounds. The actor's methods only post
+    commands here; every call into the engine (add, abort, step, the block
+    pool) runs on this one thread, between steps, as vLLM requires."""
+
+    def __init__(self, engine: Any, host: _EngineHost, role: Role) -> None:
+        self._engine = engine
+        self._host = host
+        self._role = role
+        self._commands: list[tuple[Any, concurrent.futures.Future[Any]]] = []
+        self._lock = threading.Lock()
+        self.futures: dict[str, concurrent.futures.Future[dict[str, Any]]] = {}
+        self._thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Any) -> concurrent.futures.Future[Any]:
+        """Run ``fn()`` on the engine thread before its next step."""
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            self._commands.append((fn, done))
+        self._host.wake.set()
+        return done
+
+    def _run(self) -> None:
+        engine, host = self._engine, self._host
+        while True:
+            with self._lock:
+                commands, self._commands = self._commands, []
+            for fn, done in commands:
+                try:
+                    done.set_result(fn())
+                except BaseException as exc:  # the caller gets it
+                    done.set_exception(exc)
+            if not (engine.has_unfinished_requests() or host.busy()):
+                host.wake.wait()  # nothing to step: sleep until a command or a transfer's end
+                host.wake.clear()
+                continue
+            outputs = engine.step()
+            for out in outputs:
+                if out.finished:
+                    self._finish(out)
+            if not outputs:
+                # Every request waits for its KV or a transfer's end: wait for
+                # one (the host wakes us), polling at most every 2 ms.
+                host.wake.wait(0.002)
+                host.wake.clear()
+
+    def _finish(self, out: Any) -> None:
+        future = self.futures.pop(out.request_id, None)
+        if future is None or future.done():
+            return
+        completion = out.outputs[0]
+        reason = str(completion.finish_reason)
+        outcome = "completed" if reason in ("length", "stop") else reason
+        if self._role is Role.GEN:
+            handoff = self._host.outcomes.pop(out.request_id, None)
+            if handoff is not None and handoff != "completed":
+                outcome = f"handoff {handoff}"
+        future.set_result({
+            "token_ids": list(completion.token_ids),
+            "finish_reason": reason,
+            "kv_transfer_params": out.kv_transfer_params,
+            "num_cached_tokens": out.num_cached_tokens,
+            "outcome": outcome,
+        })
+
+
 @endpoint_actor(num_cpus=0)
 class VllmEngine(EndpointHost):
     """One vLLM engine in a Ray actor, with kvhandoff's connector and its rank
     endpoint (module docstring). ``role`` is "ctx" (prefill) or "gen"
-    (decode); ``engine_args`` go to ``vllm.LLM``."""
+    (decode); ``engine_args`` go to ``vllm.LLM``. The engine steps on its own
+    thread (`_EngineThread`); the actor's methods never block its loop."""
 
     def __init__(self, plan: EnginePlan, role: str, model: str, engine_args: dict[str, Any] | None = None) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
@@ -363,9 +441,7 @@ class VllmEngine(EndpointHost):
         }
         self.llm = LLM(model=model, kv_transfer_config=transfer, **args)
         self._engine = self.llm.llm_engine
-        self._futures: dict[str, asyncio.Future[dict[str, Any]]] = {}
-        self._stepper: asyncio.Task[None] | None = None
-        self._counter = 0
+        self._stepper = _EngineThread(self._engine, self._host, self._role)
 
     # -- serving -------------------------------------------------------------------------
 
@@ -373,15 +449,14 @@ class VllmEngine(EndpointHost):
         self, request_id: str, prompt_token_ids: list[int], max_tokens: int, kv_transfer_params: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         """Run one request to its end: ``{"token_ids", "finish_reason",
-        "kv_transfer_params", "outcome"}``. Raises `InvalidTransferParams`
-        (nothing submitted) for params kvhandoff cannot use."""
+        "kv_transfer_params", "num_cached_tokens", "outcome"}``. Raises
+        `InvalidTransferParams` (nothing submitted) for params kvhandoff
+        cannot use, ``ValueError`` for a request id already running."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if self._role is Role.GEN:
             check_transfer_params(kv_transfer_params, self._plan)
-        if request_id in self._futures:
-            raise ValueError(f"request {request_id!r} is already running")
         params = dict(kv_transfer_params or {})
         if self._role is Role.CTX:
             params["do_remote_decode"] = True
@@ -389,25 +464,38 @@ class VllmEngine(EndpointHost):
             max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
             extra_args={"kv_transfer_params": params},
         )
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._futures[request_id] = future
-        self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_token_ids)), sampling)
-        self._ensure_stepping()
-        return await future
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+        stepper = self._stepper
+        result: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+
+        def add() -> None:
+            if request_id in stepper.futures:
+                raise ValueError(f"request {request_id!r} is already running")
+            stepper.futures[request_id] = result
+            self._engine.add_request(request_id, prompt, sampling)
+
+        await asyncio.wrap_future(stepper.submit(add))
+        return await asyncio.wrap_future(result)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request at any moment (a vLLM abort; on the decode engine
         a loading request's handoff is cancelled). Returns whether it was running."""
-        future = self._futures.pop(request_id, None)
-        self._engine.abort_request([request_id])
+        stepper = self._stepper
+
+        def abort() -> bool:
+            future = stepper.futures.pop(request_id, None)
+            self._engine.abort_request([request_id])
+            if future is not None and not future.done():
+                future.set_result({"token_ids": [], "finish_reason": "abort", "kv_transfer_params": None,
+                                   "num_cached_tokens": 0, "outcome": "aborted"})
+            return future is not None
+
+        running = bool(await asyncio.wrap_future(stepper.submit(abort)))
         # Aborted after it published (prefill finished first): its ticket will
         # reach no decode engine, so cancel it; the blocks come back once the
         # CTX ranks release them, not at the lease deadline.
         self._host.cancel(request_id)
-        if future is not None and not future.done():
-            future.set_result({"token_ids": [], "finish_reason": "abort", "kv_transfer_params": None, "outcome": "aborted"})
-        self._ensure_stepping()
-        return future is not None
+        return running
 
     async def cancel(self, ticket: str) -> None:
         """Cancel a published ticket that no decode engine will claim (the
@@ -416,11 +504,16 @@ class VllmEngine(EndpointHost):
 
     async def free_blocks(self) -> int:
         """Free blocks in vLLM's block pool."""
-        return int(self._scheduler().kv_cache_manager.block_pool.get_num_free_blocks())
+        pool = lambda: int(self._scheduler().kv_cache_manager.block_pool.get_num_free_blocks())  # noqa: E731
+        return int(await asyncio.wrap_future(self._stepper.submit(pool)))
 
     async def idle(self) -> bool:
         """Whether nothing runs and no transfer is in flight."""
-        return not self._engine.has_unfinished_requests() and not self._host.busy() and not self._futures
+
+        def quiet() -> bool:
+            return not self._engine.has_unfinished_requests() and not self._host.busy() and not self._stepper.futures
+
+        return bool(await asyncio.wrap_future(self._stepper.submit(quiet)))
 
     async def handoff_ms(self) -> list[float]:
         return [s * 1e3 for s in self._host.handoff_s]
@@ -428,35 +521,3 @@ class VllmEngine(EndpointHost):
     def _scheduler(self) -> Any:
         core = self._engine.engine_core
         return getattr(core, "engine_core", core).scheduler
-
-    def _ensure_stepping(self) -> None:
-        if self._stepper is None or self._stepper.done():
-            self._stepper = asyncio.get_running_loop().create_task(self._step_loop())
-
-    async def _step_loop(self) -> None:
-        while self._engine.has_unfinished_requests() or self._host.busy() or self._futures:
-            outputs = self._engine.step()
-            for out in outputs:
-                if not out.finished:
-                    continue
-                future = self._futures.pop(out.request_id, None)
-                if future is None or future.done():
-                    continue
-                completion = out.outputs[0]
-                reason = str(completion.finish_reason)
-                outcome = "completed" if reason in ("length", "stop") else reason
-                if self._role is Role.GEN:
-                    handoff = self._host.outcomes.pop(out.request_id, None)
-                    if handoff is not None and handoff != "completed":
-                        outcome = f"handoff {handoff}"
-                future.set_result({
-                    "token_ids": list(completion.token_ids),
-                    "finish_reason": reason,
-                    "kv_transfer_params": out.kv_transfer_params,
-                    "num_cached_tokens": out.num_cached_tokens,
-                    "outcome": outcome,
-                })
-            # A step that produced nothing (every request waits for its KV or
-            # for a transfer's end) must not spin: the endpoint shares this
-            # interpreter, and a spinning engine loop starves it of the GIL.
-            await asyncio.sleep(0 if outputs else 0.002)
