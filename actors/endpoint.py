@@ -20,8 +20,10 @@ coordinators and the directory reach the endpoint (`receive_frames`,
 `round_vote`, `stats`, ...: every public coroutine method of the endpoint
 classes, forwarded to ``self.kvhandoff``), in the Ray concurrency group
 "kvhandoff": the endpoint lives on that group's event loop, in its own
-thread, so the engine's work on the actor's default loop (a forward pass)
-never keeps it from answering its rounds and frames. `endpoint_actor` is
+thread, apart from the engine's methods on the actor's default loop. Run
+the engine's blocking work (a forward pass, a step) on a thread, never on
+that loop: Ray stops dispatching to every group of an async actor once a
+call queues behind a blocked loop (docs/design.md). `endpoint_actor` is
 ``ray.remote`` with that group declared. These names are reserved in a host
 class; a host that needs one of them for itself overrides it and forwards.
 kvhandoff's own rank actors (`CtxRankActor`, `GenRankActor`) are hosts of

@@ -2100,8 +2100,10 @@ class EndpointHost:
     keeps it for the actor's lifetime. Every name in `ENDPOINT_METHODS` is an
     async method of the host that forwards to the endpoint, in the Ray
     concurrency group `ENDPOINT_GROUP`: the endpoint lives on that group's
-    event loop, so a host that blocks its own loop (a model's forward pass)
-    never keeps it from answering its rounds and frames. Make the class an
+    event loop. The host must still never block its own default loop: run
+    a forward pass or an engine step on a thread (Ray stops dispatching to
+    every group of an async actor once a call queues behind a blocked loop
+    that a call just returned from; docs/design.md). Make the class an
     actor with `endpoint_actor` (or declare the group in ``ray.remote``'s
     ``concurrency_groups`` yourself)."""
 

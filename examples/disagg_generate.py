@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import concurrent.futures
 import json
 import math
 import os
@@ -72,6 +73,7 @@ class _Worker(EndpointHost):
     def __init__(self, plan: EnginePlan, role: str, rank: int, seed: int, device: str, dtype: str) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         torch.set_num_threads(1)
+        self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
         self.role = Role(role)
         self.device = device
         self.model = llama_kv.build_model(seed, device=device, dtype=_dtype(dtype), **MODEL)
@@ -85,14 +87,15 @@ class _Worker(EndpointHost):
         make = ctx_endpoint if self.role is Role.CTX else gen_endpoint
         self.kvhandoff = make(plan, rank, self.pool)
 
-    # The model runs right here, on the actor's default event loop, as an
-    # engine's forward pass would: the hosted endpoint has its own loop (the
-    # actor's "kvhandoff" concurrency group), so it keeps answering its rounds
-    # and frames while a forward pass holds this one.
+    # The model runs on a thread of this actor's own (one at a time), never on
+    # its event loop: the hosted endpoint has its own loop (the actor's
+    # "kvhandoff" concurrency group), but Ray stalls every group of an async
+    # actor once a call queues behind a blocked default loop (docs/design.md,
+    # "The endpoint has its own event loop").
 
     async def prefill(self, prompt: list[int], blocks: list[int]) -> int:
         """CTX: run the prompt; keep our KV heads in `blocks`; the first token."""
-        return self._prefill(prompt, blocks)
+        return await asyncio.get_running_loop().run_in_executor(self._compute, self._prefill, prompt, blocks)
 
     def _prefill(self, prompt: list[int], blocks: list[int]) -> int:
         kv, first = llama_kv.prefill(self.model, prompt)
@@ -103,7 +106,7 @@ class _Worker(EndpointHost):
 
     async def decode(self, blocks: list[int], prompt_len: int, first: int, max_new: int) -> list[int]:
         """GEN: rebuild the cache from our own blocks and decode greedily."""
-        return self._decode(blocks, prompt_len, first, max_new)
+        return await asyncio.get_running_loop().run_in_executor(self._compute, self._decode, blocks, prompt_len, first, max_new)
 
     def _decode(self, blocks: list[int], prompt_len: int, first: int, max_new: int) -> list[int]:
         cache = llama_kv.cache_from_pool(self.model, self.pool, blocks, prompt_len)

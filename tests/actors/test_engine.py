@@ -371,7 +371,10 @@ async def test_an_engine_blocking_its_own_loop_does_not_stall_the_endpoint(ray_c
     """The endpoint lives in its own concurrency group (its own loop): while
     every worker blocks its default loop far longer than the round bound,
     handoffs still complete (the old failure: the rank missed a round vote,
-    was taken for dead, and the instance failed)."""
+    was taken for dead, and the instance failed). The block here is inside
+    the call; a loop that blocks just after another call returned, with a
+    call queued behind it, stalls every group (Ray), which is why hosts run
+    blocking work on a thread (docs/design.md)."""
     eng = await _engine(2, 1, "paged", "paged", round_timeout_s=1.0)
     try:
         ticket, ctx_blocks = await eng.prefill_and_publish("busy", seed=41, tokens=20)
