@@ -19,6 +19,15 @@ the plain engine's greedy tokens (``token_exact``), the decode engine took the
 prompt's KV from outside for every completed request (``external_tokens``:
 vLLM's count of tokens it did not compute), and both engines' free block
 counts are back where they started (``leaked_blocks``).
+
+Then the same prompts and aborts run through vLLM's own NixlConnector on the
+same box (``baseline``; examples/_vllm_nixl_baseline.py; ``--no-baseline``
+skips it). It needs the ``nixl`` package beside ours, without its
+dependencies: ``pip install --no-deps nixl==1.5.1``. ``handoff_ms_p50`` is
+measured the same way on both: on the decode engine, from the scheduler's
+allocation of the blocks for the load to vLLM being told the KV is there;
+``handoff_vs_baseline`` is their ratio. ``settle_s`` is how long the engines
+took, after the last request, to give every block back.
 """
 
 from __future__ import annotations
@@ -106,6 +115,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     plain = PlainEngine.options(**env).remote(model)
     await dep.attach([prefill], [decode])
     engines = {"prefill": prefill, "decode": decode}
+    # One handoff before anything is measured (the baseline does the same).
+    warm = await prefill.generate.remote("warmup", list(range(3, 40)), 1)
+    await decode.generate.remote("warmup", list(range(3, 40)), 2, warm["kv_transfer_params"])
+    warm_loads = len(await decode.handoff_ms.remote())
     free_at_start = dict(zip(engines, await asyncio.gather(*(e.free_blocks.remote() for e in engines.values()))))
 
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(8, 200))] for _ in range(args.prompts)]
@@ -131,7 +144,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 results.append(row)
                 return
             ticket_params = p.get("kv_transfer_params") or {}
-            if p["outcome"] != "completed" or "kvhandoff_ticket" not in ticket_params:
+            # Aborted by the client: over, even if the prefill finished first
+            # (the abort cancelled its ticket on the prefill engine).
+            if stage == "prefill" or p["outcome"] != "completed" or "kvhandoff_ticket" not in ticket_params:
                 if "kvhandoff_ticket" in ticket_params:
                     await prefill.cancel.remote(ticket_params["kvhandoff_ticket"])
                 row["outcome"] = "aborted" if stage == "prefill" else f"prefill {p['outcome']}"
@@ -178,15 +193,31 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             invalid[name] = type(cause).__name__ if isinstance(cause, InvalidTransferParams) else f"unexpected {exc!r}"[:200]
 
     # Every engine's blocks back: wait for quiet (progress, not a guess).
-    deadline = time.monotonic() + args.settle_s
+    settle_from = time.monotonic()
+    deadline = settle_from + args.settle_s
     while time.monotonic() < deadline:
         if all(await asyncio.gather(*(e.idle.remote() for e in engines.values()))):
             break
         await asyncio.sleep(0.1)
+    settle_s = time.monotonic() - settle_from
     free_at_end = dict(zip(engines, await asyncio.gather(*(e.free_blocks.remote() for e in engines.values()))))
-    handoff_ms = await decode.handoff_ms.remote()
+    handoff_ms = (await decode.handoff_ms.remote())[warm_loads:]
     stats = await dep.stats()
     await dep.shutdown()
+    for engine in (prefill, decode, plain):
+        ray.kill(engine)
+    wall_s = time.perf_counter() - started
+
+    # The same run through vLLM's own NixlConnector, on the same box.
+    if args.baseline:
+        from _vllm_nixl_baseline import run_baseline
+
+        baseline = await run_baseline(
+            model, prompts, reference, plan, max_tokens=args.max_tokens, concurrency=args.concurrency,
+            request_timeout_s=args.request_timeout_s, seed=args.seed, settle_s=args.settle_s,
+        )
+    else:
+        baseline = {"error": "not run (--no-baseline)"}
 
     completed = [r for r in results if r["outcome"] == "completed"]
     leaked = {n: free_at_start[n] - free_at_end[n] for n in engines}
@@ -201,8 +232,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "leaked_blocks": leaked,
         "handoff_ms_p50": statistics.median(handoff_ms) if handoff_ms else None,
         "invalid_params": invalid,
-        "baseline": {"error": "not measured: the NixlConnector side-by-side run is not built yet"},
-        "wall_s": round(time.perf_counter() - started, 1),
+        "settle_s": round(settle_s, 1),
+        "baseline": baseline,
+        "handoff_vs_baseline": (
+            round(statistics.median(handoff_ms) / baseline["handoff_ms_p50"], 2)
+            if handoff_ms and baseline.get("handoff_ms_p50") else None
+        ),
+        "wall_s": round(wall_s, 1),
         "endpoints": [
             {k: r.get(k) for k in ("role", "rank", "pool", "quarantined", "admission_stopped", "error")}
             | {"counters": {c: n for c, n in (r.get("counters") or {}).items() if n and ("refus" in c or "fail" in c or "stale" in c)}}
@@ -235,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lease-timeout-s", type=float, default=30.0)
     ap.add_argument("--settle-s", type=float, default=120.0)
     ap.add_argument("--request-timeout-s", type=float, default=120.0, help="a request not answered by then counts as failed (hung)")
+    ap.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the NixlConnector run")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="show the engines' logs")
     args = ap.parse_args(argv)

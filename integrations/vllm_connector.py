@@ -43,8 +43,10 @@ import asyncio
 import concurrent.futures
 import importlib
 import os
+import re
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -108,8 +110,12 @@ class _EngineHost:
         self.outcomes: dict[str, str] = {}  # request id -> handoff outcome (decode)
         self.tickets: dict[str, str] = {}  # request id -> ticket of its transfer in flight
         self.pending = 0  # transfers whose end vLLM has not been told yet
+        #: Per completed load: from the decode scheduler's allocation of the
+        #: blocks (the load starts) to vLLM being told the KV is there.
         self.handoff_s: list[float] = []
+        self._load_started: dict[str, float] = {}
         self.wake = threading.Event()  # set when vLLM has something to learn (a transfer ended)
+        self.kv: list[torch.Tensor] = []  # vLLM's KV tensors, as the endpoint sees them
 
     # -- the control loop ----------------------------------------------------------
 
@@ -156,6 +162,7 @@ class _EngineHost:
 
     def receive(self, request_id: str, ticket: str, blocks: Sequence[int]) -> None:
         with self._lock:
+            self._load_started[request_id] = time.perf_counter()
             self.tickets[request_id] = ticket
             self.pending += 1
         self.spawn(self._receive(request_id, ticket, list(blocks)))
@@ -165,8 +172,6 @@ class _EngineHost:
         try:
             result = await (await self.dep()).receive(ticket, blocks)
             outcome = result.outcome if result.blocks_returned or result.outcome != "completed" else "failed"
-            if outcome == "completed":
-                self.handoff_s.append(result.latency_s)
             if not result.blocks_returned:
                 # Quarantined: vLLM must not get them back before a reclaim.
                 dep = await self.dep()
@@ -184,10 +189,20 @@ class _EngineHost:
         self.wake.set()
 
     def cancel(self, request_id: str) -> None:
+        """Cancel the transfer of a request, named by vLLM's internal id or the
+        caller's (vLLM adds a random suffix to the caller's id)."""
         with self._lock:
-            ticket = self.tickets.get(request_id)
-        if ticket is not None:
+            tickets = [t for rid, t in self.tickets.items() if rid == request_id or _caller_id(rid) == request_id]
+        for ticket in tickets:
             self.spawn(self._cancel(ticket))
+
+    def take_outcome(self, request_id: str) -> str | None:
+        """The handoff outcome of a decode request (the caller's id), once."""
+        with self._lock:
+            for rid in list(self.outcomes):
+                if rid == request_id or _caller_id(rid) == request_id:
+                    return self.outcomes.pop(rid)
+        return None
 
     async def _cancel(self, ticket: str) -> None:
         await (await self.dep()).cancel(ticket)
@@ -198,10 +213,23 @@ class _EngineHost:
             return bool(self.pending or self.sent or self.received)
 
     def take_finished(self) -> tuple[set[str], set[str], set[str]]:
+        now = time.perf_counter()
         with self._lock:
             sent, received, failed = self.sent, self.received, self.failed
             self.sent, self.received, self.failed = set(), set(), set()
+            for request_id in received:
+                started = self._load_started.pop(request_id, None)
+                if started is not None and request_id not in failed:
+                    self.handoff_s.append(now - started)
         return sent, received, failed
+
+
+#: vLLM 0.32 runs a request under the caller's id plus a random "-<8 hex>".
+_VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def _caller_id(request_id: str) -> str:
+    return _VLLM_SUFFIX.sub("", request_id)
 
 
 def check_transfer_params(params: Any, plan: EnginePlan) -> None:
@@ -249,6 +277,7 @@ class KVHandoffConnector(KVConnectorBase_V1):
             tensors.append(t.view(t.shape[0], hl, layout.tokens_per_block, 2, layout.head_dim))
         make = ctx_endpoint if host.role is Role.CTX else gen_endpoint
         host.owner.kvhandoff = make(host.plan, 0, tensors)
+        host.kv = tensors
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None  # loads start from the scheduler side (update_state_after_alloc)
@@ -308,7 +337,13 @@ class KVHandoffConnector(KVConnectorBase_V1):
             # holds the blocks until the load is reported over, which
             # happens once the GEN ranks gave them back.
             self._loading.pop(request.request_id, None)
-            host.cancel(request.request_id)
+            if TICKET_KEY in params and not params.get("_kvhandoff_taken"):
+                # Aborted before its load started: nobody claimed the ticket,
+                # so end it here, or the prefill engine holds its blocks until
+                # the ticket's lease runs out.
+                host.spawn(host._cancel(params[TICKET_KEY]))
+            else:
+                host.cancel(request.request_id)
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
@@ -392,7 +427,7 @@ class _EngineThread:
         reason = str(completion.finish_reason)
         outcome = "completed" if reason in ("length", "stop") else reason
         if self._role is Role.GEN:
-            handoff = self._host.outcomes.pop(out.request_id, None)
+            handoff = self._host.take_outcome(out.request_id)
             if handoff is not None and handoff != "completed":
                 outcome = f"handoff {handoff}"
         future.set_result({
@@ -488,14 +523,15 @@ class VllmEngine(EndpointHost):
             if future is not None and not future.done():
                 future.set_result({"token_ids": [], "finish_reason": "abort", "kv_transfer_params": None,
                                    "num_cached_tokens": 0, "outcome": "aborted"})
+            # Aborted after it published (the prefill finished first): its
+            # ticket must reach no decode engine, so cancel it; the blocks
+            # come back once the CTX ranks release them, not at the lease
+            # deadline. Here, between steps, a publish is either over (the
+            # ticket is known) or can no longer happen.
+            self._host.cancel(request_id)
             return future is not None
 
-        running = bool(await asyncio.wrap_future(stepper.submit(abort)))
-        # Aborted after it published (prefill finished first): its ticket will
-        # reach no decode engine, so cancel it; the blocks come back once the
-        # CTX ranks release them, not at the lease deadline.
-        self._host.cancel(request_id)
-        return running
+        return bool(await asyncio.wrap_future(stepper.submit(abort)))
 
     async def cancel(self, ticket: str) -> None:
         """Cancel a published ticket that no decode engine will claim (the
