@@ -66,7 +66,7 @@ from kvhandoff.protocol import (
 )
 from kvhandoff.topology import KVLayout, TopologySpec, check_memory_kind, shard_map, topology_digest
 
-__all__ = ["EngineFleet"]
+__all__ = ["EngineFleet", "FleetInstance"]
 
 log = logging.getLogger("kvhandoff.engine_fleet")
 
@@ -505,3 +505,141 @@ class EngineFleet:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+class FleetInstance:
+    """One instance's view of its fleet, from any process: what an engine's
+    front end beside its workers (a vLLM engine's scheduler, say) needs to
+    publish into or receive into *its own* instance, with the signatures of
+    `EngineDeployment` (publish / receive / cancel / returned), so the same
+    engine code serves a single pair or a fleet.
+
+        handle = await FleetInstance.connect(plan)    # plan: from EngineFleet.plan
+
+    It finds its coordinator, its workers and the fleet's directory by name;
+    the membership it checks tickets against is the directory's (the CTX
+    instances that serve now, with their digests), read again when a ticket
+    names an instance it does not know. Membership changes (attach, drain,
+    reattach) stay with the `EngineFleet` that planned the instance."""
+
+    def __init__(self, plan: EnginePlan) -> None:
+        if not plan.instance:
+            raise InvalidRequest("FleetInstance.connect needs an instance's plan (EngineFleet.plan)")
+        self.plan = plan
+        self.name = plan.name
+        self.role = Role.CTX if plan.ctx.instance_id == plan.instance else Role.GEN
+        self._coord: Any = None
+        self._workers: list[Any] = []
+        self._directory: Any = None
+        self._ctx_digests: dict[str, str] = {}  # serving CTX instance id -> its digest
+        self._gen_coords: dict[str, Any] = {}
+        self._checks = EngineDeployment.__new__(EngineDeployment)
+        self._checks.plan = plan
+
+    @classmethod
+    async def connect(cls, plan: EnginePlan) -> FleetInstance:
+        self = cls(plan)
+        self._coord = ray.get_actor(f"{plan.name}.coord.{plan.instance}")
+        self._workers = list(await self._coord.rank_handles.remote())
+        self._directory = ray.get_actor(f"{plan.name}.directory")
+        await self._membership()
+        return self
+
+    async def publish(self, request_id: str, num_tokens: int, blocks: Any) -> HandoffTicket:
+        """`EngineFleet.publish` on this (CTX) instance."""
+        self._check_role(Role.CTX)
+        parent = self._checks._new_parent(request_id)
+        ids = self._checks._check_blocks(num_tokens, blocks)
+        try:
+            ok = await self._coord.admit.remote(parent, num_tokens, ids)
+        except AdmissionStopped as exc:
+            raise PublishRefused(request_id, f"the CTX instance admits nothing now: {exc.reason}") from None
+        if not ok:
+            raise PublishRefused(request_id, "a CTX rank refused the blocks (see its stats' counters)")
+        return HandoffTicket(
+            deployment=self.name, request_id=parent.request_id, ctx_attempt=parent.ctx_attempt,
+            gen_attempt=parent.gen_attempt, ctx_instance=self.plan.instance,
+            ctx_digest=topology_digest(self.plan.ctx), num_tokens=num_tokens,
+        )
+
+    async def receive(self, ticket: HandoffTicket | str, blocks: Any, *, timeout: float = 60.0) -> EngineResult:
+        """`EngineFleet.receive` into this (GEN) instance."""
+        self._check_role(Role.GEN)
+        ticket = await self._ticket(ticket)
+        ids = self._checks._check_blocks(ticket.num_tokens, blocks)
+        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
+            raise InvalidRequest(f"timeout must be a positive number of seconds, got {_short(timeout)}")
+        parent = ticket.parent
+        start = time.perf_counter()
+        submission = asyncio.ensure_future(
+            _ref(self._coord.submit.remote(parent, ticket.num_tokens, True, ids, ticket.ctx_instance))
+        )
+        try:
+            decided = await asyncio.wait_for(asyncio.shield(submission), timeout)
+        except TimeoutError:
+            decided = "timeout"
+        except Exception as exc:  # its coordinator died, or it is draining: an outcome
+            log.warning("%s: receive of %s raised: %r", self.name, parent, exc)
+            decided = "rejected" if isinstance(exc, AdmissionStopped) else "failed"
+        if decided not in ("completed", "rejected"):
+            await self._cancel_parent(parent, ticket.ctx_instance)
+        left = max(timeout - (time.perf_counter() - start), 5.0)
+        answers = await asyncio.gather(*(w.returned.remote(parent, left) for w in self._workers), return_exceptions=True)
+        back = all(a is True for a in answers)
+        if decided == "completed" and not back:
+            decided = "failed"
+        latency = time.perf_counter() - start
+        record_handoff(self.name, str(decided), latency)
+        return EngineResult(request_id=parent.request_id, outcome=str(decided), blocks_returned=back, latency_s=latency)
+
+    async def cancel(self, ticket: HandoffTicket | str) -> None:
+        """Cancel at any moment: on the ticket's CTX instance and on every
+        serving GEN instance (one that never claimed it changes nothing)."""
+        ticket = await self._ticket(ticket)
+        await self._membership()  # a GEN instance that joined since may hold it
+        await self._cancel_parent(ticket.parent, ticket.ctx_instance)
+
+    async def returned(self, ticket: HandoffTicket | str, role: Role | str, timeout: float = 60.0) -> bool:
+        """True once this instance's workers hold none of the ticket's blocks
+        (``role`` must be this instance's)."""
+        self._check_role(Role(role))
+        ticket = await self._ticket(ticket)
+        answers = await asyncio.gather(
+            *(w.returned.remote(ticket.parent, timeout) for w in self._workers), return_exceptions=True
+        )
+        return all(a is True for a in answers)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _check_role(self, role: Role) -> None:
+        if role is not self.role:
+            raise InvalidRequest(f"instance {self.plan.instance!r} is a {self.role.value} instance, not {role.value}")
+
+    async def _membership(self) -> None:
+        specs = await self._directory.instances.remote()
+        self._ctx_digests = {s.instance_id: topology_digest(s) for s, _ in specs if s.role is Role.CTX}
+        gens = {s.instance_id for s, _ in specs if s.role is Role.GEN}
+        self._gen_coords = {i: c for i, c in self._gen_coords.items() if i in gens}
+        for instance in gens - set(self._gen_coords):
+            with contextlib.suppress(ValueError):  # not started yet (planned): no coordinator to tell
+                self._gen_coords[instance] = ray.get_actor(f"{self.name}.coord.{instance}")
+
+    async def _ticket(self, ticket: Any) -> HandoffTicket:
+        if isinstance(ticket, str):
+            ticket = HandoffTicket.decode(ticket)
+        if not isinstance(ticket, HandoffTicket):
+            raise TicketError(f"a ticket is a HandoffTicket or its string form, got {type(ticket).__name__}")
+        if ticket.deployment != self.name:
+            raise StaleTicket(f"ticket of deployment {ticket.deployment!r}, this is {self.name!r}")
+        if ticket.ctx_instance not in self._ctx_digests:
+            await self._membership()
+        digest = self._ctx_digests.get(ticket.ctx_instance)
+        if digest is None or digest != ticket.ctx_digest:
+            raise StaleTicket(f"ticket of a CTX instance this fleet does not serve ({ticket.ctx_instance!r})")
+        return ticket
+
+    async def _cancel_parent(self, parent: ParentKey, ctx_instance: str) -> None:
+        coords = list(self._gen_coords.values())
+        with contextlib.suppress(ValueError):
+            coords.append(ray.get_actor(f"{self.name}.coord.{ctx_instance}"))
+        await asyncio.gather(*(c.cancel.remote(parent) for c in coords), return_exceptions=True)

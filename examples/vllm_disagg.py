@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -72,6 +74,32 @@ ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "OM
 ENGINE_ARGS = dict(dtype="float32", max_model_len=512, block_size=BLOCK, kv_cache_memory_bytes=16 << 20, max_num_seqs=16)
 
 
+class Proxy:
+    """The router in front of the engines, as in vLLM's disaggregated-serving
+    examples: a request goes to a prefill engine (round robin) for one token,
+    then to the decode engine with the fewest requests in flight, with the
+    prefill output's ``kv_transfer_params`` (the ticket)."""
+
+    def __init__(self, prefills: list[Any], decodes: list[Any]) -> None:
+        self.prefills, self.decodes = prefills, decodes
+        self._turn = 0
+        self._in_flight = [0] * len(decodes)
+
+    def prefill(self) -> tuple[int, Any]:
+        self._turn += 1
+        i = self._turn % len(self.prefills)
+        return i, self.prefills[i]
+
+    @contextlib.contextmanager
+    def decode(self) -> Iterator[tuple[int, Any]]:
+        i = min(range(len(self.decodes)), key=self._in_flight.__getitem__)
+        self._in_flight[i] += 1
+        try:
+            yield i, self.decodes[i]
+        finally:
+            self._in_flight[i] -= 1
+
+
 @ray.remote(num_cpus=0)
 class PlainEngine:
     """The reference: the same model in a plain vLLM engine, no connector."""
@@ -95,6 +123,7 @@ class PlainEngine:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvhandoff.actors.engine import EngineDeployment
+    from kvhandoff.actors.engine_fleet import EngineFleet
     from kvhandoff.integrations.vllm_connector import InvalidTransferParams, VllmEngine
     from kvhandoff.topology import KVLayout
 
@@ -105,20 +134,40 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=args.verbose)
     layout = KVLayout(num_layers=MODEL_LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype="float32", tokens_per_block=BLOCK)
-    dep = await EngineDeployment.create(
-        ctx_tp=1, gen_tp=1, layout=layout, ctx_memory="paged_interleaved", gen_memory="paged_interleaved",
-        lease_timeout_s=args.lease_timeout_s,
-    )
     env = {"runtime_env": {"env_vars": ENGINE_ENV}}
-    prefill = VllmEngine.options(**env).remote(dep.plan, "ctx", model, ENGINE_ARGS)
-    decode = VllmEngine.options(**env).remote(dep.plan, "gen", model, ENGINE_ARGS)
     plain = PlainEngine.options(**env).remote(model)
-    await dep.attach([prefill], [decode])
-    engines = {"prefill": prefill, "decode": decode}
-    # One handoff before anything is measured (the baseline does the same).
-    warm = await prefill.generate.remote("warmup", list(range(3, 40)), 1)
-    await decode.generate.remote("warmup", list(range(3, 40)), 2, warm["kv_transfer_params"])
-    warm_loads = len(await decode.handoff_ms.remote())
+    fleet_mode = args.prefill_engines > 1 or args.decode_engines > 1
+    if not fleet_mode:
+        # One prefill and one decode instance: an EngineDeployment.
+        dep: Any = await EngineDeployment.create(
+            ctx_tp=1, gen_tp=1, layout=layout, ctx_memory="paged_interleaved", gen_memory="paged_interleaved",
+            lease_timeout_s=args.lease_timeout_s,
+        )
+        prefills = [VllmEngine.options(**env).remote(dep.plan, "ctx", model, ENGINE_ARGS)]
+        decodes = [VllmEngine.options(**env).remote(dep.plan, "gen", model, ENGINE_ARGS)]
+        await dep.attach(prefills, decodes)
+        names = {"prefill": prefills[0], "decode": decodes[0]}
+    else:
+        # Many: an EngineFleet, one instance per engine, any prefill to any decode.
+        dep = await EngineFleet.create(layout=layout, lease_timeout_s=args.lease_timeout_s)
+        planned: list[tuple[Any, Any]] = []
+        for role, count in (("ctx", args.prefill_engines), ("gen", args.decode_engines)):
+            for _ in range(count):
+                spec = await dep.plan(role, tp=1, memory_kind="paged_interleaved")
+                planned.append((spec, VllmEngine.options(**env).remote(spec, role, model, ENGINE_ARGS)))
+        for spec, engine in planned:
+            await dep.attach(spec, [engine])
+        prefills = [e for p, e in planned if p.instance == p.ctx.instance_id]
+        decodes = [e for p, e in planned if p.instance != p.ctx.instance_id]
+        names = {f"prefill{i}": e for i, e in enumerate(prefills)} | {f"decode{i}": e for i, e in enumerate(decodes)}
+    engines = names
+    proxy = Proxy(prefills, decodes)
+    # One handoff per pair before anything is measured (the baseline does the same).
+    for pi, p_engine in enumerate(prefills):
+        for di, d_engine in enumerate(decodes):
+            warm = await p_engine.generate.remote(f"warm{pi}.{di}", list(range(3, 40)), 1)
+            await d_engine.generate.remote(f"warm{pi}.{di}", list(range(3, 40)), 2, warm["kv_transfer_params"])
+    warm_loads = [len(await d.handoff_ms.remote()) for d in decodes]
     free_at_start = dict(zip(engines, await asyncio.gather(*(e.free_blocks.remote() for e in engines.values()))))
 
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(8, 200))] for _ in range(args.prompts)]
@@ -133,6 +182,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         rid, stage = f"req{k}", plan[k]
         row: dict[str, Any] = {"id": rid, "abort_at": stage, "outcome": None}
         async with sem:
+            row["prefill"], prefill = proxy.prefill()
             first = prefill.generate.remote(rid, prompts[k], 1)
             if stage == "prefill":
                 await asyncio.sleep(rng.random() * 0.02)
@@ -159,16 +209,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 row["outcome"] = "aborted"
                 results.append(row)
                 return
-            second = decode.generate.remote(rid, prompts[k], args.max_tokens, ticket_params)
-            if stage in ("load", "decode"):
-                await asyncio.sleep(rng.random() * (0.01 if stage == "load" else 0.05))
-                await decode.abort.remote(rid)
-            try:
-                d = await asyncio.wait_for(asyncio.wrap_future(second.future()), args.request_timeout_s)
-            except TimeoutError:
-                row["outcome"] = "hung in decode"
-                results.append(row)
-                return
+            with proxy.decode() as (row["decode"], decode):
+                second = decode.generate.remote(rid, prompts[k], args.max_tokens, ticket_params)
+                if stage in ("load", "decode"):
+                    await asyncio.sleep(rng.random() * (0.01 if stage == "load" else 0.05))
+                    await decode.abort.remote(rid)
+                try:
+                    d = await asyncio.wait_for(asyncio.wrap_future(second.future()), args.request_timeout_s)
+                except TimeoutError:
+                    row["outcome"] = "hung in decode"
+                    results.append(row)
+                    return
             if d["outcome"] == "aborted":
                 row["outcome"] = "aborted"
             elif d["outcome"] == "completed":
@@ -186,7 +237,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     invalid = {}
     for name, params in (("garbage", {"kvhandoff_ticket": "not a ticket", "kvhandoff_tokens": 3}),):
         try:
-            await decode.generate.remote(f"bad-{name}", prompts[0], 2, params)
+            await decodes[0].generate.remote(f"bad-{name}", prompts[0], 2, params)
             invalid[name] = "accepted"
         except Exception as exc:
             cause = getattr(exc, "cause", exc)
@@ -201,15 +252,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(0.1)
     settle_s = time.monotonic() - settle_from
     free_at_end = dict(zip(engines, await asyncio.gather(*(e.free_blocks.remote() for e in engines.values()))))
-    handoff_ms = (await decode.handoff_ms.remote())[warm_loads:]
+    handoff_ms = [ms for d, warm in zip(decodes, warm_loads) for ms in (await d.handoff_ms.remote())[warm:]]
     stats = await dep.stats()
     await dep.shutdown()
-    for engine in (prefill, decode, plain):
+    for engine in (*engines.values(), plain):
         ray.kill(engine)
     wall_s = time.perf_counter() - started
 
     # The same run through vLLM's own NixlConnector, on the same box.
-    if args.baseline:
+    if fleet_mode:
+        baseline = {"error": "not run: the NixlConnector baseline runs one prefill and one decode engine"}
+    elif args.baseline:
         from _vllm_nixl_baseline import run_baseline
 
         baseline = await run_baseline(
@@ -223,6 +276,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     leaked = {n: free_at_start[n] - free_at_end[n] for n in engines}
     out = {
         "prompts": len(prompts),
+        "engines": {"prefill": len(prefills), "decode": len(decodes)},
+        "completed_by_engine": {
+            "prefill": [sum(r.get("prefill") == i for r in completed) for i in range(len(prefills))],
+            "decode": [sum(r.get("decode") == i for r in completed) for i in range(len(decodes))],
+        },
         "completed": len(completed),
         "aborted": sum(r["outcome"] == "aborted" for r in results),
         "failed": sum(r["outcome"] not in ("completed", "aborted") for r in results),
@@ -271,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lease-timeout-s", type=float, default=30.0)
     ap.add_argument("--settle-s", type=float, default=120.0)
     ap.add_argument("--request-timeout-s", type=float, default=120.0, help="a request not answered by then counts as failed (hung)")
+    ap.add_argument("--prefill-engines", type=int, default=1, help="more than one: an EngineFleet, any prefill to any decode")
+    ap.add_argument("--decode-engines", type=int, default=1)
     ap.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the NixlConnector run")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="show the engines' logs")

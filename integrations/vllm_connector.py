@@ -68,6 +68,7 @@ from kvhandoff.actors.endpoint import (
     gen_endpoint,
 )
 from kvhandoff.actors.engine import EngineDeployment
+from kvhandoff.actors.engine_fleet import FleetInstance
 from kvhandoff.protocol import HandoffTicket, Role, TicketError
 
 __all__ = ["KVHandoffConnector", "VllmEngine", "InvalidTransferParams", "TICKET_KEY", "TOKENS_KEY"]
@@ -102,7 +103,7 @@ class _EngineHost:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvhandoff-control", daemon=True)
         self._thread.start()
-        self._dep: EngineDeployment | None = None
+        self._dep: EngineDeployment | FleetInstance | None = None
         self._lock = threading.Lock()
         self.sent: set[str] = set()  # prefill: blocks released on every CTX rank
         self.received: set[str] = set()  # decode: load over (either way), blocks back
@@ -126,9 +127,14 @@ class _EngineHost:
     def spawn(self, coro: Any) -> None:
         asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    async def dep(self) -> EngineDeployment:
+    async def dep(self) -> EngineDeployment | FleetInstance:
+        """The deployment (one prefill and one decode instance) or, for an
+        instance of an `EngineFleet`, this instance's view of the fleet."""
         if self._dep is None:
-            self._dep = await EngineDeployment.connect(self.plan)
+            if self.plan.instance:
+                self._dep = await FleetInstance.connect(self.plan)
+            else:
+                self._dep = await EngineDeployment.connect(self.plan)
         return self._dep
 
     # -- prefill ---------------------------------------------------------------------
@@ -241,7 +247,10 @@ def check_transfer_params(params: Any, plan: EnginePlan) -> None:
         ticket = HandoffTicket.decode(params[TICKET_KEY])
     except TicketError as exc:
         raise InvalidTransferParams(f"{TICKET_KEY}: {exc}") from None
-    if ticket.deployment != plan.name or ticket.ctx_instance != plan.ctx.instance_id:
+    # In a fleet (plan.instance) any CTX instance of it may have published the
+    # ticket; the fleet's membership checks it when the load starts.
+    foreign = ticket.deployment != plan.name or (not plan.instance and ticket.ctx_instance != plan.ctx.instance_id)
+    if foreign:
         raise InvalidTransferParams(f"{TICKET_KEY}: a ticket of {ticket.deployment!r}/{ticket.ctx_instance!r}, not of this deployment")
     tokens = params.get(TOKENS_KEY)
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens != ticket.num_tokens:

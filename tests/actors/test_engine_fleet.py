@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import pytest
 import ray
 
+from kvhandoff.actors.deployment import InvalidRequest
 from kvhandoff.actors.engine import PublishRefused, StaleTicket
-from kvhandoff.actors.engine_fleet import EngineFleet
+from kvhandoff.actors.engine_fleet import EngineFleet, FleetInstance
 from kvhandoff.actors.fleet import InstanceUnavailable, UnknownInstance
 from kvhandoff.protocol import Role
 
@@ -130,6 +132,60 @@ async def test_engine_instances_join_pair_any_to_any_drain_and_reattach(ray_clus
             await fleet.publish("h2", 4, held, ctx=ctx0)
         await fleet.cancel(h1)
         assert await fleet.returned(h1, Role.CTX)
+    finally:
+        await fleet.shutdown()
+        for ws in workers.values():
+            for w in ws:
+                ray.kill(w)
+
+
+async def test_fleet_instance_handles_publish_receive_and_cancel_from_each_side(ray_cluster: Any) -> None:
+    """`FleetInstance`: each instance's own view of the fleet, as an engine's
+    front end beside its workers uses it (the vLLM connector does). A CTX
+    handle publishes into its instance, a GEN handle receives from any CTX
+    instance of the fleet (the bytes match), a cancel from the GEN side gives
+    the CTX blocks back, and misuse is typed: the wrong role, a ticket of
+    another deployment."""
+    # A lease far beyond every wait here: a block back means a cancel or a completion gave it back.
+    fleet = await EngineFleet.create(layout=LAYOUT, chunk_bytes=1024, round_timeout_s=5.0, lease_timeout_s=600.0)
+    mgr = Blocks()
+    workers: dict[str, list[Any]] = {}
+    try:
+        ctx0, workers[ctx0] = await _instance(fleet, "ctx", 1, "paged")
+        ctx1, workers[ctx1] = await _instance(fleet, "ctx", 2, "paged")
+        gen0, workers[gen0] = await _instance(fleet, "gen", 1, "split")
+        handle = {i: await FleetInstance.connect(fleet._by_id[i].plan) for i in (ctx0, ctx1, gen0)}
+        for k, ctx in enumerate((ctx0, ctx1)):
+            blocks = mgr.take(ctx, 2)
+            await asyncio.gather(*(w.prefill.remote(70 + k, blocks) for w in workers[ctx]))
+            ticket = await handle[ctx].publish(f"h{k}", 8, blocks)
+            assert ticket.ctx_instance == ctx
+            gen_blocks = mgr.take(gen0, 2)
+            result = await handle[gen0].receive(ticket.encode(), gen_blocks, timeout=60)
+            assert result.outcome == "completed" and result.blocks_returned, result
+            assert all(await asyncio.gather(*(w.matches.remote(70 + k, gen_blocks) for w in workers[gen0])))
+            assert await handle[gen0].returned(ticket, Role.GEN)
+            mgr.give(gen0, gen_blocks)
+            assert await handle[ctx].returned(ticket, Role.CTX, timeout=60)
+            mgr.give(ctx, blocks)
+        # Cancelled from the decode side before anyone claimed it: the CTX blocks come back.
+        blocks = mgr.take(ctx1, 2)
+        await asyncio.gather(*(w.prefill.remote(80, blocks) for w in workers[ctx1]))
+        ticket = await handle[ctx1].publish("dropped", 8, blocks)
+        await handle[gen0].cancel(ticket.encode())
+        assert await handle[ctx1].returned(ticket, Role.CTX, timeout=30)
+        mgr.give(ctx1, blocks)
+        # Misuse, typed, nothing sent.
+        with pytest.raises(InvalidRequest):
+            await handle[ctx0].receive(ticket, [0, 1])
+        with pytest.raises(InvalidRequest):
+            await handle[gen0].publish("x", 4, [0])
+        foreign = msgspec.structs.replace(ticket, deployment="another-fleet")
+        with pytest.raises(StaleTicket):
+            await handle[gen0].receive(foreign, [0, 1])
+        stats = await fleet.stats()
+        for s in stats["ranks"]:
+            assert s["violations"] == [] and s["leased"] == 0 and s["free"] == s["pool"], s
     finally:
         await fleet.shutdown()
         for ws in workers.values():

@@ -52,15 +52,8 @@ def test_example_100_requests_with_aborts_is_token_exact_and_leaks_nothing() -> 
     lease (600 s) outlives the settle bound (120 s): a block that only a
     lease would give back shows up as leaked, so every block came back
     through a cancel or a completed handoff."""
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--json", "--prompts", "100", "--concurrency", "8", "--abort-rate", "0.3",
-         "--lease-timeout-s", "600", "--settle-s", "120"],
-        capture_output=True, text=True, timeout=1500, env=env,
-    )
-    start = done.stdout.find("{\n")
-    assert start >= 0, f"no JSON printed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-    out = json.loads(done.stdout[start:])
+    out = _example("--prompts", "100", "--concurrency", "8", "--abort-rate", "0.3",
+                   "--lease-timeout-s", "600", "--settle-s", "120")
     assert out["prompts"] == 100
     assert out["aborted"] >= 25, out
     assert out["failed"] == 0, out["failures"]
@@ -75,7 +68,35 @@ def test_example_100_requests_with_aborts_is_token_exact_and_leaks_nothing() -> 
     assert "error" not in base, base  # the NixlConnector run is part of the measurement
     assert base["completed"] > 0 and base["token_exact"] == base["completed"], base
     assert out["handoff_vs_baseline"] is not None
-    assert out["ok"] is True and done.returncode == 0
+    assert out["ok"] is True
+
+
+@pytest.mark.timeout(1800)
+def test_a_proxy_over_a_fleet_of_two_prefill_and_two_decode_engines() -> None:
+    """The example's proxy over an EngineFleet: any prefill engine to any
+    decode engine, aborts at every stage; every engine served, every
+    completed request is token-exact, no block lost on any engine."""
+    out = _example("--prompts", "40", "--prefill-engines", "2", "--decode-engines", "2", "--no-baseline",
+                   "--lease-timeout-s", "600", "--settle-s", "120")
+    assert out["engines"] == {"prefill": 2, "decode": 2}
+    assert out["failed"] == 0, out["failures"]
+    assert out["aborted"] >= 8, out
+    assert out["completed"] > 0 and out["token_exact"] == out["completed"] and out["external_tokens_min"] > 0, out
+    assert all(n > 0 for side in out["completed_by_engine"].values() for n in side), out["completed_by_engine"]
+    assert set(out["leaked_blocks"]) == {"prefill0", "prefill1", "decode0", "decode1"}
+    assert not any(out["leaked_blocks"].values()), out["leaked_blocks"]
+    assert len(out["coordinators"]) == 4 and all(not c["timeouts"] for c in out["coordinators"].values())
+    assert out["ok"] is True
+
+
+def _example(*flags: str) -> dict[str, Any]:
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--json", *flags], capture_output=True, text=True, timeout=1500, env=env)
+    start = done.stdout.find("{\n")
+    assert start >= 0, f"no JSON printed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    out: dict[str, Any] = json.loads(done.stdout[start:])
+    assert (done.returncode == 0) == out["ok"]
+    return out
 
 
 class Engines:
