@@ -308,6 +308,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "failures": [r for r in results if r["outcome"] not in ("completed", "aborted")][:10],
     }
+    # The targets, in the bench's form (target, value, op, bound, met).
+    ratio = out["handoff_vs_baseline"]
+    base_leaked = sum((baseline.get("leaked_blocks") or {}).values()) if "error" not in baseline else None
+    out["targets"] = [
+        {"target": "aborted share of the requests", "value": round(out["aborted"] / max(1, len(prompts)), 2),
+         "op": ">=", "bound": 0.25, "met": out["aborted"] >= 0.25 * len(prompts)},
+        {"target": "token-exact completed requests / completed", "value": out["token_exact"],
+         "op": "==", "bound": out["completed"], "met": out["completed"] > 0 and out["token_exact"] == out["completed"]},
+        {"target": "leaked blocks, every engine", "value": sum(leaked.values()), "op": "==", "bound": 0,
+         "met": not any(leaked.values())},
+        {"target": "handoff p50 / NixlConnector's (same run, same probe)", "value": ratio, "op": "<=", "bound": 1.0,
+         "met": ratio is not None and ratio <= 1.0},
+        {"target": "leaked blocks where the baseline leaks (baseline's count)", "value": base_leaked, "op": "info",
+         "bound": None, "met": base_leaked is not None},
+    ]
     out["ok"] = bool(
         out["completed"] > 0
         and out["token_exact"] == out["completed"]

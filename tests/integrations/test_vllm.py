@@ -68,6 +68,9 @@ def test_example_100_requests_with_aborts_is_token_exact_and_leaks_nothing() -> 
     assert "error" not in base, base  # the NixlConnector run is part of the measurement
     assert base["completed"] > 0 and base["token_exact"] == base["completed"], base
     assert out["handoff_vs_baseline"] is not None
+    targets = {t["target"]: t for t in out["targets"]}
+    assert all(t["met"] for name, t in targets.items() if "NixlConnector" not in name), targets
+    assert targets["handoff p50 / NixlConnector's (same run, same probe)"]["value"] == out["handoff_vs_baseline"]
     assert out["ok"] is True
 
 
