@@ -102,6 +102,16 @@ def _example(*flags: str) -> dict[str, Any]:
     return out
 
 
+def test_the_readme_vllm_block_runs_as_written(tmp_path: Path) -> None:
+    from tests.test_readme import python_blocks, run_block
+
+    blocks = [b for b in python_blocks() if "kvhandoff.integrations.vllm_connector" in b]
+    assert len(blocks) == 1
+    done = run_block(blocks[0], tmp_path)
+    assert done.returncode == 0, f"--- stdout\n{done.stdout[-2000:]}\n--- stderr\n{done.stderr[-4000:]}"
+    assert done.stdout.split()[0] == "completed"
+
+
 class Engines:
     def __init__(self, dep: EngineDeployment, prefill: Any, decode: Any, plain: Any) -> None:
         self.dep, self.prefill, self.decode, self.plain = dep, prefill, decode, plain
