@@ -77,6 +77,13 @@ import ray
 from ray.exceptions import ActorDiedError
 
 from kvhandoff.actors._metrics import InstanceMetrics
+from kvhandoff.actors._trace import (
+    TraceEvent,
+    TraceRecorder,
+    decision_ids,
+    news_ids,
+    proposal_ids,
+)
 from kvhandoff.protocol import (
     MAX_ROUND_ITEMS,
     AdmissionRequest,
@@ -298,6 +305,9 @@ class CoordinatorCore:
         # Ray calls this coordinator made (per kind) and reports it took: the
         # bench divides them by the handoffs to print calls per handoff.
         self.calls: collections.Counter[str] = collections.Counter()
+        # Hop traces of sampled requests (off until `set_trace`; actors/_trace.py).
+        self.trace = TraceRecorder(f"coord@{topology}")
+        self._trace_peer = ""
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -436,6 +446,10 @@ class CoordinatorCore:
         they join the same round batch. All or nothing on bad input.
         ``peer_instance``: the instance (of the other role) they pair with
         ("": the configured peer); raises `InstanceDraining` while draining."""
+        if self.trace.every:
+            source = f"coord@{peer_instance}" if peer_instance else self._trace_peer
+            ids = [p.request_id for p, _ in requests]
+            self.trace.record_many(ids, "admit_many", "call", source)
         await self._ensure_started()
         self._raise_if_draining()
         parents = [parent for parent, _ in requests]
@@ -532,6 +546,7 @@ class CoordinatorCore:
         In a fleet (constructed with ``fleet``) ``peer_instance`` names the
         CTX instance to pair with; a draining instance raises
         `InstanceDraining` (nothing was queued)."""
+        self.trace.record(parent.request_id, "submit", "call", "client")
         await self._ensure_started()
         if self._peer_name is None and not (self._fleet and peer_instance):
             raise CoordinatorError("submit needs a peer coordinator (constructed with peer=...)")
@@ -583,6 +598,9 @@ class CoordinatorCore:
         await self._ensure_started()
         assert self._leader is not None
         self.calls["reports_received"] += 1
+        if self.trace.every:
+            source = f"rank{report.rank}@{self.topology}"
+            self.trace.record_many(news_ids(report), "report", "call", source)
         fresh = self._leader.report(report)
         if fresh:
             self._wakeup.set()
@@ -682,6 +700,35 @@ class CoordinatorCore:
         """The current rank actor handles (rank i at index i)."""
         await self._ensure_started()
         return list(self._handles)
+
+    async def set_trace(self, every: int, peer: str = "") -> None:
+        """Trace one request in `every` (0: off) here and on every rank of this
+        instance (a rank that cannot trace, or is restarting, is skipped; a
+        new incarnation gets it when it joins). actors/_trace.py. `peer`:
+        the paired instance's id, where admissions name none (a pair
+        deployment), so a trace knows who sent them."""
+        self.trace.set_every(every)
+        self._trace_peer = f"coord@{peer}" if peer else ""
+        await asyncio.gather(*(self._rank_set_trace(h) for h in self._handles))
+
+    async def _rank_set_trace(self, handle: Any) -> None:
+        set_trace = getattr(handle, "set_trace", None)
+        if set_trace is not None:
+            with contextlib.suppress(Exception):  # a dead rank traces nothing
+                await set_trace.remote(self.trace.every)
+
+    async def trace_events(self, request_id: str) -> list[TraceEvent]:
+        """The events of a traced request here and on every rank (taken:
+        forgotten there)."""
+        events = self.trace.take(request_id)
+        found = await asyncio.gather(
+            *(h.trace_events.remote(request_id) for h in self._handles if hasattr(h, "trace_events")),
+            return_exceptions=True,
+        )
+        for more in found:
+            if isinstance(more, list):
+                events.extend(more)
+        return events
 
     async def stats(self) -> dict[str, Any]:
         """Counters and latencies (for the CLI, benchmarks and tests)."""
@@ -870,6 +917,10 @@ class CoordinatorCore:
                     answers = await self._peer_coordinator(instance).admit_many.remote(
                         [(a.parent, a.num_tokens) for a in admissions], ours
                     )
+            if self.trace.every:
+                source = f"coord@{instance}" if instance else self._trace_peer
+                ids = [a.parent.request_id for a in admissions]
+                self.trace.record_many(ids, "admit_many", "reply", source)
         except Exception as exc:
             self._rank_errors.append(f"peer admission: {exc!r}"[:500])
             if not isinstance(exc, AdmissionStopped):
@@ -907,6 +958,9 @@ class CoordinatorCore:
                 self._rank_errors.append(f"round {proposal.round_no} rank {rank}: {exc!r}"[:500])
                 bad.add(rank)
                 return False
+            if self.trace.every:
+                ids = [*proposal_ids(proposal), *news_ids(vote)]
+                self.trace.record_many(ids, "round_vote", "reply", f"rank{rank}@{self.topology}")
             try:
                 leader.receive_vote(vote, loop.time())
             except VoteRejected as rejected:
@@ -942,6 +996,9 @@ class CoordinatorCore:
             except Exception as exc:
                 self._rank_errors.append(f"apply {decision.round_no} rank {rank}: {exc!r}"[:500])
                 return False
+            if self.trace.every:
+                ids = decision_ids(decision)
+                self.trace.record_many(ids, "round_apply", "reply", f"rank{rank}@{self.topology}")
             done.add(rank)
             return True
 
@@ -1090,6 +1147,8 @@ class CoordinatorCore:
             self._epochs[rank] = epoch
             self._handles[rank] = handle
             self._watch_rank(rank)
+            if self.trace.every:
+                self._own(self._rank_set_trace(handle))
             self._metrics.restarted("failure" if budgeted else "quarantine")
             return
 
@@ -1145,6 +1204,8 @@ class CoordinatorCore:
             self._epochs[rank] = epoch
             self._handles[rank] = handle
             self._watch_rank(rank)
+            if self.trace.every:
+                self._own(self._rank_set_trace(handle))
             self._detached.discard(rank)
             self._metrics.restarted("reattach")
             self._reattached += 1

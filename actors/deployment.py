@@ -84,6 +84,7 @@ from kvhandoff.actors._placement import (
     wait_ready,
 )
 from kvhandoff.actors._stager import DATA_MODES
+from kvhandoff.actors._trace import HandoffTrace, TraceRecorder, critical_path
 from kvhandoff.actors.rank import RankActor, RankConfig
 from kvhandoff.protocol import (
     MAX_REQUEST_BLOCKS,
@@ -296,6 +297,8 @@ class Deployment:
         self._view: tuple[dict[Role, list[Any]], list[Endpoint]] | None = None
         #: Ray calls this client made, per kind (the bench prints them per handoff).
         self.calls: collections.Counter[str] = collections.Counter()
+        # Hop traces of sampled requests (`set_trace`, `trace`; actors/_trace.py).
+        self._trace = TraceRecorder("client")
 
     # -- launch ---------------------------------------------------------------------
 
@@ -898,8 +901,13 @@ class Deployment:
         """The one submission: the GEN coordinator's answer, or "broken" when
         it could not be asked (it died)."""
         self.calls["submit"] += 1
+        request_id = attempt.parent.request_id
+        self._trace.record(request_id, "submit", "local")
         try:
-            return str(await self._submit_call(attempt))
+            outcome = str(await self._submit_call(attempt))
+            source = f"coord@{attempt.gen or self.gen_spec.instance_id}"
+            self._trace.record(request_id, "outcome", "reply", source)
+            return outcome
         except AdmissionStopped:  # draining (a fleet's instance): refused before anything was queued
             return "rejected"
         except Exception as exc:
@@ -1057,6 +1065,39 @@ class Deployment:
         self.calls["cancel"] += 1
         with contextlib.suppress(Exception):
             await self._cancel_call(attempt, parent)
+
+    async def set_trace(self, every: int) -> None:
+        """Trace one request in `every` from now on (0: off; 1: every one):
+        this client, every coordinator and every rank record when each
+        message about a sampled request reached them (a hash of the request
+        id samples it, so every actor agrees). Read a trace with `trace`."""
+        self._check_open()
+        self._trace.set_every(every)
+        await asyncio.gather(*(c.set_trace.remote(every, peer) for c, peer in self._trace_coordinators()))
+
+    async def trace(self, request_id: str) -> HandoffTrace | None:
+        """The hop trace of a finished, sampled request: every event of every
+        actor in time order and the critical path through them (its hops,
+        each with its carrier and the time since the step before). The events
+        are taken: a second call returns None, as does a request not sampled."""
+        self._check_open()
+        self._check_id(request_id)
+        events = self._trace.take(request_id)
+        found = await asyncio.gather(
+            *(c.trace_events.remote(request_id) for c, _ in self._trace_coordinators()),
+            return_exceptions=True,
+        )
+        for more in found:
+            if isinstance(more, list):
+                events.extend(more)
+        return critical_path(request_id, events) if events else None
+
+    def _trace_coordinators(self) -> list[tuple[Any, str]]:
+        """Every coordinator, with the instance it pairs with by default."""
+        return [
+            (self._coords[Role.CTX], self.gen_spec.instance_id),
+            (self._coords[Role.GEN], self.ctx_spec.instance_id),
+        ]
 
     async def stats(self) -> dict[str, Any]:
         """Per-rank pool counts and counters, and each coordinator's stats.

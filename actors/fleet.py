@@ -613,6 +613,10 @@ class Fleet(Deployment):
 
     # -- Deployment's hooks, per attempt's pair ----------------------------------------------
 
+    def _trace_coordinators(self) -> list[tuple[Any, str]]:
+        # A fleet's admissions always name their peer instance.
+        return [(inst.coord, "") for inst in self._by_id.values() if inst.coord is not None]
+
     def _submit_call(self, attempt: _Attempt) -> Any:
         return self._by_id[attempt.gen].coord.submit.remote(attempt.parent, attempt.num_tokens, True, (), attempt.ctx)
 

@@ -119,6 +119,13 @@ from kvhandoff.actors._stager import (
     staged_min_descriptors,
     staging_slot_bytes,
 )
+from kvhandoff.actors._trace import (
+    TraceEvent,
+    TraceRecorder,
+    decision_ids,
+    proposal_ids,
+    rank_actor_name,
+)
 from kvhandoff.protocol import (
     DEFAULT_QUARANTINE_LIMIT,
     DEFAULT_TRANSFER_TIMEOUT,
@@ -165,6 +172,7 @@ from kvhandoff.protocol import (
     Role,
     RoundDecision,
     RoundProposal,
+    RoundVote,
     SendMessage,
     StageAck,
     StageWrite,
@@ -349,6 +357,9 @@ class RankCore(RoundParticipant):
         self.ns = RankNamespace(instance_id=spec.instance_id, role=spec.role, rank=config.rank)
         self.our = Endpoint(ns=self.ns, epoch=epoch)
         self.digest = topology_digest(spec)
+        # Hop traces of sampled requests (off until `set_trace`; actors/_trace.py).
+        self.trace = TraceRecorder(rank_actor_name(self.ns))
+        self._coordinator_actor = f"coord@{spec.instance_id}"
         # Peer instances, by id: the configured one first (the default pair,
         # and the only one outside a fleet); a fleet adds the others.
         default = _Pair(spec, peer, config.layout, config.peer_memory_kind or config.memory_kind)
@@ -932,11 +943,16 @@ class RankCore(RoundParticipant):
 
     async def receive_frame(self, frame: bytes) -> bool:
         """A control frame from a peer rank. Returns whether it was accepted."""
+        return await self._receive_frame(frame, "call")
+
+    async def _receive_frame(self, frame: bytes, carrier: str) -> bool:
         message = None
         try:
             # Any version this build reads; the pair's agreed one is checked
             # once the ticket says which pair the frame belongs to.
             message = decode_frame(frame)
+            if self.trace.every:
+                self._trace_frame(message, carrier)
             pair = self._pair_for(message)
             if self._gate_waiting or not isinstance(pair.negotiation, Negotiated):
                 await self._await_agreement(pair)
@@ -956,6 +972,21 @@ class RankCore(RoundParticipant):
             return False
         await self._accept(message, actions)
         return True
+
+    def _trace_frame(self, message: Message, carrier: str) -> None:
+        ticket = getattr(message, "ticket", None)
+        if isinstance(ticket, ContextTicket):
+            sender = ticket.gen.ns if self.role is Role.CTX else ticket.ctx.ns
+            what = f"frame:{type(message).__name__}"
+            self.trace.record(ticket.request_id, what, carrier, rank_actor_name(sender))
+
+    async def set_trace(self, every: int) -> None:
+        """Trace one request in `every` from now on (0: off); actors/_trace.py."""
+        self.trace.set_every(every)
+
+    async def trace_events(self, request_id: str) -> list[TraceEvent]:
+        """This rank's events of a traced request (forgotten here once taken)."""
+        return self.trace.take(request_id)
 
     async def phase(self, parent: ParentKey) -> dict[str, Any]:
         """The parent's local state and its edges' states (for tests and the demo)."""
@@ -1150,7 +1181,7 @@ class RankCore(RoundParticipant):
             for _, frame in self._channel.poll():
                 progressed = True
                 if self._notif is not None:
-                    await self.receive_frame(frame)
+                    await self._receive_frame(frame, "notif")
                 else:
                     self.counters["nixl_frames_unexpected"] += 1
             staged = self._channel.stage_sink
@@ -1343,7 +1374,16 @@ class RankCore(RoundParticipant):
 
     # -- rounds (RoundParticipant exposes the member's methods as actor methods) ------
 
+    async def round_vote(self, proposal: RoundProposal, epoch: int | None = None) -> RoundVote:
+        if self.trace.every:
+            ids = proposal_ids(proposal)
+            self.trace.record_many(ids, "round_vote", "call", self._coordinator_actor)
+        return await super().round_vote(proposal, epoch)
+
     async def round_apply(self, decision: RoundDecision, epoch: int | None = None) -> int:
+        if self.trace.every:
+            ids = decision_ids(decision)
+            self.trace.record_many(ids, "round_apply", "call", self._coordinator_actor)
         self._ensure_polling()  # a decision may post chunks or start drains
         return await super().round_apply(decision, epoch)
 

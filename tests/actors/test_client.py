@@ -271,6 +271,44 @@ def test_attempt_memory_is_bounded_and_attempt_ids_never_repeat(dep: Deployment)
     assert all(r.outcome == "completed" for r in results), results
 
 
+# -- hop traces (actors/_trace.py) on the real actors ---------------------------------------
+
+
+def test_a_sampled_handoff_traces_its_critical_path(dep: Deployment) -> None:
+    """Every actor on the path records what reached it: the trace runs from
+    the client's submission to its outcome through both coordinators, both
+    CTX ranks' votes and the frames; it is read once; off, nothing is kept."""
+
+    async def scenario() -> tuple[Any, Any, Any, Any]:
+        await dep.set_trace(1)
+        try:
+            done = await dep.handoff("traced-1", TOKENS, timeout=TIMEOUT)
+            trace = await dep.trace("traced-1")
+            again = await dep.trace("traced-1")
+        finally:
+            await dep.set_trace(0)
+        await dep.handoff("traced-2", TOKENS, timeout=TIMEOUT)
+        return done, trace, again, await dep.trace("traced-2")
+
+    done, trace, again, untraced = run(scenario())
+    assert done.outcome == "completed"
+    assert again is None and untraced is None
+    path = [(h.actor, h.what, h.carrier) for h in trace.path]
+    assert path[0] == ("client", "submit", "local") and path[-1][:2] == ("client", "outcome")
+    ctx, gen = dep.ctx_spec.instance_id, dep.gen_spec.instance_id
+    actors = {e.actor for e in trace.events}
+    assert actors == {"client", f"coord@{ctx}", f"coord@{gen}", f"rank0@{ctx}", f"rank1@{ctx}", f"rank0@{gen}"}
+    # The handoff's steps are on its path, in causal order: admission, OPEN, the data's end.
+    whats = [what for _, what, _ in path]
+    assert whats.index("submit") < whats.index("admit_many") < whats.index("frame:Open") < whats.index("frame:Terminal")
+    assert trace.hops == len(path) - 1 == sum(trace.by_carrier.values())
+    assert set(trace.by_carrier) <= {"call", "reply"}  # frames travel as Ray calls here
+    times = [e.t_ns for e in trace.events]
+    assert times == sorted(times)
+    with pytest.raises(ValueError):
+        run(dep.set_trace(-1))  # refused before anything changed
+
+
 # -- 13: a dead rank is an outcome, and "completed" never lies -----------------------------
 
 
