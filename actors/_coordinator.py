@@ -276,6 +276,12 @@ class CoordinatorCore:
         # Submitted handoffs (`submit`): their outcome, resolved by the decision
         # that ends them; and the admissions the peer instance must admit too.
         self._submitted: dict[ParentKey, asyncio.Future[str]] = {}
+        # Answered at the decision, before the ranks applied it (one hop
+        # less on the handoff's path): admissions the peer instance asked for
+        # (`admit_many`), and submissions whose GEN ranks return the blocks
+        # themselves once verified (`release_when_ready`) when they complete.
+        self._admit_at_decision: set[ParentKey] = set()
+        self._complete_at_decision: set[ParentKey] = set()
         self._owned: set[asyncio.Task[Any]] = set()
         # Submitted parents the peer failed to admit (it raised): "failed", not "rejected".
         self._peer_failed: set[ParentKey] = set()
@@ -460,6 +466,7 @@ class CoordinatorCore:
         futures = [
             self._queue_admission(parent, tokens, peer_instance=peer_instance) for parent, tokens in requests
         ]
+        self._admit_at_decision.update(parents)
         self._wakeup.set()
         return list(await asyncio.gather(*futures))
 
@@ -554,6 +561,8 @@ class CoordinatorCore:
         if self.state is TopologyState.RECOVERING:
             return "rejected"
         self._queue_admission(parent, num_tokens, release_when_ready, blocks, peer_instance)
+        if release_when_ready:
+            self._complete_at_decision.add(parent)
         self._peer_of[parent] = peer_instance
         self._peer_of.move_to_end(parent)
         while len(self._peer_of) > 65536:
@@ -863,11 +872,14 @@ class CoordinatorCore:
                 self.calls["rounds_without_votes"] += 1
             if isinstance(outcome, RoundTimedOut):
                 decision = outcome.decision
+                self._decision_log.append(decision)
                 bad = set(outcome.missing_ranks)
                 survivors = [r for r in range(self._tp) if r not in bad]
                 bad |= await self._apply_phase(decision, survivors)
             else:
                 decision = outcome
+                self._decision_log.append(decision)  # made: logged before anyone hears it
+                self._answer_early(decision, taken_admits)
                 bad = await self._apply_phase(decision, range(self._tp))
             if peer_answer is not None:
                 # The peer admitted what we did not: take it back there.
@@ -892,6 +904,33 @@ class CoordinatorCore:
                 await self._fail_policy(sorted(bad), str(timeout))
                 raise timeout
             return decision
+
+    def _answer_early(self, decision: RoundDecision, taken_admits: dict[ParentKey, asyncio.Future[bool]]) -> None:
+        """Answer, from the decision itself, what needs no rank to have applied it:
+
+        - the peer instance's admissions (`admit_many`): our ranks leased in
+          their vote and apply the admission next; an OPEN the peer's ranks
+          send meanwhile waits on our rank until it applied (a CTX rank parks
+          frames of a parent it leased but has not applied: `RankCore`);
+        - a submission whose GEN ranks release the blocks themselves, when it
+          completed: every GEN rank verified its bytes before it reported, and
+          nobody frees the blocks (they go back when the ranks apply).
+
+        The rest is answered once every rank applied (`_record`). A decision
+        is final: a rank that fails to apply it is restarted by the fail
+        policy, as when it fails right after applying."""
+        admitted = set(decision.admitted)
+        for parent, future in taken_admits.items():
+            if parent in self._admit_at_decision and not future.done():
+                self._admit_at_decision.discard(parent)
+                future.set_result(parent in admitted)
+        for parent in decision.completed:
+            if parent in self._complete_at_decision:
+                self._complete_at_decision.discard(parent)
+                submitted = self._submitted.pop(parent, None)
+                if submitted is not None and not submitted.done():
+                    submitted.set_result("completed")
+                    self.calls["answered_at_decision"] += 1
 
     async def _peers_admit(self, admissions: list[AdmissionRequest]) -> set[ParentKey]:
         """The parents their peer instances admitted: one call per peer
@@ -1031,7 +1070,6 @@ class CoordinatorCore:
         self._round_seconds.append(seconds)
         batch = len(decision.admitted) + len(decision.rejected) + len(decision.decided) + len(decision.settled())
         self._metrics.round(seconds, batch)
-        self._decision_log.append(decision)
         outcomes: dict[ParentKey, str] = {}
         for name in ("admitted", "rejected", "cancelled", "completed", "failed"):
             parents = getattr(decision, name)
@@ -1045,11 +1083,13 @@ class CoordinatorCore:
             self._outcomes.popitem(last=False)
         admitted = set(decision.admitted)
         for parent, future in taken_admits.items():
+            self._admit_at_decision.discard(parent)
             if not future.done():
                 future.set_result(parent in admitted)
         for parent, name in outcomes.items():
             if name == "admitted":
                 continue
+            self._complete_at_decision.discard(parent)
             submitted = self._submitted.pop(parent, None)
             if parent in self._peer_failed:
                 self._peer_failed.discard(parent)
@@ -1273,6 +1313,8 @@ class CoordinatorCore:
     def _fail_admits(self, error: Exception) -> None:
         admits, self._pending_admits = self._pending_admits, {}
         for parent, (_, future, _, _, _) in admits.items():
+            self._admit_at_decision.discard(parent)
+            self._complete_at_decision.discard(parent)
             if not future.done():
                 future.set_exception(error)
             submitted = self._submitted.pop(parent, None)
@@ -1284,6 +1326,7 @@ class CoordinatorCore:
 
     def _fail_pending(self, error: Exception) -> None:
         self._fail_admits(error)
+        self._complete_at_decision.clear()
         submitted, self._submitted = self._submitted, {}
         for future in submitted.values():
             if not future.done():

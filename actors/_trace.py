@@ -39,6 +39,9 @@ import msgspec
 
 from kvhandoff.protocol import RankNamespace, RankReport, RoundDecision, RoundProposal, RoundVote
 
+#: The caller's name in traces: its last event ends the critical path.
+CLIENT = "client"
+
 #: How a traced event reached its actor.
 CARRIERS = ("call", "reply", "notif", "local")
 
@@ -180,11 +183,15 @@ class TraceRecorder:
 
 def critical_path(request_id: str, events: Sequence[TraceEvent]) -> HandoffTrace:
     """The request's critical path through `events` (every actor's, merged),
-    ending at its last event (the client learning the outcome)."""
+    ending at the client's last event (it learned the outcome), or at the
+    last event when the client recorded none."""
     ordered = sorted(events, key=lambda e: (e.t_ns, e.actor))
     if not ordered:
         return HandoffTrace(request_id, 0, 0.0, {}, [], [])
-    chain = [len(ordered) - 1]
+    # The path ends where the client learned the outcome (events after it,
+    # such as ranks applying a decision already answered, are off the path).
+    clients = [i for i, e in enumerate(ordered) if e.actor == CLIENT]
+    chain = [clients[-1] if clients else len(ordered) - 1]
     while True:
         i = chain[-1]
         event = ordered[i]

@@ -205,6 +205,10 @@ from kvhandoff.topology import (
 
 log = logging.getLogger("kvhandoff.rank")
 
+#: Parents whose frames a rank keeps while their admission is not applied
+#: here yet (`RankCore._park`); a frame past it is handed to the protocol.
+MAX_PARKED = 4096
+
 #: Finished requests whose outcome (and data-phase timing) a rank remembers.
 _OUTCOME_MEMORY = 65536
 
@@ -440,6 +444,12 @@ class RankCore(RoundParticipant):
         # Waiters for a parent's blocks to be back in the pool (`returned`).
         self._returns: dict[ParentKey, list[asyncio.Future[bool]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Frames of parents leased in our vote whose admission we have not
+        # applied yet (the peer instance heard the decision first), in
+        # arrival order; handed to the protocol once the parent left that
+        # state (`_replay_parked`).
+        self._parked: dict[ParentKey, list[tuple[Message, int]]] = {}
+        self._replaying = False
         self._poll_task: asyncio.Task[None] | None = None
         self._stopped: asyncio.Event | None = None  # `watch` returns once set (shutdown)
         self._wake = asyncio.Event()
@@ -928,6 +938,7 @@ class RankCore(RoundParticipant):
                 self._perform(self.side.completed(parent, now))
         alive = self.side.parents()
         self.member.follower.forget(alive.__contains__)
+        self._replay_parked()
         self._wake.set()
 
     # -- the control plane ------------------------------------------------------------
@@ -957,21 +968,82 @@ class RankCore(RoundParticipant):
             if self._gate_waiting or not isinstance(pair.negotiation, Negotiated):
                 await self._await_agreement(pair)
             self._check_agreed(pair, message, frame[4])
+        except ProtocolError as exc:
+            self._refused(message, exc, frame[4])
+            return False
+        if self._park(message, frame[4]):
+            return True
+        return await self._deliver(message, frame[4])
+
+    async def _deliver(self, message: Message, version: int) -> bool:
+        """Hand an agreed frame to the protocol and perform what it produced."""
+        try:
             actions = self._receive(message, time.monotonic())
         except ProtocolError as exc:
-            # Refused and nothing changed (S3). Late RECEIPTs for released parents land here too.
-            self.counters[f"refused_{type(exc).__name__}"] += 1
-            if isinstance(message, Open):  # a refused proposal addressed to us gets a typed REJECT
-                reject = reject_for(message, exc, self.our)
-                encoded = None if reject is None else self._encode(reject, answering=frame[4])
-                if encoded is not None:  # written in the OPEN's version when none is agreed
-                    self.counters["frames_reject"] += 1
-                    self._send(message.ticket.gen, encoded, message.ticket.request_id)
-                else:
-                    self.counters["refused_open_not_ours"] += 1
+            self._refused(message, exc, version)
             return False
         await self._accept(message, actions)
         return True
+
+    def _refused(self, message: Message | None, exc: ProtocolError, version: int) -> None:
+        """A frame refused: nothing changed (S3), counted. Late RECEIPTs for
+        released parents land here too."""
+        self.counters[f"refused_{type(exc).__name__}"] += 1
+        if isinstance(message, Open):  # a refused proposal addressed to us gets a typed REJECT
+            reject = reject_for(message, exc, self.our)
+            encoded = None if reject is None else self._encode(reject, answering=version)
+            if encoded is not None:  # written in the OPEN's version when none is agreed
+                self.counters["frames_reject"] += 1
+                self._send(message.ticket.gen, encoded, message.ticket.request_id)
+            else:
+                self.counters["refused_open_not_ours"] += 1
+
+    def _park(self, message: Message, version: int) -> bool:
+        """Keep a frame of a parent we leased in our vote but whose admission
+        we have not applied yet; whether it was kept. The peer instance's
+        coordinator hears our round's decision before we apply it, so the
+        peer's OPEN can come first: it waits here, in arrival order with
+        any frame after it, until the apply (or the lease's end) moves the
+        parent on. Bounded: past `MAX_PARKED` parents a frame is not kept
+        (the protocol refuses it as before)."""
+        ticket = getattr(message, "ticket", None)
+        if not isinstance(ticket, ContextTicket):
+            return False
+        parent = ticket.parent
+        queue = self._parked.get(parent)
+        if queue is None:
+            if len(self._parked) >= MAX_PARKED or not self._leased_unapplied(parent):
+                return False
+            queue = self._parked[parent] = []
+        queue.append((message, version))
+        self.counters["frames_parked"] += 1
+        return True
+
+    def _leased_unapplied(self, parent: ParentKey) -> bool:
+        """Whether `parent` is leased in our vote and its admission not applied."""
+        return self.side.parents().get(parent) is ParentState.ADMITTED
+
+    def _replay_parked(self) -> None:
+        """Parents that left the leased-in-vote state get their parked frames
+        (one task at a time, so frames keep their order)."""
+        if self._parked and not self._replaying and _loop_running():
+            self._replaying = True
+            self._own(self._replay())
+
+    async def _replay(self) -> None:
+        try:
+            while True:
+                ready = [p for p in self._parked if not self._leased_unapplied(p)]
+                if not ready:
+                    return
+                for parent in ready:
+                    queue = self._parked[parent]
+                    while queue:  # a frame that comes meanwhile joins the queue
+                        message, version = queue.pop(0)
+                        await self._deliver(message, version)
+                    del self._parked[parent]
+        finally:
+            self._replaying = False
 
     def _trace_frame(self, message: Message, carrier: str) -> None:
         ticket = getattr(message, "ticket", None)
@@ -1192,6 +1264,7 @@ class RankCore(RoundParticipant):
             if now - last_expire > 0.05:
                 last_expire = now
                 self._perform(self.side.expire(now))
+                self._replay_parked()  # a lease that ran out before its apply came
                 if self.metrics.due(now):
                     self._export_metrics(now)
             idle_sweeps = 0 if progressed else idle_sweeps + 1

@@ -133,3 +133,17 @@ def test_summary_takes_the_common_path() -> None:
     assert summary["hops_p50"] == 2 and summary["common_path"]["share"] == 1.0
     assert [s["p50_ms"] for s in summary["common_path"]["steps"]] == [0.0, 3.0, 1.0]
     assert summary["by_carrier_p50"] == {"call": 1.0, "reply": 1.0}
+
+
+def test_the_path_ends_where_the_client_learned_the_outcome() -> None:
+    # The coordinator answered at its decision; its rank applied afterwards.
+    events = [
+        ev(0, "client", "submit", "local"),
+        ev(1, "coord@g", "report", "call", "rank0@g"),
+        ev(2, "client", "outcome", "reply", "coord@g"),
+        ev(3, "rank0@g", "round_apply", "call", "coord@g"),
+        ev(4, "coord@g", "round_apply", "reply", "rank0@g"),
+    ]
+    trace = critical_path("r", events)
+    assert [h.what for h in trace.path] == ["submit", "report", "outcome"]
+    assert len(trace.events) == 5 and trace.total_ms == 2.0
