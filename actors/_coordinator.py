@@ -78,6 +78,7 @@ from ray.exceptions import ActorDiedError
 
 from kvhandoff.actors._metrics import InstanceMetrics
 from kvhandoff.actors._trace import (
+    SENT,
     TraceEvent,
     TraceRecorder,
     decision_ids,
@@ -948,6 +949,9 @@ class CoordinatorCore:
         self.calls["peer_admit_calls"] += 1
         # The peer's ranks learn which instance of ours each parent pairs with.
         ours = self.topology if self._fleet else ""
+        if self.trace.every:  # sent while our ranks vote: mark it (actors/_trace.py)
+            ids = [a.parent.request_id for a in admissions]
+            self.trace.record_many(ids, f"{SENT}admit_many", "local")
         try:
             async with asyncio.timeout(self._round_timeout * 2):
                 if self._peer_claims:

@@ -42,6 +42,10 @@ from kvhandoff.protocol import RankNamespace, RankReport, RoundDecision, RoundPr
 #: The caller's name in traces: its last event ends the critical path.
 CLIENT = "client"
 
+#: A local event named ``SENT + what`` marks when an actor sent a call
+#: ``what`` (`critical_path` takes the call's cause from it).
+SENT = "sent:"
+
 #: How a traced event reached its actor.
 CARRIERS = ("call", "reply", "notif", "local")
 
@@ -133,6 +137,9 @@ class TraceRecorder:
         self.every = 0
         self.dropped = 0
         self._events: collections.OrderedDict[str, list[TraceEvent]] = collections.OrderedDict()
+        # Requests whose events were taken: what comes later (a rank applying
+        # a decision the client already heard) is off the path, not kept.
+        self._taken: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.set_every(every)
 
     def set_every(self, every: int) -> None:
@@ -148,7 +155,7 @@ class TraceRecorder:
         self, request_id: str, what: str, carrier: str, source: str = "", t_ns: int | None = None
     ) -> None:
         """An event of `request_id` here (no-op for a request not sampled)."""
-        if not self.on(request_id):
+        if not self.on(request_id) or request_id in self._taken:
             return
         events = self._events.get(request_id)
         if events is None:
@@ -174,7 +181,11 @@ class TraceRecorder:
             self.record(request_id, what, carrier, source, t_ns)
 
     def take(self, request_id: str) -> list[TraceEvent]:
-        """The events kept for `request_id`, forgotten here."""
+        """The events kept for `request_id`, forgotten here; later ones of it
+        are not kept (bounded: the oldest taken ids are forgotten first)."""
+        self._taken[request_id] = None
+        while len(self._taken) > MAX_REQUESTS:
+            self._taken.popitem(last=False)
         return self._events.pop(request_id, [])
 
     def stats(self) -> dict[str, Any]:
@@ -222,9 +233,14 @@ def _cause(ordered: Sequence[TraceEvent], i: int) -> int | None:
     if event.carrier == "local":
         return next((j for j in range(i - 1, -1, -1) if ordered[j].actor == event.actor), None)
     if event.source:
-        found = next((j for j in range(i - 1, -1, -1) if ordered[j].actor == event.source), None)
-        if found is not None:
-            return found
+        # The sender marked the send (a call made while other answers were
+        # still coming to it): the arrival follows that mark, not whatever
+        # reached the sender after it.
+        sent = f"{SENT}{event.what}"
+        for match in (lambda e: e.actor == event.source and e.what == sent, lambda e: e.actor == event.source):
+            found = next((j for j in range(i - 1, -1, -1) if match(ordered[j])), None)
+            if found is not None:
+                return found
     return next((j for j in range(i - 1, -1, -1) if ordered[j].actor != event.actor), None)
 
 

@@ -1752,9 +1752,19 @@ class CtxRankCore(RankCore):
     def _record_prepared(self, parent: ParentKey) -> None:
         """Perform the protocol's `Prepared`: vote the parent prepared, unless it
         stopped being prepared while we awaited its GEN agent (a CANCEL came)."""
-        if self.side.is_prepared(parent):
-            self.member.record_prepared(parent)
-            self._nudge()
+        if not self.side.is_prepared(parent):
+            return
+        if self.config.spec.tp == 1:
+            # The only rank of its instance is the whole intersection a decide
+            # round would take: decide here, one report and one apply fewer on
+            # the handoff's path. A cancel the coordinator decides later finds
+            # the parent DECIDED, exactly as one decided in the round before.
+            self.counters["decided_alone"] += 1
+            self._decided(parent, time.monotonic())
+            self._ensure_polling()
+            return
+        self.member.record_prepared(parent)
+        self._nudge()
 
     # -- synthetic prefill (S2) ---------------------------------------------------------
 

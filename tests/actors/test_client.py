@@ -300,13 +300,65 @@ def test_a_sampled_handoff_traces_its_critical_path(dep: Deployment) -> None:
     assert actors == {"client", f"coord@{ctx}", f"coord@{gen}", f"rank0@{ctx}", f"rank1@{ctx}", f"rank0@{gen}"}
     # The handoff's steps are on its path, in causal order: admission, OPEN, the data's end.
     whats = [what for _, what, _ in path]
-    assert whats.index("submit") < whats.index("admit_many") < whats.index("frame:Open") < whats.index("frame:Terminal")
-    assert trace.hops == len(path) - 1 == sum(trace.by_carrier.values())
+    assert whats.index("submit") < whats.index("admit_many") < whats.index("frame:Open") < whats.index("frame:Terminal"), path
+    assert trace.hops == sum(c != "local" for _, _, c in path[1:]) == sum(trace.by_carrier.values())
     assert set(trace.by_carrier) <= {"call", "reply"}  # frames travel as Ray calls here
     times = [e.t_ns for e in trace.events]
     assert times == sorted(times)
     with pytest.raises(ValueError):
         run(dep.set_trace(-1))  # refused before anything changed
+
+
+def _hold_admission_until_parked(ep: Any) -> None:
+    """Inside a CTX rank: its next apply of an admission waits until the
+    rank parked a frame (the GEN's OPEN beat the apply), bounded."""
+    original = ep.member.round_apply
+
+    async def held(decision: Any, epoch: Any = None) -> Any:
+        if decision.admitted:
+            ep.member.round_apply = original  # once
+            deadline = time.monotonic() + IDLE_BOUND
+            while not ep._parked and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        return await original(decision, epoch)
+
+    ep.member.round_apply = held
+
+
+def test_a_one_rank_ctx_decides_alone_and_parks_an_early_open(ray_cluster: Any) -> None:
+    """A CTX instance of one rank is its own intersection: it decides a
+    prepared parent at once, with no decide round (no decision of its
+    coordinator ever names a parent decided, and the trace has no CTX
+    report on its path). Its coordinator answers the GEN instance at the
+    admission decision, so the GEN's OPEN can reach the rank before the
+    rank applied the admission: the OPEN waits there (parked, not refused)
+    and the handoff completes with every byte verified."""
+
+    async def scenario() -> tuple[Any, ...]:
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=64, round_timeout_s=ROUND_TIMEOUT)
+        try:
+            await dep.set_trace(1)
+            first = await dep.handoff("alone", TOKENS, timeout=TIMEOUT)
+            trace = await dep.trace("alone")
+            ctx = (await dep.ranks(Role.CTX))[0]
+            await inside(ctx, _hold_admission_until_parked)
+            parked = await dep.handoff("parked", TOKENS, timeout=TIMEOUT)
+            log = await dep.coordinator(Role.CTX).decision_log.remote()
+            return first, trace, parked, log, await until_idle(dep)
+        finally:
+            await dep.shutdown()
+
+    first, trace, parked, log, stats = run(scenario())
+    assert first.outcome == "completed" and first.bytes_verified == expected_bytes(TOKENS, 1)
+    assert parked.outcome == "completed" and parked.bytes_verified == expected_bytes(TOKENS, 1), parked
+    ctx = next(s for s in stats["ranks"] if s["role"] == "ctx")
+    assert ctx["counters"]["decided_alone"] == 2 and ctx["counters"]["frames_parked"] >= 1, ctx["counters"]
+    assert ctx["counters"].get("refused_ProtocolError", 0) == 0
+    assert all(d.decided == () for d in log) and sum(len(d.admitted) for d in log) == 2
+    path = [(h.actor.split("@")[0], h.what) for h in trace.path]
+    assert ("coord", "report") in path  # the GEN instance's completion
+    assert path.count(("coord", "report")) == 1 and trace.hops <= 10, path
+    assert_pools_whole(stats)
 
 
 # -- 13: a dead rank is an outcome, and "completed" never lies -----------------------------

@@ -147,3 +147,29 @@ def test_the_path_ends_where_the_client_learned_the_outcome() -> None:
     trace = critical_path("r", events)
     assert [h.what for h in trace.path] == ["submit", "report", "outcome"]
     assert len(trace.events) == 5 and trace.total_ms == 2.0
+
+
+def test_a_marked_send_is_the_cause_of_its_arrival() -> None:
+    # The GEN coordinator sent admit_many, then its own rank's vote answered
+    # before the CTX coordinator got the call: the vote is off the path.
+    events = [
+        ev(0, "client", "submit", "local"),
+        ev(1, "coord@g", "submit", "call", "client"),
+        ev(2, "coord@g", "sent:admit_many", "local"),
+        ev(3, "rank0@g", "round_vote", "call", "coord@g"),
+        ev(4, "coord@g", "round_vote", "reply", "rank0@g"),
+        ev(5, "coord@c", "admit_many", "call", "coord@g"),
+        ev(6, "coord@g", "admit_many", "reply", "coord@c"),
+        ev(7, "client", "outcome", "reply", "coord@g"),
+    ]
+    trace = critical_path("r", events)
+    assert [h.what for h in trace.path] == ["submit", "submit", "sent:admit_many", "admit_many", "admit_many", "outcome"]
+    assert trace.hops == 4
+
+
+def test_events_after_a_take_are_not_kept() -> None:
+    rec = TraceRecorder("coord@x", every=1)
+    rec.record("r", "report", "call")
+    assert len(rec.take("r")) == 1
+    rec.record("r", "round_apply", "reply")  # the apply's answer, after the client heard
+    assert rec.take("r") == [] and rec.stats()["requests"] == 0
