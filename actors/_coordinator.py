@@ -12,7 +12,9 @@ One round is two fan-out phases, each under its own watchdog
 1. vote: the proposal goes to every rank (``round_vote``); the leader
    validates each vote (round, rank, endpoint epoch, deadline);
 2. apply: the decision goes to every rank (``round_apply``), and only then
-   are the clients' ``admit`` / ``cancel`` calls answered.
+   are the clients' ``admit`` / ``cancel`` calls answered; the peer
+   instance's ``admit_many`` and a ``release_when_ready`` submission's
+   completion are answered at the decision (`_answer_early`).
 
 Group commit: every pending admission (up to ``max_batch``), every pending
 cancel and everything the ranks reported go into the next round, and the next

@@ -61,6 +61,8 @@ EXPORT_INTERVAL_S = 1.0
 LATENCY_BUCKETS_S = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )
+#: Histogram buckets (upper bounds): sequential actor hops of a traced handoff.
+HOP_BUCKETS = (2, 4, 6, 8, 10, 12, 14, 16, 20, 24, 32, 64)
 #: Histogram buckets (upper bounds): parents decided per round.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
@@ -89,6 +91,11 @@ METRICS: dict[str, MetricSpec] = {
     "kvhandoff_handoff_latency_seconds": MetricSpec(
         "histogram", _CLIENT, "seconds",
         "Seconds from a handoff's submission to its outcome, by outcome.", LATENCY_BUCKETS_S,
+    ),
+    "kvhandoff_handoff_hops": MetricSpec(
+        "histogram", _CLIENT, "hops",
+        "Sequential actor hops on a traced handoff's critical path (Deployment.set_trace(export=True)).",
+        HOP_BUCKETS,
     ),
     # -- a coordinator: its instance's rounds and recovery --------------------------------
     "kvhandoff_round_latency_seconds": MetricSpec(
@@ -250,6 +257,11 @@ def record_handoff(deployment: str, outcome: str, latency_s: float) -> None:
     tags = {"deployment": deployment, "outcome": str(outcome)}
     _sink.inc("kvhandoff_handoffs_total", 1, tags)
     _sink.observe("kvhandoff_handoff_latency_seconds", max(float(latency_s), 0.0), tags)
+
+
+def record_hops(deployment: str, outcome: str, hops: int) -> None:
+    """A traced handoff ended with `outcome` after `hops` sequential hops."""
+    _sink.observe("kvhandoff_handoff_hops", float(hops), {"deployment": deployment, "outcome": str(outcome)})
 
 
 class InstanceMetrics:

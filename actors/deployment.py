@@ -73,7 +73,7 @@ import ray
 from kvhandoff.actors._coordinator import AdmissionStopped, Coordinator
 from kvhandoff.actors._dataplane import FaultPlan
 from kvhandoff.actors._directory import Directory
-from kvhandoff.actors._metrics import record_handoff
+from kvhandoff.actors._metrics import record_handoff, record_hops
 from kvhandoff.actors._placement import (
     bundle_strategy,
     create_group,
@@ -124,6 +124,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvhandoff.deployment")
+trace_log = logging.getLogger("kvhandoff.trace")
 
 #: Attempt ids are U32 on the wire (ParentKey.ctx_attempt / gen_attempt).
 _MAX_ATTEMPT = 2**32 - 1
@@ -299,6 +300,7 @@ class Deployment:
         self.calls: collections.Counter[str] = collections.Counter()
         # Hop traces of sampled requests (`set_trace`, `trace`; actors/_trace.py).
         self._trace = TraceRecorder("client")
+        self._export_traces = False
 
     # -- launch ---------------------------------------------------------------------
 
@@ -955,7 +957,24 @@ class Deployment:
         if not clean:
             self._spawn(self._reclaim(attempt))
         record_handoff(self.name, result.outcome, result.latency_s or latency)
+        if self._export_traces and self._trace.on(parent.request_id):
+            self._spawn(self._export_trace(parent.request_id, result.outcome))
         return result
+
+    async def _export_trace(self, request_id: str, outcome: str) -> None:
+        """One sampled handoff's trace as a log line and a metric (`set_trace`)."""
+        try:
+            trace = await self.trace(request_id)
+        except Exception as exc:  # shut down meanwhile, or an actor died: nothing to export
+            log.debug("%s: trace of %s not read: %r", self.name, request_id, exc)
+            return
+        if trace is None:
+            return
+        record_hops(self.name, outcome, trace.hops)
+        steps = " > ".join(f"{h.actor}:{h.what}+{h.since_prev_ms:.2f}ms" for h in trace.path)
+        trace_log.info(
+            "%s %s %s: %d hops, %.2f ms: %s", self.name, request_id, outcome, trace.hops, trace.total_ms, steps
+        )
 
     async def _drive(self, attempt: _Attempt, timeout: float, start: float) -> tuple[HandoffResult, bool]:
         """Await the submission's outcome; returns the result and whether it
@@ -1066,13 +1085,19 @@ class Deployment:
         with contextlib.suppress(Exception):
             await self._cancel_call(attempt, parent)
 
-    async def set_trace(self, every: int) -> None:
+    async def set_trace(self, every: int, export: bool = False) -> None:
         """Trace one request in `every` from now on (0: off; 1: every one):
         this client, every coordinator and every rank record when each
         message about a sampled request reached them (a hash of the request
-        id samples it, so every actor agrees). Read a trace with `trace`."""
+        id samples it, so every actor agrees). Read a trace with `trace`;
+        with `export`, the deployment reads each sampled handoff's trace as
+        it ends, logs it as one line (logger ``kvhandoff.trace``) and records
+        its hops (metric ``kvhandoff_handoff_hops``); `trace` then finds none."""
         self._check_open()
+        if not isinstance(export, bool):
+            raise InvalidRequest(f"export must be a bool, got {_short(export)}")
         self._trace.set_every(every)
+        self._export_traces = export
         await asyncio.gather(*(c.set_trace.remote(every, peer) for c, peer in self._trace_coordinators()))
 
     async def trace(self, request_id: str) -> HandoffTrace | None:

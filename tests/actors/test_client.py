@@ -307,6 +307,34 @@ def test_a_sampled_handoff_traces_its_critical_path(dep: Deployment) -> None:
     assert times == sorted(times)
     with pytest.raises(ValueError):
         run(dep.set_trace(-1))  # refused before anything changed
+    with pytest.raises(InvalidRequest):
+        run(dep.set_trace(1, export="yes"))  # type: ignore[arg-type]
+    assert dep._trace.every == 0
+
+
+def test_an_exported_trace_is_one_log_line(dep: Deployment, caplog: Any) -> None:
+    """`set_trace(every, export=True)`: the deployment reads each sampled
+    handoff's trace as it ends and logs it as one line with its hops."""
+
+    async def scenario() -> Any:
+        await dep.set_trace(1, export=True)
+        try:
+            done = await dep.handoff("exported-1", TOKENS, timeout=TIMEOUT)
+            deadline = time.monotonic() + IDLE_BOUND
+            while not any("exported-1" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline, "no trace line"
+                await asyncio.sleep(0.02)
+            return done, await dep.trace("exported-1")
+        finally:
+            await dep.set_trace(0)
+
+    with caplog.at_level("INFO", logger="kvhandoff.trace"):
+        done, left = run(scenario())
+    assert done.outcome == "completed" and left is None  # the export read it
+    line = next(r.getMessage() for r in caplog.records if "exported-1" in r.getMessage())
+    assert " completed: " in line and " hops, " in line and "client:outcome" in line, line
+    hops = int(line.split(" completed: ")[1].split(" hops")[0])
+    assert 6 <= hops <= 20, line
 
 
 def _hold_admission_until_parked(ep: Any) -> None:
