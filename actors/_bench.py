@@ -89,6 +89,11 @@ PAGE_LAYOUT = KVLayout(
 )
 
 
+#: Big-request layout: 64-byte blocks (one token of one 16-dim head), so an
+#: 8,192-block request moves 512 KiB and its time is the control plane's.
+BLOCKS_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, dtype="float16", tokens_per_block=1)
+
+
 class _LaunchFailed(RuntimeError):
     """A deployment did not come up: reported in one line, exit status 2."""
 
@@ -648,6 +653,45 @@ class _Bench:
             "sustained_over_pipelined_best": best / ray_rate,
         }
 
+    async def big_requests(self, dep: Deployment) -> dict[str, Any]:
+        """Control time by request size: end to end minus the data phase (CTX
+        rank's first post to last DONE), sizes interleaved in a rotated order.
+        `over_first_p50`: each size's median control time over the first
+        size's (issue 23's target: 8,192 blocks <= 1.5x 128 blocks)."""
+        a = self.args
+        ctx = (await dep.ranks(Role.CTX))[0]
+        sizes = list(a.big_blocks)
+        control: dict[int, list[float]] = {n: [] for n in sizes}
+        e2e: dict[int, list[float]] = {n: [] for n in sizes}
+        failures: collections.Counter[str] = collections.Counter()
+        for rep in range(a.big_n + 2):  # two warm-up rounds: maps, connections
+            for n in _rotated([str(n) for n in sizes], rep):
+                blocks = int(n)
+                request = self.rid(f"big{blocks}")
+                result = await _handoff(dep, request, blocks * BLOCKS_LAYOUT.tokens_per_block, timeout=60.0)
+                if result.outcome != "completed":
+                    failures[result.outcome] += 1
+                    continue
+                timings = await ctx.transfer_timings.remote()
+                data = max((sec for r, sec, _ in timings if r == request), default=math.nan)
+                if rep >= 2 and not math.isnan(data):
+                    control[blocks].append(result.latency_s - data)
+                    e2e[blocks].append(result.latency_s)
+        if failures:
+            self.notes.append(f"control blocks: non-completed handoffs {dict(failures)}")
+        first = _pct(control[sizes[0]], 0.5)
+        rows = [
+            {
+                "blocks": n,
+                "n": len(control[n]),
+                "control_p50_s": _pct(control[n], 0.5),
+                "e2e_p50_s": _pct(e2e[n], 0.5),
+                "over_first_p50": _pct(control[n], 0.5) / first,
+            }
+            for n in sizes
+        ]
+        return {"block_bytes": block_bytes(BLOCKS_LAYOUT, 1), "rows": rows}
+
     async def _hops(self, dep: Deployment, failures: collections.Counter[str]) -> dict[str, Any]:
         """The small handoff's hop trace (actors/_trace.py): the same
         handoffs, one at a time, every one traced; its critical path's hops
@@ -901,6 +945,14 @@ class _Bench:
                                 out["control"] = await self.control_plane(dep)
                 finally:
                     await dep.shutdown()
+            if "control" in sections and len(a.big_blocks) > 1:
+                pool = 2 * max(a.big_blocks) + 64
+                dep = await timed_launch(lambda: self.launch(BLOCKS_LAYOUT, pool, tp1=True))
+                try:
+                    with self._section("control", f"request sizes {','.join(map(str, a.big_blocks))} blocks"):
+                        out["control"]["blocks"] = await self.big_requests(dep)
+                finally:
+                    await dep.shutdown()
         if "frames" in sections:
             with self._section("frames", "control frames, Ray calls vs NIXL notifications"):
                 out["frames"] = await self.frames()
@@ -1141,6 +1193,11 @@ def _targets(out: dict[str, Any]) -> list[dict[str, Any]]:
         hops = control.get("hops", {})
         if "hops_p50" in hops:
             add("hops_p50: sequential actor hops of a small handoff", hops["hops_p50"], "<=", 6.0)
+        rows = control.get("blocks", {}).get("rows", [])
+        for row in rows[1:]:
+            if row["blocks"] == 8192 and rows[0]["blocks"] == 128:
+                add("control time p50 of an 8,192-block request / a 128-block one",
+                    row["over_first_p50"], "<=", 1.5)
     if out.get("scale"):
         from kvhandoff.actors._bench_scale import scale_targets
 
@@ -1407,6 +1464,19 @@ def render(out: dict[str, Any]) -> str:
                 f"the most common path, {common['share']:.0%} of {hops['n']})"
             )
             parts.append(_table(title, ["#", "actor", "arrived", "by", "ms since previous p50"], rows))
+        big = ctl.get("blocks", {})
+        if big.get("rows"):
+            rows = [
+                [r["blocks"], r["n"], _ms(r["e2e_p50_s"]), _ms(r["control_p50_s"]), _fmt(r["over_first_p50"])]
+                for r in big["rows"]
+            ]
+            parts.append(
+                _table(
+                    f"Control time by request size ({big['block_bytes']} B blocks; end to end - data phase)",
+                    ["blocks", "n", "e2e p50 ms", "control p50 ms", "/ first"],
+                    rows,
+                )
+            )
     if "cancel" in out:
         cn = out["cancel"]
         rows = [

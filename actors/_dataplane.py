@@ -262,6 +262,13 @@ class KVMemory:
             raise DataPlaneError(f"block {block} outside pool of {self.num_blocks}")
         return self.base + block * self.strides[0]
 
+    def block_addrs(self, blocks: np.ndarray) -> np.ndarray:
+        """`block_addr` of many blocks at once (uint64)."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        if len(blocks) and not (int(blocks.min()) >= 0 and int(blocks.max()) < self.num_blocks):
+            raise DataPlaneError(f"a block outside pool of {self.num_blocks}")
+        return np.uint64(self.base) + blocks.astype(np.uint64) * np.uint64(self.strides[0])  # type: ignore[no-any-return]
+
     def region_table(self) -> tuple[tuple[int, int], ...]:
         return tuple(zip(self.bases, self.strides))
 
@@ -454,7 +461,7 @@ def resolve_regions(
 
 def plan_chunks(
     pieces: Sequence[Piece],
-    pairs: Sequence[tuple[int, int]],
+    pairs: Sequence[tuple[int, int]] | np.ndarray,
     chunk_bytes: int,
     src_regions: RegionTable | None = None,
     dst_regions: RegionTable | None = None,

@@ -313,6 +313,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--small-tokens", type=positive_int, default=16, help="tokens of a small handoff (control section)")
     add("--small-n", type=positive_int, default=60, help="sequential small handoffs for latency p50/p99")
     add("--concurrency", type=positive_ints, default="1,8,32", help="concurrent small handoffs for the rate")
+    add(
+        "--big-blocks",
+        type=positive_ints,
+        default="128,8192",
+        help="control section: request sizes in blocks whose control time (end to end - data phase) "
+        "is compared, on a deployment of 64-byte blocks; the first is the reference",
+    )
+    add("--big-n", type=positive_int, default=20, help="control section: handoffs per request size")
     add("--sustain-s", type=positive_float, default=3.0, help="seconds of sustained handoffs per concurrency")
     add("--ping-n", type=positive_int, default=1000, help="pipelined ping.remote() calls per rate sample")
     add("--scale-sizes", type=positive_ints, default="1,2,4,1", help="scale section: NxN fleets of tp=1 instances, in this order (1 again last: no size gains from the order)")

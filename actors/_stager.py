@@ -689,7 +689,7 @@ class StagedReader:
             m: StageMap = full.rows(msg.start, msg.end)
         else:
             rows = np.arange(msg.start, msg.end, dtype=np.int64)
-            blocks = np.fromiter((ref.block for ref in lease), dtype=np.int64, count=len(lease))
+            blocks = lease.blocks
             m = stage_map(pieces, blocks[rows // P] * P + rows % P, 1, core.buffer, unit, slot.device)
         if m.nbytes != msg.nbytes:
             raise DataPlaneError(f"rows [{msg.start}, {msg.end}) hold {m.nbytes} B, the notice says {msg.nbytes}")
@@ -714,7 +714,7 @@ class StagedReader:
         if full is None:
             P = len(pieces)
             rows = np.arange(len(lease) * P, dtype=np.int64)
-            blocks = np.fromiter((ref.block for ref in lease), dtype=np.int64, count=len(lease))
+            blocks = lease.blocks
             full = stage_map(pieces, blocks[rows // P] * P + rows % P, 1, self.core.buffer, unit, self.arena.tensor.device)
             if len(self._maps) > 256:
                 self._maps.clear()

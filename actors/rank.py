@@ -132,12 +132,15 @@ from kvhandoff.protocol import (
     Action,
     AdmissionRequest,
     AdmissionStop,
+    BlockColumns,
     BlockDescriptor,
     BlockPool,
+    BlockRefs,
     BufferInfo,
     CancelDeferred,
     CancelIntent,
     CancelReason,
+    Capability,
     CleanupSkipped,
     ContextTicket,
     CtxRank,
@@ -181,6 +184,7 @@ from kvhandoff.protocol import (
     UnknownSessionError,
     active_cancel,
     agree,
+    block_columns,
     check_unnegotiated,
     decode_frame,
     decode_stage,
@@ -188,8 +192,10 @@ from kvhandoff.protocol import (
     encode_frame,
     frame_version,
     local_descriptor,
+    pack_blocks,
     refusal_kind,
     reject_for,
+    whole_block_misfits,
 )
 from kvhandoff.protocol import summary as negotiation_summary
 from kvhandoff.topology import (
@@ -1601,7 +1607,8 @@ class CtxRankCore(RankCore):
 
     def _receive_open(self, message: Open, pair: _Pair, now: float) -> list[Action]:
         gen = message.ticket.gen
-        chunks = self._plan_chunks(message, pair)
+        cols = block_columns(message.buffer)
+        chunks = self._plan_chunks(message, pair, cols)
         geometry = self._geometry.get(message.buffer.agent_name)
         peer = None
         if geometry is not None:
@@ -1617,7 +1624,7 @@ class CtxRankCore(RankCore):
             block_bytes=pair.shards.gen_block_bytes,
             peer=peer,
         )
-        self._chunks[message.ticket] = (chunks, geometry, message.buffer.blocks)
+        self._chunks[message.ticket] = (chunks, geometry, cols)
         self._peer_agent[message.ticket] = message.buffer.agent_name
         if self._writer is not None and chunks:
             self._writer.prepare(message.ticket)  # off the data phase: before READY
@@ -1716,7 +1723,7 @@ class CtxRankCore(RankCore):
         for key in [k for k in self._pieces if k[0] == instance]:
             del self._pieces[key]
 
-    def _plan_chunks(self, message: Open, pair: _Pair) -> list[ChunkPlan]:
+    def _plan_chunks(self, message: Open, pair: _Pair, cols: BlockColumns) -> list[ChunkPlan]:
         """The WRITE chunks of one edge: our lease's blocks paired, in order, with
         the OPEN's GEN block addresses. Whether those may be written at all is the
         protocol's check (`CtxRank.receive_open`, right after this); a plan for an
@@ -1728,9 +1735,13 @@ class CtxRankCore(RankCore):
             return [ChunkPlan((), np.zeros(0, np.int32), np.zeros(0, np.int32), 0)]
         # Block indices only: the addresses come from the GEN's registered
         # regions at post time (`_gen_geometry`), the OPEN's are checked against them.
-        pairs = [(ref.block, b.block) for ref, b in zip(self.pool.lease_of(ticket.parent), message.buffer.blocks)]
+        lease = self.pool.lease_of(ticket.parent)
+        n = min(len(lease), len(cols.blocks))  # unequal: the protocol refuses the OPEN right after
+        pairs = np.empty((n, 2), dtype=np.int64)
+        pairs[:, 0] = lease.blocks[:n]
+        pairs[:, 1] = cols.blocks[:n]
         pieces = self._edge_pieces(ticket.edge, None, pair.instance)
-        return plan_chunks(pieces, pairs, self._plan_bytes(pieces, message.buffer.agent_name, len(pairs) * len(pieces)))
+        return plan_chunks(pieces, pairs, self._plan_bytes(pieces, message.buffer.agent_name, n * len(pieces)))
 
     def _plan_bytes(self, pieces: tuple[Piece, ...], peer: str, descriptors: int | None = None) -> int:
         """The chunk size of an edge with `pieces` toward `peer`: a staging
@@ -1770,7 +1781,7 @@ class CtxRankCore(RankCore):
 
     def _prefill(self, parent: ParentKey) -> None:
         lease = self.pool.lease_of(parent)
-        self.buffer.write_blocks([ref.block for ref in lease], self._pattern(parent, self.config.rank, len(lease)))
+        self.buffer.write_blocks(lease.block_list(), self._pattern(parent, self.config.rank, len(lease)))
 
     # -- the data plane -------------------------------------------------------------------
 
@@ -1822,7 +1833,7 @@ class CtxRankCore(RankCore):
         OPEN; the OPEN's blocks are checked against them if they were not at
         receipt. `DataPlaneError` (the chunk fails before any DMA) if unknown
         or not what the OPEN and our plan assume."""
-        _, checked, blocks = self._chunks[ticket]
+        _, checked, cols = self._chunks[ticket]
         geometry = self._geometry.get(peer)
         if geometry is None:
             raise DataPlaneError(f"the registered regions of {peer!r} are not known")
@@ -1832,10 +1843,12 @@ class CtxRankCore(RankCore):
         if geometry.kind != pair.peer_kind:
             raise DataPlaneError(f"{peer!r} has memory kind {geometry.kind!r}, the plan is for {pair.peer_kind!r}")
         if checked is None:
-            for b in blocks:
-                if not (b.block < geometry.num_blocks and b.length == geometry.block_bytes and b.addr == geometry.block_addr(b.block)):
-                    raise DataPlaneError(f"OPEN block {b.block} at {b.addr:#x} is not a block of {peer}'s registered regions")
-            self._chunks[ticket] = (self._chunks[ticket][0], geometry, blocks)  # checked once
+            base, stride = geometry.region_table()[0]
+            wrong = whole_block_misfits(cols, geometry.num_blocks, geometry.block_bytes, base, stride)
+            if wrong is not None:
+                block, addr = int(cols.blocks[wrong]), int(cols.addrs[wrong])
+                raise DataPlaneError(f"OPEN block {block} at {addr:#x} is not a block of {peer}'s registered regions")
+            self._chunks[ticket] = (self._chunks[ticket][0], geometry, cols)  # checked once
         return geometry
 
     # -- benchmark baselines (same agent, same buffers, same descriptors) -----------------
@@ -2066,7 +2079,7 @@ class GenRankCore(RankCore):
     def _verify(self, parent: ParentKey) -> bool:
         lease = self.pool.lease_of(parent)
         expected = self._pattern(parent, self.config.rank, len(lease)).to(self.buffer.tensor.device)
-        got = self.buffer.read_blocks([ref.block for ref in lease])
+        got = self.buffer.read_blocks(lease.block_list())
         for j, ref in enumerate(lease):
             if not torch.equal(got[j], expected[j]):
                 self.violations.append(f"S2: {parent} block {ref.block} holds foreign bytes")
@@ -2084,6 +2097,21 @@ class GenRankCore(RankCore):
         if any(f is None for f in found):
             return None
         return [f[0] for f in found if f is not None]
+
+    def _describe(self, lease: BlockRefs, pair: _Pair) -> list[BlockDescriptor] | bytes:
+        """An OPEN's block list for `lease`: packed (arrays, no per-block
+        object) where `pair` negotiated it, else one descriptor per block."""
+        addrs = self.buffer.block_addrs(lease.blocks)
+        outcome = pair.negotiation
+        if isinstance(outcome, Negotiated) and outcome.supports(Capability.PACKED_BLOCKS):
+            self.counters["opens_packed"] += 1
+            lengths = np.full(len(lease), self.block_bytes, dtype=np.uint32)
+            return pack_blocks(lease.blocks, lengths, lease.generations, addrs)
+        self.counters["opens_listed"] += 1
+        return [
+            BlockDescriptor(b, g, a, self.block_bytes)
+            for b, g, a in zip(lease.block_list(), lease.generations.tolist(), addrs.tolist())
+        ]
 
     def _open(self, parent: ParentKey, now: float) -> None:
         """GEN: install `parent`'s session and send OPEN on each of our edges
@@ -2107,11 +2135,7 @@ class GenRankCore(RankCore):
             self._own(self._open_later(parent, pair))
             return
         lease = self.pool.lease_of(parent)
-        gen_bytes = self.block_bytes
-        blocks = [
-            BlockDescriptor(ref.block, ref.generation, self.buffer.block_addr(ref.block), gen_bytes)
-            for ref in lease
-        ]
+        blocks = self._describe(lease, pair)
         buffer = BufferInfo(
             agent_name=self.transport.name,
             endpoint_epoch=self.our.epoch,

@@ -6,6 +6,14 @@ variable-length field is bounded (`Meta(max_length=...)`) so decoding cost and
 retained state are bounded by the frame length cap. Schema evolution is
 append-only with defaults.
 
+An OPEN's block list comes in two forms. The list form is one
+`BlockDescriptor` per block (every build reads it). The packed form
+(`Capability.PACKED_BLOCKS`, sent only to a topology that negotiated it) is one
+byte string of four little-endian columns: block (u32) x n, length (u32) x n,
+generation (u64) x n, address (u64) x n, 24 bytes per block. The packed form
+decodes as one copy and is read as arrays (`block_columns`), so an OPEN of
+8,192 blocks costs no per-block object on either side.
+
 | message | from → to | meaning |
 | --- | --- | --- |
 | Open | GEN rank → CTX rank | proposal for one edge, with the full buffer info |
@@ -20,9 +28,10 @@ append-only with defaults.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Union
+from typing import Annotated, NamedTuple, Union
 
 import msgspec
+import numpy as np
 from msgspec import Meta
 
 from ._ticket import U32, U63, ContextTicket
@@ -37,6 +46,10 @@ __all__ = [
     "RejectReason",
     "Capability",
     "BlockDescriptor",
+    "BlockColumns",
+    "PACKED_BLOCK_BYTES",
+    "pack_blocks",
+    "block_columns",
     "BufferInfo",
     "Open",
     "Ready",
@@ -52,6 +65,8 @@ __all__ = [
 
 #: Most GEN blocks one OPEN may describe (bounds decode work and state).
 MAX_BLOCKS_PER_OPEN = 16384
+#: Bytes per block in the packed form of `BufferInfo.blocks`.
+PACKED_BLOCK_BYTES = 24
 #: Longest free-text detail a REJECT or CANCEL may carry.
 MAX_DETAIL_LEN = 256
 #: Longest NIXL agent name.
@@ -98,6 +113,7 @@ class Capability(enum.IntFlag):
     OPEN_CARRIES_BUFFER_INFO = 1 << 2  # OPEN carries complete BufferInfo
     CHUNKED_WRITE = 1 << 3  # DMA posted in chunks (cancel stops between chunks)
     STAGED_WRITE = 1 << 4  # gather/scatter through staging slots
+    PACKED_BLOCKS = 1 << 5  # an OPEN's block list may come packed (columns of bytes)
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="kind"):
@@ -113,14 +129,90 @@ class BlockDescriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=True, a
     length: U32
 
 
+_I63 = 2**63  # generations and addresses stay below, as in `BlockDescriptor`
+
+
 class BufferInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """RequestAndBufferInfo: what CTX needs to write into one GEN rank's blocks."""
+    """RequestAndBufferInfo: what CTX needs to write into one GEN rank's blocks.
+
+    `blocks` is a list of descriptors or, packed, `pack_blocks`' bytes; read
+    either form with `block_columns`."""
 
     agent_name: Annotated[str, Meta(min_length=1, max_length=MAX_AGENT_NAME_LEN)]
     endpoint_epoch: U63
     memory: MemoryKind
     device: Annotated[int, Meta(ge=0, lt=1024)] = 0
-    blocks: Annotated[list[BlockDescriptor], Meta(min_length=1, max_length=MAX_BLOCKS_PER_OPEN)]
+    blocks: Union[
+        Annotated[list[BlockDescriptor], Meta(min_length=1, max_length=MAX_BLOCKS_PER_OPEN)],
+        Annotated[
+            bytes,
+            Meta(min_length=PACKED_BLOCK_BYTES, max_length=MAX_BLOCKS_PER_OPEN * PACKED_BLOCK_BYTES),
+        ],
+    ]
+
+    def __post_init__(self) -> None:
+        # A packed list is checked as the list form is by its schema: whole
+        # blocks, every generation and address below 2**63. (Run on decode
+        # too: a bad packed list is a DecodeError, like a bad descriptor.)
+        if isinstance(self.blocks, bytes):
+            if len(self.blocks) % PACKED_BLOCK_BYTES:
+                raise ValueError(
+                    f"packed blocks of {len(self.blocks)} bytes, not a multiple of {PACKED_BLOCK_BYTES}"
+                )
+            cols = block_columns(self)
+            if (cols.generations >= _I63).any() or (cols.addrs >= _I63).any():
+                raise ValueError("a packed generation or address is not below 2**63")
+
+    @property
+    def num_blocks(self) -> int:
+        """How many blocks the OPEN names, in either form."""
+        if isinstance(self.blocks, bytes):
+            return len(self.blocks) // PACKED_BLOCK_BYTES
+        return len(self.blocks)
+
+
+class BlockColumns(NamedTuple):
+    """An OPEN's blocks as read-only arrays, one entry per block, in order."""
+
+    blocks: np.ndarray  # uint32
+    lengths: np.ndarray  # uint32
+    generations: np.ndarray  # uint64
+    addrs: np.ndarray  # uint64
+
+
+def pack_blocks(blocks: np.ndarray, lengths: np.ndarray, generations: np.ndarray, addrs: np.ndarray) -> bytes:
+    """The packed form of a block list (four equal-length columns)."""
+    n = len(blocks)
+    if not n == len(lengths) == len(generations) == len(addrs):
+        raise ValueError("pack_blocks needs four columns of one length")
+    return b"".join(
+        (
+            np.asarray(blocks, dtype="<u4").tobytes(),
+            np.asarray(lengths, dtype="<u4").tobytes(),
+            np.asarray(generations, dtype="<u8").tobytes(),
+            np.asarray(addrs, dtype="<u8").tobytes(),
+        )
+    )
+
+
+def block_columns(buffer: BufferInfo) -> BlockColumns:
+    """`buffer`'s blocks as columns, from either form (views of the packed bytes)."""
+    raw = buffer.blocks
+    if isinstance(raw, bytes):
+        n = len(raw) // PACKED_BLOCK_BYTES
+        return BlockColumns(
+            np.frombuffer(raw, dtype="<u4", count=n, offset=0),
+            np.frombuffer(raw, dtype="<u4", count=n, offset=4 * n),
+            np.frombuffer(raw, dtype="<u8", count=n, offset=8 * n),
+            np.frombuffer(raw, dtype="<u8", count=n, offset=16 * n),
+        )
+    n = len(raw)
+    return BlockColumns(
+        np.fromiter((d.block for d in raw), dtype=np.uint32, count=n),
+        np.fromiter((d.length for d in raw), dtype=np.uint32, count=n),
+        np.fromiter((d.generation for d in raw), dtype=np.uint64, count=n),
+        np.fromiter((d.addr for d in raw), dtype=np.uint64, count=n),
+    )
 
 
 class Open(_Msg, frozen=True, tag="open"):

@@ -46,6 +46,8 @@ claims them:
 | OPEN_CARRIES_BUFFER_INFO | ✓  | ✓  | OPEN exists in v1                            |
 | CHUNKED_WRITE            | ✓  | ✓  | data plane only                              |
 | STAGED_WRITE             | ✓  | ✓  | data plane only                              |
+| PACKED_BLOCKS            | –  | ✓  | v1 frames keep the one-descriptor-per-block  |
+|                          |    |    | OPEN every older build reads                 |
 
 Use `require` before anything that depends on a capability: e.g. the active
 cancellation protocol calls ``require(negotiated, Capability.INFLIGHT_CANCEL)``

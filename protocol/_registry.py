@@ -19,7 +19,8 @@ session is classified as stale, not unknown.
 
 `check_descriptor()` is the slot-generation half of default-deny: a
 `BlockDescriptor` whose `(block, generation)` is not a current incarnation in
-the pool is stale.
+the pool is stale. `check_descriptors()` checks a whole OPEN's list at once,
+as arrays (an OPEN may name thousands of blocks).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterator
 from typing import Generic, TypeVar
+
+import numpy as np
 
 from ._errors import ProtocolError, StaleError, UnknownSessionError
 from ._messages import BlockDescriptor
@@ -39,6 +42,7 @@ __all__ = [
     "CLOSED_SESSION_MEMORY",
     "stale_field",
     "check_descriptor",
+    "check_descriptors",
 ]
 
 #: How many closed sessions a registry remembers for stale classification.
@@ -96,6 +100,18 @@ def check_descriptor(pool: BlockPool, descriptor: BlockDescriptor) -> BlockRef:
             (descriptor.block, current),
         )
     return ref
+
+
+def check_descriptors(pool: BlockPool, blocks: np.ndarray, generations: np.ndarray) -> None:
+    """`check_descriptor` for a whole OPEN at once (its `block_columns`):
+    raise StaleError naming the first (block, generation) that is not a
+    current incarnation in `pool`."""
+    current = pool.current(blocks.astype(np.int64), generations.astype(np.int64))
+    if not current.all():
+        i = int(np.argmin(current))
+        block, generation = int(blocks[i]), int(generations[i])
+        now = pool.generation_of(block) if 0 <= block < pool.num_blocks else None
+        raise StaleError("slot generation", (block, generation), (block, now))
 
 
 class SessionRegistry(Generic[V]):

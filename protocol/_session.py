@@ -123,6 +123,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+import numpy as np
+
 from ._errors import (
     IllegalTransition,
     LeaseError,
@@ -133,6 +135,7 @@ from ._errors import (
     UnknownSessionError,
 )
 from ._messages import (
+    BlockColumns,
     BufferInfo,
     Cancel,
     CancelReason,
@@ -144,12 +147,14 @@ from ._messages import (
     SessionMessage,
     Terminal,
     TerminalKind,
+    block_columns,
 )
-from ._pool import BlockPool, BlockRef
-from ._registry import DuplicateSessionError, SessionRegistry, check_descriptor
+from ._pool import BlockPool, BlockRef, BlockRefs
+from ._registry import DuplicateSessionError, SessionRegistry, check_descriptors
 from ._ticket import ContextTicket, Endpoint, ParentKey, Role
 
 __all__ = [
+    "whole_block_misfits",
     "ParentState",
     "EdgeState",
     "ParentEvent",
@@ -642,7 +647,7 @@ class Release:
     `reclaimed`: they come back from quarantine, on a proof of quiescence."""
 
     parent: ParentKey
-    blocks: tuple[BlockRef, ...]
+    blocks: BlockRefs
     reclaimed: bool = False
     outcome: LocalOutcome = LocalOutcome.RELEASED
 
@@ -652,7 +657,7 @@ class Quarantine:
     """The pool already quarantined these blocks: keep them, never reuse them."""
 
     parent: ParentKey
-    blocks: tuple[BlockRef, ...]
+    blocks: BlockRefs
     reason: str
     outcome: LocalOutcome = LocalOutcome.QUARANTINED
 
@@ -838,7 +843,7 @@ class _Edge:
 class _Parent:
     key: ParentKey
     state: ParentState
-    refs: tuple[BlockRef, ...]
+    refs: BlockRefs
     lease_deadline: float | None
     edges: dict[ContextTicket, _Edge] = field(default_factory=dict)
     deadline: float | None = None  # CTX: transfer deadline after DECIDED; GEN: after INSTALLED
@@ -920,7 +925,7 @@ class _Rank:
         """The OPEN recorded for an installed session (its GEN block descriptors)."""
         return self._sessions.get(ticket).open
 
-    def lease(self, parent: ParentKey) -> tuple[BlockRef, ...]:
+    def lease(self, parent: ParentKey) -> BlockRefs:
         return self._require(parent).refs
 
     def admission_stopped(self) -> bool:
@@ -1092,7 +1097,7 @@ class _Rank:
         n_blocks: int,
         lease_deadline: float | None,
         blocks: Sequence[int] | None = None,
-    ) -> tuple[BlockRef, ...]:
+    ) -> BlockRefs:
         if parent in self._parents or parent in self._closed_parents:
             raise LeaseError(f"parent {parent!r} already admitted on this rank")
         if blocks:
@@ -1239,10 +1244,10 @@ def _check_open_buffer(
     registered buffer; one descriptor per block of our lease (the chunks pair
     them one to one)."""
     buffer = message.buffer
-    blocks = buffer.blocks
-    if len(blocks) != lease_blocks:
-        raise LeaseError(f"OPEN names {len(blocks)} blocks, our lease has {lease_blocks}")
-    if block_bytes is not None and any(b.length != block_bytes for b in blocks):
+    if buffer.num_blocks != lease_blocks:
+        raise LeaseError(f"OPEN names {buffer.num_blocks} blocks, our lease has {lease_blocks}")
+    cols = block_columns(buffer)
+    if block_bytes is not None and (cols.lengths != block_bytes).any():
         raise LeaseError(f"OPEN block length is not the GEN block size {block_bytes}")
     if expected_agent is not None and buffer.agent_name != expected_agent:
         raise StaleError("gen agent in buffer info", buffer.agent_name, expected_agent)
@@ -1251,16 +1256,27 @@ def _check_open_buffer(
     if peer.agent_name != buffer.agent_name:
         raise StaleError("gen agent of the registered buffer", peer.agent_name, buffer.agent_name)
     stride = peer.block_bytes if peer.block_stride is None else peer.block_stride
-    for b in blocks:
-        if not (
-            b.block < peer.num_blocks
-            and b.length == peer.block_bytes
-            and b.addr == peer.base + b.block * stride
-        ):
-            raise LeaseError(
-                f"OPEN block {b.block} at {b.addr:#x} is not a block of "
-                f"{buffer.agent_name}'s registered buffer"
-            )
+    wrong = whole_block_misfits(cols, peer.num_blocks, peer.block_bytes, peer.base, stride)
+    if wrong is not None:
+        block, addr = int(cols.blocks[wrong]), int(cols.addrs[wrong])
+        raise LeaseError(
+            f"OPEN block {block} at {addr:#x} is not a block of "
+            f"{buffer.agent_name}'s registered buffer"
+        )
+
+
+def whole_block_misfits(
+    cols: BlockColumns, num_blocks: int, block_bytes: int, base: int, stride: int
+) -> int | None:
+    """The index of the first block of `cols` that is not a whole block of a
+    registered buffer (`num_blocks` blocks of `block_bytes` at `base` +
+    block x `stride`), or None if every one is."""
+    inside = cols.blocks < num_blocks
+    # The address of a block inside the buffer is registered memory: it fits in 64 bits.
+    index = np.where(inside, cols.blocks, 0).astype(np.uint64)
+    expected = np.uint64(base) + index * np.uint64(stride)
+    whole = inside & (cols.lengths == block_bytes) & (cols.addrs == expected)
+    return None if whole.all() else int(np.argmin(whole))
 
 
 def _check_endpoint(what: str, got: Endpoint, ours: Endpoint) -> None:
@@ -1329,7 +1345,7 @@ class CtxRank(_Rank):
         lease_deadline: float,
         blocks: Sequence[int] | None = None,
         edges: int | None = None,
-    ) -> tuple[BlockRef, ...]:
+    ) -> BlockRefs:
         """Lease `n_blocks` for `parent` (after the CTX admission round):
         exactly `blocks` when the engine named them, else any free ones.
 
@@ -1746,7 +1762,7 @@ class GenRank(_Rank):
         now: float,
         deadline: float | None = None,
         blocks: Sequence[int] | None = None,
-    ) -> tuple[BlockRef, ...]:
+    ) -> BlockRefs:
         """Lease `n_blocks` for `parent` (after the GEN admission round):
         exactly `blocks` when the engine named them, else any free ones.
 
@@ -1767,7 +1783,6 @@ class GenRank(_Rank):
         if not edges:
             raise PoolError("a session needs at least one edge")
         seen: set[ContextTicket] = set()
-        ours = set(record.refs)
         for spec in edges:
             ticket = spec.ticket
             if ticket.parent != parent:
@@ -1786,12 +1801,15 @@ class GenRank(_Rank):
             if spec.expected_bytes < 0:
                 raise PoolError(f"negative expected bytes {spec.expected_bytes}")
             seen.add(ticket)
-            for descriptor in spec.buffer.blocks:
-                ref = check_descriptor(self.pool, descriptor)
-                if ref not in ours:
-                    raise PoolError(
-                        f"block {ref} does not belong to the lease of {parent.request_id!r}"
-                    )
+            cols = block_columns(spec.buffer)
+            check_descriptors(self.pool, cols.blocks, cols.generations)
+            ours = self.pool.owned_by(parent, cols.blocks)  # a current block of our lease
+            if not ours.all():
+                i = int(np.argmin(ours))
+                raise PoolError(
+                    f"block {BlockRef(int(cols.blocks[i]), int(cols.generations[i]))} does not "
+                    f"belong to the lease of {parent.request_id!r}"
+                )
         record.deadline = now + self.transfer_timeout
         for spec in edges:
             open_msg = Open(ticket=spec.ticket, buffer=spec.buffer, num_tokens=spec.num_tokens)

@@ -244,6 +244,37 @@ def test_compatible_mix_agrees_on_v2_and_completes(ray_cluster) -> None:
     assert refused.get("refused_FrameError", 0) == 1, refused
 
 
+def test_an_open_is_packed_only_where_every_rank_negotiated_it(ray_cluster) -> None:
+    """The GEN sends its blocks packed (arrays, no per-block descriptor) when
+    every rank of both instances offered PACKED_BLOCKS, and one descriptor
+    per block when one rank did not (an older build could not read the
+    packed form). Either way the bytes arrive and are verified."""
+    without = v2([2], ALL & ~int(Capability.PACKED_BLOCKS))
+
+    async def one(descriptors: dict[tuple[Role, int], Any]) -> tuple[Any, dict[str, int], Any]:
+        dep = await launch_with(descriptors, ctx_tp=2, gen_tp=1)
+        try:
+            done = await dep.handoff("packed", TOKENS, timeout=TIMEOUT)
+            gen = (await dep.ranks(Role.GEN))[0]
+            counters = (await gen.stats.remote())["counters"]
+            return done, counters, await wait_stats(dep, lambda s: True, TIMEOUT)
+        finally:
+            await dep.shutdown()
+
+    async def scenario():
+        return await one({}), await one({(Role.CTX, 1): without})
+
+    (packed, packed_counters, packed_stats), (listed, listed_counters, listed_stats) = run(scenario())
+    for done, stats in ((packed, packed_stats), (listed, listed_stats)):
+        assert done.outcome == "completed", done
+        assert done.bytes_verified == gen_bytes(TOKENS, 1)
+        assert_clean(stats)
+    # tp 2 -> 1: the GEN rank opens one edge per CTX rank, all in one form.
+    assert packed_counters.get("opens_packed", 0) == 1 and "opens_listed" not in packed_counters, packed_counters
+    assert listed_counters.get("opens_listed", 0) == 1 and "opens_packed" not in listed_counters, listed_counters
+    assert listed_stats["ranks"][0]["negotiated"]["capabilities"] == ALL & ~int(Capability.PACKED_BLOCKS)
+
+
 def _open(dep: Deployment, request_id: str) -> Open:
     ctx = Endpoint(ns=RankNamespace(instance_id=dep.ctx_spec.instance_id, role=Role.CTX, rank=0), epoch=1)
     gen = Endpoint(ns=RankNamespace(instance_id=dep.gen_spec.instance_id, role=Role.GEN, rank=0), epoch=1)

@@ -41,6 +41,7 @@ from kvhandoff.protocol import (
     DecodeError,
     FrameError,
     Message,
+    Open,
     allowed_kinds,
     decode_frame,
     encode_frame,
@@ -557,6 +558,35 @@ def test_map_shape_rules() -> None:
     assert "at depth" not in str(worst)  # refused by the schema, not the shape check
 
 
+def _packed_open_frame(blocks: bytes) -> bytes:
+    plain = _plain(OPEN)
+    plain["buffer"]["blocks"] = blocks
+    return _open_frame(plain)
+
+
+#: Packed block lists a schema check refuses (the packed form of an OPEN's
+#: blocks, `Capability.PACKED_BLOCKS`): each must be a DecodeError, as the
+#: same fault in a descriptor list is.
+BAD_PACKED = {
+    "shorter than one block": b"\x00" * 23,
+    "not whole blocks": b"\x00" * 47,
+    "a generation of 2**63": bytes(8) + (2**63).to_bytes(8, "little") + bytes(8),
+    "an address of 2**63": bytes(16) + (2**63).to_bytes(8, "little"),
+    "one block past the bound": bytes(24 * (MAX_BLOCKS_PER_OPEN + 1)),
+    "not bytes but a string": "x" * 24,
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_PACKED))
+def test_a_bad_packed_block_list_is_a_decode_error(name: str) -> None:
+    blocks = BAD_PACKED[name]
+    result = _decode(_packed_open_frame(blocks))  # type: ignore[arg-type]
+    assert isinstance(result, DecodeError), (name, result)
+    # The same list with its fault removed decodes: the check, not the form, refused it.
+    good = _decode(_packed_open_frame(bytes(24)))
+    assert isinstance(good, Open) and good.buffer.num_blocks == 1
+
+
 def _hostile_frames() -> dict[str, bytes]:
     fill = MAX_FRAME_LEN - FRAME_HEADER_LEN
     ticket = _enc(_plain(READY)["ticket"])
@@ -574,6 +604,7 @@ def _hostile_frames() -> dict[str, bytes]:
             "max-size ints array": _frame(_enc([0] * (fill - 8)), OPEN_CODE),
             "zeros at the cap": _frame(b"\x00" * fill, OPEN_CODE),
             "random at the cap": _frame(random.Random(0).randbytes(fill), OPEN_CODE),
+            "packed blocks past the bound": _packed_open_frame(BAD_PACKED["one block past the bound"]),
         }
     )
     return frames

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvhandoff.protocol import BlockPool, BlockRef, BlockState, Cleanup, LeaseError, PoolError
+from kvhandoff.protocol import (
+    BlockPool,
+    BlockRef,
+    BlockRefs,
+    BlockState,
+    Cleanup,
+    LeaseError,
+    PoolError,
+)
 
 
 def test_lease_bumps_generations_and_counts_add_up() -> None:
@@ -67,12 +78,47 @@ def test_quarantine_is_never_reused_until_reclaimed() -> None:
         pool.quarantine("a")  # released owners cannot be quarantined after the fact
 
 
-def test_check_invariants_detects_corruption() -> None:
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda p: p._state.__setitem__(2, 1),  # a block LEASED by nobody
+        lambda p: p._state.__setitem__(0, 0),  # a leased block marked FREE
+        lambda p: p._generation.__setitem__(0, 99),  # a generation moved under its lease
+        lambda p: p._owner_id.__setitem__(2, 1),  # a free block with an owner
+        lambda p: p._owner_id.__setitem__(0, 0),  # a leased block with none
+        lambda p: p._free.__setitem__(0, None),  # a leased block on the free list
+    ],
+)
+def test_check_invariants_detects_corruption(corrupt: Any) -> None:
     pool = BlockPool(3)
     pool.lease("a", 1)
-    pool._state[2] = BlockState.LEASED  # a block leased by nobody
+    pool.check_invariants()
+    corrupt(pool)
     with pytest.raises(PoolError):
         pool.check_invariants()
+
+
+def test_a_lease_is_arrays_and_still_a_sequence_of_refs() -> None:
+    pool = BlockPool(6)
+    pool.lease("x", 2)
+    pool.release("x")
+    refs = pool.lease_blocks("a", np.array([4, 0, 2]))
+    assert isinstance(refs, BlockRefs)
+    assert refs.block_list() == [4, 0, 2]
+    assert refs.generations.tolist() == [1, 2, 1]  # block 0 was leased once before
+    assert refs == (BlockRef(4, 1), BlockRef(0, 2), BlockRef(2, 1))
+    assert refs[1] == BlockRef(0, 2) and refs[1:] == (BlockRef(0, 2), BlockRef(2, 1))
+    assert BlockRef(0, 2) in refs and BlockRef(0, 1) not in refs
+    with pytest.raises(ValueError):
+        refs.blocks[0] = 5  # read-only: a lease cannot be edited behind the pool
+    assert pool.current(np.array([4, 0, 2, 0, 9]), np.array([1, 2, 1, 1, 1])).tolist() == [
+        True, True, True, False, False
+    ]
+    assert pool.owned_by("a", np.array([4, 1])).tolist() == [True, False]
+    assert pool.owner_of(BlockRef(0, 2)) == "a" and pool.owner_of(BlockRef(0, 1)) is None
+    pool.release("a")
+    assert not pool.current(refs.blocks, refs.generations).any()
+    pool.check_invariants()
 
 
 def test_bad_construction_and_indices() -> None:

@@ -41,6 +41,8 @@ from kvhandoff.protocol import (
     RejectReason,
     Release,
     StaleError,
+    block_columns,
+    pack_blocks,
     reject_for,
 )
 
@@ -214,12 +216,23 @@ def test_an_open_at_the_block_stride_of_region_0_is_accepted() -> None:
     assert _prepared(actions)
 
 
+def _packed(message: Open) -> Open:
+    """The same OPEN with its block list in the packed form."""
+    c = block_columns(message.buffer)
+    return _blocks(message, blocks=pack_blocks(c.blocks, c.lengths, c.generations, c.addrs))
+
+
 def _cases() -> list[Any]:
     _pair, (good,) = _resident()
     return [
-        pytest.param(bad, {**CHECKS, **checks}, error, id=name)
+        pytest.param(form(bad), {**CHECKS, **checks}, error, id=f"{name} ({form.__name__.strip('_')})")
         for name, bad, checks, error in _bad_opens(good)
+        for form in (_listed, _packed)
     ]
+
+
+def _listed(message: Open) -> Open:
+    return message
 
 
 @pytest.mark.parametrize(("bad", "checks", "error"), _cases())
@@ -237,7 +250,9 @@ def test_each_open_check_refuses_typed_and_changes_nothing(
     reject = reject_for(bad, refused.value, pair.ctx.our)
     assert isinstance(reject, Reject)
     assert reject.ticket == bad.ticket and reject.reason is RejectReason.STALE
-    # The same session with the good buffer and the actor's expectations passes.
+    # The same session with the good buffer (in the refused one's form) and the
+    # actor's expectations passes.
+    good = _packed(good) if isinstance(bad.buffer.blocks, bytes) else good
     assert _prepared(pair.ctx.receive_open(good, pair.now, **CHECKS)) == [Prepared(P)]
     assert pair.ctx.evidence(good.ticket).state is EdgeState.PREPARED
 

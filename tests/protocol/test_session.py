@@ -19,6 +19,7 @@ from kvhandoff.protocol import (
     GEN_PARENT_TRANSITIONS,
     MACHINES,
     BlockDescriptor,
+    BufferInfo,
     Cancel,
     CancelReason,
     CleanupSkipped,
@@ -48,6 +49,8 @@ from kvhandoff.protocol import (
     Terminal,
     TerminalKind,
     UnknownSessionError,
+    block_columns,
+    pack_blocks,
     reject_for,
     render_state_tables,
 )
@@ -266,6 +269,11 @@ def test_closed_session_is_stale_not_unknown() -> None:
     assert "closed" in str(info.value)
 
 
+def _packed(buffer: BufferInfo) -> BufferInfo:
+    c = block_columns(buffer)
+    return msgspec.structs.replace(buffer, blocks=pack_blocks(c.blocks, c.lengths, c.generations, c.addrs))
+
+
 def test_install_checks_descriptors_against_the_lease() -> None:
     pair = Pair()
     pair.admit(P)
@@ -279,14 +287,15 @@ def test_install_checks_descriptors_against_the_lease() -> None:
     )
     foreign = buffer_for(gen.lease(parent_key(2)), gen.our.epoch)
     before = gen.snapshot()
-    with pytest.raises(StaleError):
-        gen.install(
-            P, [GenEdgeSpec(ticket=ticket, buffer=stale, num_tokens=1, expected_bytes=1)], 0.0
-        )
-    with pytest.raises(PoolError):
-        gen.install(
-            P, [GenEdgeSpec(ticket=ticket, buffer=foreign, num_tokens=1, expected_bytes=1)], 0.0
-        )
+    for form in (lambda b: b, _packed):  # either form of the block list, the same checks
+        with pytest.raises(StaleError):
+            gen.install(
+                P, [GenEdgeSpec(ticket=ticket, buffer=form(stale), num_tokens=1, expected_bytes=1)], 0.0
+            )
+        with pytest.raises(PoolError):
+            gen.install(
+                P, [GenEdgeSpec(ticket=ticket, buffer=form(foreign), num_tokens=1, expected_bytes=1)], 0.0
+            )
     with pytest.raises(StaleError):
         wrong = make_ticket(P, pair.ctx.our, gen_endpoint(epoch=4))
         gen.install(

@@ -15,20 +15,24 @@ from kvhandoff.protocol import (
     FRAME_MAGIC,
     MAX_BLOCKS_PER_OPEN,
     MAX_FRAME_LEN,
+    PACKED_BLOCK_BYTES,
     SUPPORTED_VERSIONS,
     ContextTicket,
     DecodeError,
     FrameError,
     Message,
+    Open,
     ProtocolError,
     RankDescriptorV1,
     RankDescriptorV2,
     Receipt,
     Terminal,
     allowed_kinds,
+    block_columns,
     decode_frame,
     encode_frame,
     kind_code,
+    pack_blocks,
     samples,
 )
 from tests.protocol import strategies as s
@@ -232,6 +236,39 @@ def test_worst_case_open_fits_the_cap() -> None:
     # One block more is refused by the schema, on either side of the wire.
     with pytest.raises(ProtocolError):
         decode_frame(encode_frame(s.worst_case_open(MAX_BLOCKS_PER_OPEN + 1)))
+
+
+def _packed(msg: Open) -> Open:
+    c = block_columns(msg.buffer)
+    packed = pack_blocks(c.blocks, c.lengths, c.generations, c.addrs)
+    return msgspec.structs.replace(msg, buffer=msgspec.structs.replace(msg.buffer, blocks=packed))
+
+
+def test_a_packed_open_round_trips_and_reads_as_its_list_form() -> None:
+    listed = samples()[0]
+    assert isinstance(listed, Open)
+    packed = _packed(listed)
+    assert isinstance(packed.buffer.blocks, bytes) and len(packed.buffer.blocks) == 4 * PACKED_BLOCK_BYTES
+    got = decode_frame(encode_frame(packed))
+    assert got == packed and isinstance(got, Open)
+    assert got.buffer.num_blocks == listed.buffer.num_blocks == 4
+    for mine, theirs in zip(block_columns(got.buffer), block_columns(listed.buffer)):
+        assert mine.tolist() == theirs.tolist()
+    assert [d.addr for d in listed.buffer.blocks] == block_columns(got.buffer).addrs.tolist()
+
+
+def test_worst_case_packed_open_fits_the_cap_and_decodes_in_one_copy() -> None:
+    listed = s.worst_case_open()
+    packed = _packed(listed)
+    frame = encode_frame(packed)
+    assert MAX_BLOCKS_PER_OPEN * PACKED_BLOCK_BYTES < len(frame) <= MAX_FRAME_LEN
+    got = decode_frame(frame)
+    assert got == packed
+    cols = block_columns(got.buffer)  # type: ignore[union-attr]
+    assert cols.generations.max() == cols.addrs.max() == 2**63 - 1
+    assert cols.blocks.max() == cols.lengths.max() == 2**32 - 1
+    # The arrays are views of the message's own bytes: nothing per block was built.
+    assert cols.blocks.base is not None and not cols.blocks.flags.writeable
 
 
 def test_max_len_argument_is_a_hard_cap() -> None:
