@@ -964,6 +964,11 @@ class _Bench:
 
             with self._section("scale", "aggregate handoff rate of NxN fleets vs independent pairs"):
                 out["scale"] = await scale(a, self.reporter, self.rid)
+        if "engine" in sections:
+            from kvhandoff.actors._bench_engine import engine_cost
+
+            with self._section("engine", "the engine's Python beside no endpoint, an idle one, one under load"):
+                out["engine"] = await engine_cost(a, self.reporter, self.rid)
         if self.pool_samples:
             out["pools"] = self.pool_samples
         out["targets"] = _targets(out)
@@ -1203,6 +1208,10 @@ def _targets(out: dict[str, Any]) -> list[dict[str, Any]]:
 
         cores = out.get("machine", {}).get("cpus") or 0
         scale_targets(out["scale"], "GPU host target (16 cores)" if cores < 16 else "", add)
+    if out.get("engine"):
+        from kvhandoff.actors._bench_engine import engine_targets
+
+        engine_targets(out["engine"], add)
     cancel = out.get("cancel")
     if cancel:
         bound = out.get("chunk_s", math.nan) + cancel["round_s_p50"]

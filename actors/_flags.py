@@ -36,7 +36,7 @@ START_TIMEOUT_S = 600.0
 
 # -- bench choices --------------------------------------------------------------------------
 
-SECTIONS = ("data", "paged", "control", "cancel", "frames", "crossover", "scale")
+SECTIONS = ("data", "paged", "control", "cancel", "frames", "crossover", "scale", "engine")
 #: What runs without `--sections` (frames is asked for by name).
 DEFAULT_SECTIONS = ("data", "paged", "control", "cancel")
 #: `Deployment.launch(data_mode=)`; the same tuple as `_stager.DATA_MODES`
@@ -321,6 +321,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "is compared, on a deployment of 64-byte blocks; the first is the reference",
     )
     add("--big-n", type=positive_int, default=20, help="control section: handoffs per request size")
+    add(
+        "--engine-spin-s",
+        type=positive_float,
+        default=1.0,
+        help="engine section: seconds of the engine's Python loop per sample",
+    )
     add("--sustain-s", type=positive_float, default=3.0, help="seconds of sustained handoffs per concurrency")
     add("--ping-n", type=positive_int, default=1000, help="pipelined ping.remote() calls per rate sample")
     add("--scale-sizes", type=positive_ints, default="1,2,4,1", help="scale section: NxN fleets of tp=1 instances, in this order (1 again last: no size gains from the order)")

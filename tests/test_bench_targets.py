@@ -86,3 +86,36 @@ def test_scale_table_lists_every_size_and_the_independent_pairs() -> None:
 
     headers, rows = scale_table(_scale([(1, 50.0), (2, 190.0), (4, 300.0), (1, 100.0)], independent=320.0))
     assert headers[0] == "setup" and [r[0] for r in rows] == ["fleet 1x1", "fleet 2x2", "fleet 4x4", "fleet 1x1", "4 independent pairs"]
+
+
+def _control(over_first: float, first_blocks: int = 128) -> dict:
+    return {
+        "latency_over_ping_p50": 5.0,
+        "sustained_over_pipelined_best": 0.6,
+        "blocks": {"rows": [
+            {"blocks": first_blocks, "over_first_p50": 1.0},
+            {"blocks": 8192, "over_first_p50": over_first},
+        ]},
+    }
+
+
+def test_the_big_request_target_compares_8192_blocks_with_128() -> None:
+    def big(out: dict) -> list[dict]:
+        return [t for t in _targets(out) if "8,192-block" in t["target"]]
+
+    (met,) = big({"machine": {"cpus": 2}, "control": _control(1.4)})
+    assert met["met"] is True and met["bound"] == 1.5 and met["op"] == "<="
+    (missed,) = big({"machine": {"cpus": 2}, "control": _control(1.6)})
+    assert missed["met"] is False
+    assert big({"machine": {"cpus": 2}, "control": _control(1.1, first_blocks=64)}) == []  # other sizes: no target
+
+
+def test_the_engine_cost_target_bounds_the_idle_endpoint_only() -> None:
+    def engine(idle: float, load: float) -> dict[str, dict]:
+        out = {"engine": {"idle_over_none": idle, "load_over_none": load}}
+        return {t["target"].split(" / ")[0]: t for t in _targets(out)}
+
+    ok = engine(0.99, 0.5)
+    assert ok["engine Python loop with an idle endpoint"]["met"] is True
+    assert ok["engine Python loop under handoff load"]["met"] is True  # reported, not bounded
+    assert engine(0.97, 0.9)["engine Python loop with an idle endpoint"]["met"] is False

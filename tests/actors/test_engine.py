@@ -453,3 +453,30 @@ async def test_a_restarted_worker_reattaches_and_its_next_request_is_exact(ray_c
         await eng.dep.shutdown()
         for w in eng.ctx + eng.gen:
             ray.kill(w)
+
+
+async def test_the_engine_cost_bench_runs_a_hosted_endpoint_under_load(ray_cluster: Any) -> None:
+    """`kvhandoff bench --sections engine` on real endpoints hosted by
+    engine-style workers: the loop ran beside an idle endpoint and one under
+    real handoffs (every one completed), and the idle endpoint's own CPU
+    share was measured. The numbers are the bench's to judge; here, that
+    each was measured."""
+    import argparse
+    import itertools
+
+    from kvhandoff.actors._bench_engine import engine_cost, engine_targets
+    from kvhandoff.actors._console import Reporter
+
+    ids = itertools.count()
+    out = await engine_cost(
+        argparse.Namespace(engine_spin_s=0.05, repeats=1),
+        Reporter("bench", quiet=True),
+        lambda tag: f"{tag}-{next(ids)}",
+    )
+    assert out["handoffs_under_load"] > 0 and out["failures"] == {}, out
+    assert len(out["idle_over_none_per_repeat"]) == len(out["load_over_none_per_repeat"]) == 9
+    assert all(r > 0 for r in out["idle_over_none_per_repeat"] + out["load_over_none_per_repeat"])
+    assert out["idle_cpu_share"]["idle"] > 0 and out["idle_cpu_share"]["none"] > 0
+    names: list[str] = []
+    engine_targets(out, lambda name, *rest: names.append(name))
+    assert len(names) == 3
