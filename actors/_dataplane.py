@@ -905,7 +905,11 @@ class FaultyTransport(NixlTransport):
         """Poll the real WRITEs of partial failures; release the finished ones.
         Returns how many are still writing."""
         for real in list(self.partial_failures):
-            if real.poll() in (XferState.DONE, XferState.ERR):
+            # The real transport's check: `real.poll()` would come back
+            # through `check` above, and here again, while the WRITE runs.
+            if not real.terminal:
+                real.state = super().check(real)
+            if real.terminal:
                 real.release()
                 self.partial_failures.remove(real)
         return len(self.partial_failures)

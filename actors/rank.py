@@ -1252,47 +1252,63 @@ class RankCore(RoundParticipant):
         last_progress = 0.0
         idle_sweeps = 0  # sweeps in a row where no chunk finished: back off
         while True:
-            now = time.monotonic()
-            progressed = self._poll_chunks(now)
-            # Drains notifications (frames, staging notices) and progresses
-            # our NIXL worker: agents run without a progress thread.
-            for _, frame in self._channel.poll():
-                progressed = True
-                if self._notif is not None:
-                    await self._receive_frame(frame, "notif")
+            try:
+                now = time.monotonic()
+                progressed = self._poll_chunks(now)
+                # Drains notifications (frames, staging notices) and progresses
+                # our NIXL worker: agents run without a progress thread.
+                for _, frame in self._channel.poll():
+                    progressed = True
+                    if self._notif is not None:
+                        await self._receive_frame(frame, "notif")
+                    else:
+                        self.counters["nixl_frames_unexpected"] += 1
+                staged = self._channel.stage_sink
+                while staged:
+                    progressed = True
+                    sender, payload = staged.pop(0)
+                    self._on_stage(sender, payload, time.monotonic())
+                if now - last_expire > 0.05:
+                    last_expire = now
+                    self._perform(self.side.expire(now))
+                    self._replay_parked()  # a lease that ran out before its apply came
+                    if self.metrics.due(now):
+                        self._export_metrics(now)
+                idle_sweeps = 0 if progressed else idle_sweeps + 1
+                if (self._notif is not None and any(
+                    state is not ParentState.QUARANTINED for state in self.side.parents().values()
+                )) or self._stage_polling():
+                    # Frames arrive only when polled: poll at the short interval
+                    # while a request is live (an empty poll costs a few µs). On
+                    # a GPU, a chunk takes ~0.1 ms: within 2 ms of the last
+                    # progress the loop only yields (a burst), then backs off.
+                    if progressed:
+                        last_progress = now
+                    hot = self._hot and now - last_progress < 0.002
+                    await asyncio.sleep(0 if hot else self.config.poll_interval_s)
+                elif self._chunks_in_flight():
+                    # Stuck chunks (e.g. of a quarantined lease) are kept and polled, never
+                    # released: back off from 0.5 ms to 50 ms so they cost no CPU.
+                    await asyncio.sleep(min(self.config.poll_interval_s * (1 << min(idle_sweeps // 64, 7)), 0.05))
                 else:
-                    self.counters["nixl_frames_unexpected"] += 1
-            staged = self._channel.stage_sink
-            while staged:
-                progressed = True
-                sender, payload = staged.pop(0)
-                self._on_stage(sender, payload, time.monotonic())
-            if now - last_expire > 0.05:
-                last_expire = now
-                self._perform(self.side.expire(now))
-                self._replay_parked()  # a lease that ran out before its apply came
-                if self.metrics.due(now):
-                    self._export_metrics(now)
-            idle_sweeps = 0 if progressed else idle_sweeps + 1
-            if (self._notif is not None and any(
-                state is not ParentState.QUARANTINED for state in self.side.parents().values()
-            )) or self._stage_polling():
-                # Frames arrive only when polled: poll at the short interval
-                # while a request is live (an empty poll costs a few µs). On
-                # a GPU, a chunk takes ~0.1 ms: within 2 ms of the last
-                # progress the loop only yields (a burst), then backs off.
-                if progressed:
-                    last_progress = now
-                hot = self._hot and now - last_progress < 0.002
-                await asyncio.sleep(0 if hot else self.config.poll_interval_s)
-            elif self._chunks_in_flight():
-                # Stuck chunks (e.g. of a quarantined lease) are kept and polled, never
-                # released: back off from 0.5 ms to 50 ms so they cost no CPU.
-                await asyncio.sleep(min(self.config.poll_interval_s * (1 << min(idle_sweeps // 64, 7)), 0.05))
-            else:
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.25)
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), timeout=0.25)
+            except Exception:
+                # A sweep that raised is a bug (a transport or the protocol
+                # broke a promise): count it, say it, and keep polling. A
+                # dead loop would leave every chunk and frame of this rank
+                # unpolled, each request to its watchdog.
+                self._poll_failed()
+                await asyncio.sleep(self.config.poll_interval_s)
+
+    def _poll_failed(self) -> None:
+        self.counters["poll_loop_errors"] += 1
+        if self.counters["poll_loop_errors"] == 1 or self.counters["poll_loop_errors"] % 1000 == 0:
+            log.exception(
+                "rank %s: a poll sweep raised (%d so far); the loop goes on",
+                self.ns, self.counters["poll_loop_errors"],
+            )
 
     def _on_stage(self, sender: str, payload: bytes, now: float) -> None:
         """A staging notice (a WRITE's, or an ACK) drained from NIXL."""

@@ -60,6 +60,7 @@ def assert_clean(stats: dict, *, quarantined_ok: bool = False, slots_quarantined
         assert s["leased"] == 0, s  # nothing still held: no leak (L2)
         assert s["free"] + s["quarantined"] == s["pool"], s
         assert s["leaked_handles"] == 0, s  # every release that was tried succeeded
+        assert s["counters"].get("poll_loop_errors", 0) == 0, s["counters"]  # no sweep raised
         assert s["tracking"] == 0, s  # no per-request bookkeeping outlives its request
         if not quarantined_ok:
             assert s["quarantined"] == 0, s

@@ -124,6 +124,9 @@ class Side:
         WRITE's target progresses, as a GEN rank's poll loop does)."""
         return sum(len(v) for v in self.transport.notifications().values())
 
+    def partial_left(self) -> int:
+        return self.transport.progress_partial()
+
     def release_all(self) -> list[bool]:
         out = [c.release() for c in self.chunks]
         self.chunks = [c for c in self.chunks if not c.released]
@@ -278,5 +281,30 @@ def test_in_flight_chunk_is_never_released_and_bytes_land_late(ray_cluster) -> N
     assert poll_both(a, b) == ["ERR"]
     assert ray.get(a.release_all.remote()) == [True]
     assert ray.get(b.block_values.remote())[3] == 0
+    ray.kill(a)
+    ray.kill(b)
+
+
+def test_partial_failure_reports_err_and_its_write_still_lands(ray_cluster) -> None:
+    """The harness's partial failure: a WRITE of several descriptors reports
+    ERR at once while its bytes really go. Its handle is kept (unproven), the
+    transport polls the real WRITE to its end (polling it again while it
+    runs, never recursing), and the stray bytes land in the target."""
+    a, b = Side.remote("dp-pa", True), Side.remote("dp-pb")
+    ray.get(a.add_peer.remote(ray.get(b.metadata.remote())))
+    ray.get([a.fill.remote(6), b.fill.remote(0), a.set_plan.remote(fail_partial_every=1)])
+    ray.get(a.post.remote("dp-pb", [1, 3, 5], ray.get(b.base.remote()), 3 * BLOCK))  # one chunk, 3 descriptors
+    assert ray.get(a.states.remote()) == ["ERR"]  # reported at once
+    assert ray.get(a.release_all.remote()) == [False]  # unproven: kept, never released
+    ray.get(a.set_plan.remote())  # no more faults: a normal chunk polls the partial one too
+    ray.get(a.post.remote("dp-pb", [7], ray.get(b.base.remote()), BLOCK))
+    for _ in range(5000):
+        if ray.get(a.partial_left.remote()) == 0 and ray.get(a.poll_all.remote(20))[-1] == "DONE":
+            break
+        ray.get(b.progress.remote())
+    assert ray.get(a.partial_left.remote()) == 0
+    assert ray.get(a.states.remote()) == ["ERR", "DONE"]
+    values = ray.get(b.block_values.remote())
+    assert [i for i, v in enumerate(values) if v == 6] == [1, 3, 5, 7]  # the stray bytes landed too
     ray.kill(a)
     ray.kill(b)

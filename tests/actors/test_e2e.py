@@ -318,10 +318,49 @@ def test_write_that_errs_partially_is_quarantined_not_reused(ray_cluster) -> Non
     for s in after_failure["ranks"]:
         assert s["quarantined"] == blocks, s  # the lease, kept on both sides, never free
     assert_clean(after_failure, quarantined_ok=True)
-    assert fresh.outcome == "completed" and fresh.bytes_verified == gen_bytes(TOKENS, 1)
+    assert fresh.outcome == "completed" and fresh.bytes_verified == gen_bytes(TOKENS, 1), fresh
     gen = next(s for s in stats["ranks"] if s["role"] == "gen")
     assert gen["quarantined"] == blocks, gen
     assert_clean(stats, quarantined_ok=True)
+
+
+def _check_raises_once(transport) -> None:
+    """The transport's next check raises (a broken promise: checks return a
+    state); the one after is the real check again."""
+    real = transport.check
+
+    def check(chunk):
+        transport.check = real
+        raise RuntimeError("injected: a transport check that raises")
+
+    transport.check = check
+
+
+def test_poll_sweep_that_raises_is_counted_and_polling_goes_on(ray_cluster) -> None:
+    """An exception out of one poll sweep (here the CTX transport's check)
+    must not end the rank's poll loop: that would leave every chunk and
+    frame of the rank unpolled. The sweep is counted and logged, the next
+    one polls the same chunk again, and the request completes."""
+
+    async def scenario():
+        dep = await Deployment.launch(
+            round_timeout_s=ROUND_TIMEOUT, pool_blocks=POOL, chunk_bytes=64 << 10,
+            fault_plan=FaultPlan(defer_s=DEFER_S), transfer_timeout_s=TIMEOUT,
+        )
+        try:
+            for ctx in await dep.ranks(Role.CTX):
+                await inside(ctx, lambda ep: _check_raises_once(ep.transport))
+            result = await dep.handoff("sweep-raised", TOKENS, timeout=TIMEOUT)
+            return result, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    result, stats = run(scenario())
+    assert result.outcome == "completed" and result.bytes_verified == gen_bytes(TOKENS, 1), result
+    for ctx in [s for s in stats["ranks"] if s["role"] == "ctx"]:  # each CTX rank polled its chunks
+        assert ctx["counters"].get("poll_loop_errors") == 1, ctx["counters"]
+        ctx["counters"]["poll_loop_errors"] = 0  # the injected one: everything else is clean
+    assert_clean(stats)
 
 
 def test_ctx_lease_expires_when_gen_never_opens(ray_cluster) -> None:
