@@ -204,8 +204,9 @@ class _Bench:
         mirror = _PoolMirror(self._data_pool_blocks())
         sizes = [(mib, -(-mib * MiB // full)) for mib in a.sizes_mib]  # (MiB, blocks per rank)
         samples: dict[int, dict[str, list[float]]] = {
-            mib: {"e2e": [], "data": [], "raw": [], "copy": []} for mib, _ in sizes
+            mib: {"e2e": [], "data": [], "raw": [], "copy": [], "control": []} for mib, _ in sizes
         }
+        pings: list[float] = []  # Ray round trips to a CTX rank, between the handoffs
         failures: collections.Counter[str] = collections.Counter()
 
         async def handoff(mib: int, n: int) -> list[int]:
@@ -220,9 +221,16 @@ class _Bench:
             mine = [(s, b) for per_rank in timings for r, s, b in per_rank if r == request]
             if mine and sum(b for _, b in mine) == n * full:
                 # CTX ranks write in parallel: the data phase ends with the slowest.
-                samples[mib]["data"].append(max(s for s, _ in mine))
+                data_s = max(s for s, _ in mine)
+                samples[mib]["data"].append(data_s)
+                # What the control plane adds to this handoff: end to end less its data phase.
+                samples[mib]["control"].append(result.latency_s - data_s)
             else:
                 failures["data_phase_missing"] += 1
+            for _ in range(3):
+                start = time.perf_counter()
+                await ctx[0].ping.remote()
+                pings.append(time.perf_counter() - start)
             return blocks
 
         async def raw(blocks: list[int]) -> tuple[int, float]:
@@ -245,6 +253,7 @@ class _Bench:
         for samples_of in samples.values():
             for kept in samples_of.values():
                 kept.clear()
+        pings.clear()
         failures.clear()
 
         for rep in range(a.repeats):
@@ -276,6 +285,11 @@ class _Bench:
                 row[f"data_over_raw_{tag}"] = _ratio(raw_s, row["data"].get(which, math.nan))
                 row[f"e2e_over_raw_{tag}"] = _ratio(raw_s, row["e2e"].get(which, math.nan))
                 row[f"raw_over_copy_{tag}"] = _ratio(row["copy"].get(which, math.nan), raw_s)
+            ping_p50 = _pct(pings, 0.5)
+            row["control_overhead"] = {
+                "n": len(s["control"]), "p50_s": _pct(s["control"], 0.5), "ping_p50_s": ping_p50,
+            }
+            row["control_overhead_over_ping_p50"] = _pct(s["control"], 0.5) / ping_p50 if pings else math.nan
             rows.append(row)
         if failures:
             self.notes.append(f"data: non-completed samples {dict(failures)}")
@@ -1129,6 +1143,10 @@ def _targets(out: dict[str, Any]) -> list[dict[str, Any]]:
             0.95,
             "diagnostic: first chunk post to last DONE inside the protocol",
         )
+        if "control_overhead_over_ping_p50" in row:
+            add(f"control overhead (e2e - data phase) p50 @ {mib} MiB / ping p50",
+                row["control_overhead_over_ping_p50"], "<=", 2.0,
+                "GPU host target" if (out.get("machine", {}).get("cpus") or 0) < 16 else "GPU host")
     cpu = out.get("machine", {}).get("memory") != "VRAM"
     auto: list[float] = []
     for row in out.get("paged", []):
@@ -1314,13 +1332,15 @@ def render(out: dict[str, Any]) -> str:
                 _ms(r["raw"].get("best_s")),
                 _ms(r["copy"].get("best_s")),
                 _ms(r["e2e"].get("best_s", math.nan) - r["data"].get("best_s", math.nan)),
+                _ms(r.get("control_overhead", {}).get("p50_s")),
+                _ms(r.get("control_overhead", {}).get("ping_p50_s")),
             ]
             for r in out["data"]
         ]
         parts.append(
             _table(
-                "Data plane, best ms",
-                ["MiB", "e2e", "data phase", "raw", "copy", "e2e - data"],
+                "Data plane, best ms (control overhead: e2e - data phase of the same handoff, p50)",
+                ["MiB", "e2e", "data phase", "raw", "copy", "e2e - data", "control overhead p50", "ping p50"],
                 rows,
             )
         )

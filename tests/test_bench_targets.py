@@ -119,3 +119,20 @@ def test_the_engine_cost_target_bounds_the_idle_endpoint_only() -> None:
     assert ok["engine Python loop with an idle endpoint"]["met"] is True
     assert ok["engine Python loop under handoff load"]["met"] is True  # reported, not bounded
     assert engine(0.97, 0.9)["engine Python loop with an idle endpoint"]["met"] is False
+
+
+def test_the_control_overhead_target_is_per_size_over_a_ping() -> None:
+    def data(ratio: float, mib: int = 256) -> dict:
+        return {"size_mib": mib, "e2e_over_raw_best": 1.0, "data_over_raw_best": 1.0,
+                "control_overhead_over_ping_p50": ratio}
+
+    def overhead(out: dict) -> list[dict]:
+        return [t for t in _targets(out) if t["target"].startswith("control overhead")]
+
+    (met,) = overhead({"machine": {"cpus": 16}, "data": [data(1.9)]})
+    assert met["met"] is True and met["bound"] == 2.0 and "256 MiB" in met["target"]
+    (missed,) = overhead({"machine": {"cpus": 16}, "data": [data(2.1)]})
+    assert missed["met"] is False and missed["note"] == "GPU host"
+    (small,) = overhead({"machine": {"cpus": 2}, "data": [data(3.0, mib=4)]})
+    assert "4 MiB" in small["target"] and small["note"] == "GPU host target"
+    assert overhead({"data": [{"size_mib": 1, "e2e_over_raw_best": 1.0, "data_over_raw_best": 1.0}]}) == []
