@@ -912,6 +912,8 @@ class _Bench:
             t = time.perf_counter()
             dep = await launch()
             launches.append(time.perf_counter() - t)
+            if dep.carrier is not None:  # what --control-frames resolved to (auto: measured)
+                out["config"]["control_frames"] = dep.carrier.as_dict()
             return dep
 
         if sections & {"data", "cancel"}:

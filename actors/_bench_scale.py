@@ -159,9 +159,12 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
         synthetic=False,  # time the protocol, not the test pattern
     )
     rows = []
+    carrier: dict[str, Any] | None = None
     for n in sizes:
         with reporter.step(f"launching a {n}x{n} fleet (tp=1)", done=f"{n}x{n} fleet ready"):
             fleet = await Fleet.launch(ctx=n, gen=n, **common)
+        if fleet.carrier is not None:
+            carrier = fleet.carrier.as_dict()  # the node's answer: the same for every launch of the run
         try:
             pairs = [(f"ctx{i}", f"gen{j}") for i in range(n) for j in range(n)]
             # Warm every pair once (negotiated at launch; agents load on first use).
@@ -200,7 +203,7 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
     base = max((r["handoffs_per_s"] for r in rows if r["instances"] == 1), default=None)
     for row in rows:
         row["over_1x1"] = row["handoffs_per_s"] / base if base else None
-    out: dict[str, Any] = {"clients_per_instance": per, "seconds": args.sustain_s, "rows": rows}
+    out: dict[str, Any] = {"clients_per_instance": per, "seconds": args.sustain_s, "control_frames": carrier, "rows": rows}
     if independent:
         out["independent"] = independent
         largest = max((r for r in rows if r["instances"] == k), key=lambda r: r["handoffs_per_s"])

@@ -232,6 +232,13 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "(a cancel waits for the transfer to finish)",
     )
     add(
+        "--control-frames",
+        choices=("auto", "ray", "nixl"),
+        default="ray",
+        help="how control frames travel between ranks (Deployment.launch(control_frames=)); "
+        "auto: measured once per host at launch",
+    )
+    add(
         "--chaos",
         action="store_true",
         help="defer every DMA chunk's real post by 5 ms, so cancels meet DMA genuinely in flight; "
@@ -261,9 +268,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--control-frames",
-        choices=("ray", "nixl"),
+        choices=("auto", "ray", "nixl"),
         default="ray",
-        help="how control frames travel between ranks (Deployment.launch(control_frames=))",
+        help="how control frames travel between ranks (Deployment.launch(control_frames=)); "
+        "auto: measured once per host at launch",
     )
     add(
         "--gpus-per-rank",

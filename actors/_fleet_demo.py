@@ -127,6 +127,17 @@ class FleetReport:
             "pairs": pairs,
             "faults": self.faults,
             "bystander_failed": self.bystander_failed(),
+            # Handoffs that ended "timeout": which pair, and what each rank said.
+            "timeouts": [
+                {
+                    "request_id": r.request_id, "ctx_instance": r.ctx_instance, "gen_instance": r.gen_instance,
+                    "ctx_outcomes": list(r.ctx_outcomes), "gen_outcomes": list(r.gen_outcomes),
+                    "latency_s": r.latency_s,
+                }
+                for r in self.results
+                if r.outcome == "timeout"
+            ],
+            "control_frames": self.stats.get("control_frames"),
             "wall_s": self.durations.get("total_s", 0.0),
             "durations": dict(self.durations),
             "config": dict(self.args),
@@ -162,6 +173,7 @@ async def run_fleet(args: argparse.Namespace, reporter: Reporter) -> FleetReport
                 gpus_per_rank=gpus_per_rank,
                 start_timeout_s=args.start_timeout,
                 round_timeout_s=10.0,
+                control_frames=getattr(args, "control_frames", "ray"),
                 name=f"kvh-fleet-{random.getrandbits(24):06x}",
             )
     except Exception as exc:  # InvalidConfig, LaunchFailed: one line, no traceback

@@ -672,7 +672,7 @@ class StagedReader:
         where it ran already)."""
         core = self.core
         parent = ParentKey(request_id=msg.request_id, ctx_attempt=msg.ctx_attempt, gen_attempt=msg.gen_attempt)
-        if core.side.parents().get(parent) is not ParentState.INSTALLED or not core.pool.holds(parent):
+        if core.side.live_state(parent) is not ParentState.INSTALLED or not core.pool.holds(parent):
             return False, None  # cancelled, released or quarantined: never write an ended lease
         edge = (msg.ctx_rank, core.config.rank)
         pieces = self._edge_pieces(edge, msg.max_piece)

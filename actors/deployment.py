@@ -70,6 +70,7 @@ from typing import Any, TypeVar
 import msgspec
 import ray
 
+from kvhandoff.actors._carrier import CARRIERS, CarrierChoice, choose_carrier
 from kvhandoff.actors._coordinator import AdmissionStopped, Coordinator
 from kvhandoff.actors._dataplane import FaultPlan
 from kvhandoff.actors._directory import Directory
@@ -276,6 +277,8 @@ class Deployment:
         self.unqualified_reasons: tuple[str, ...] = ()
         self.pool_blocks = 0
         self.synthetic = True
+        #: The control-frame carrier taken at launch (actors/_carrier.py).
+        self.carrier: CarrierChoice | None = None
         self._coords: dict[Role, Any] = {}
         self._directory: Any = None
         # One placement group per instance (docs/design.md "Placement"),
@@ -358,11 +361,15 @@ class Deployment:
 
         `control_frames` picks how OPEN, READY, TERMINAL, RECEIPT, CANCEL and
         REJECT travel between rank actors: "ray" (one-way actor calls, grouped
-        per peer and event-loop turn) or "nixl" (NIXL notifications between
-        the ranks' agents; each rank then polls every 0.5 ms while it holds a
-        live request). docs/benchmarks.md measures both: notifications are
-        ~50x faster per hop on a many-core host, Ray calls have the better
-        tail on a small, busy one.
+        per peer and event-loop turn; the default), "nixl" (NIXL notifications
+        between the ranks' agents; each rank then polls every 0.5 ms while it
+        holds a live request) or "auto" (the faster per hop on this host,
+        measured once at launch, actors/_carrier.py; hosts with fewer than 4
+        usable cores take Ray calls without measuring). Notifications are
+        much faster per hop on a many-core host, but they cost the ranks
+        poll CPU, which lowers the rate of a saturated host, and Ray calls
+        have the better tail on a small, busy one (docs/benchmarks.md).
+        `stats()["control_frames"]` says which carrier was taken and why.
 
         `memory_kind` lays every rank's KV out as an engine would
         (topology/_memory.py: "blocked", "paged", "paged_hnd", "split").
@@ -433,6 +440,11 @@ class Deployment:
             ray.init(include_dashboard=False, log_to_driver=False)
         if MemoryKind(memory) is MemoryKind.VRAM and not ray.cluster_resources().get("GPU", 0):
             raise InvalidConfig("memory='VRAM' puts each rank's KV pool on a GPU, but the Ray cluster has no GPU")
+        self.carrier = await choose_carrier(control_frames)
+        plans = [
+            (spec, [msgspec.structs.replace(c, frames=self.carrier.carrier) for c in configs], resources)
+            for spec, configs, resources in plans
+        ]
         # Each rank's transfer, lease and rounds are bounded; so is handing back
         # an abandoned attempt (see the module docstring).
         self._reclaim_timeout_s = lease_timeout_s + 2 * transfer_timeout_s + 4 * round_timeout_s
@@ -1145,6 +1157,7 @@ class Deployment:
             "name": self.name,
             "qualified": self.qualified,
             "unqualified_reasons": list(self.unqualified_reasons),
+            "control_frames": self.carrier.as_dict() if self.carrier is not None else None,
             "ranks": [
                 s if isinstance(s, dict) else {"error": repr(s)[:500], "role": role.value, "rank": rank}
                 for (role, rank, _), s in zip(who, per_rank)
@@ -1210,8 +1223,8 @@ def _check_seconds(**values: Any) -> None:
 
 
 def _check_frames(control_frames: Any) -> None:
-    if control_frames not in ("ray", "nixl"):
-        raise InvalidConfig(f"control_frames must be 'ray' or 'nixl', got {_short(control_frames)}")
+    if control_frames not in CARRIERS:
+        raise InvalidConfig(f"control_frames must be one of {list(CARRIERS)}, got {_short(control_frames)}")
 
 
 def _check_int(field: str, value: Any, least: int) -> None:

@@ -65,6 +65,7 @@ from typing import Any
 import msgspec
 import ray
 
+from kvhandoff.actors._carrier import CarrierChoice, choose_carrier
 from kvhandoff.actors._coordinator import AdmissionStopped, Coordinator
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors._metrics import record_handoff
@@ -146,6 +147,8 @@ class EngineDeployment:
 
     def __init__(self, plan: EnginePlan) -> None:
         self.plan = plan
+        #: The control-frame carrier taken at launch (actors/_carrier.py); None when connected to one.
+        self.carrier: CarrierChoice | None = None
         self._ctx_digest = topology_digest(plan.ctx)
         self._coords: dict[Role, Any] = {}
         self._ranks: dict[Role, list[Any]] = {}
@@ -241,7 +244,9 @@ class EngineDeployment:
         )
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
-        self = cls(plan)
+        carrier = await choose_carrier(control_frames)
+        self = cls(msgspec.structs.replace(plan, control_frames=carrier.carrier))
+        self.carrier = carrier
         self._round_timeout_s = float(round_timeout_s)
         self._owns = True
         self._directory = Directory.options(name=f"{name}.directory").remote()
@@ -425,6 +430,7 @@ class EngineDeployment:
         coords = await asyncio.gather(*(c.stats.remote() for c in self._coords.values()), return_exceptions=True)
         return {
             "deployment": self.plan.name,
+            "control_frames": self.carrier.as_dict() if self.carrier is not None else {"carrier": self.plan.control_frames},
             "ranks": [
                 s if isinstance(s, dict) else {"error": repr(s)[:300], "role": role.value, "rank": r}
                 for (role, r, _), s in zip(ranks, per_rank)

@@ -39,6 +39,7 @@ from typing import Any
 
 import ray
 
+from kvhandoff.actors._carrier import CarrierChoice, choose_carrier
 from kvhandoff.actors._coordinator import AdmissionStopped, Coordinator
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors._metrics import record_handoff
@@ -103,6 +104,8 @@ class EngineFleet:
         self._names: dict[str, _EngineInstance] = {}  # logical name -> current incarnation
         self._counters = {Role.CTX: 0, Role.GEN: 0}
         self._common: dict[str, Any] = {}
+        #: The control-frame carrier taken at launch (actors/_carrier.py).
+        self.carrier: CarrierChoice | None = None
         self._directory: Any = None
         self._closed = False
         self._round_timeout_s = 5.0
@@ -157,6 +160,8 @@ class EngineFleet:
         }
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
+        self.carrier = await choose_carrier(control_frames)
+        self._common["control_frames"] = self.carrier.carrier
         self._directory = Directory.options(name=f"{self.name}.directory").remote()
         await self._directory.descriptors.remote()  # up before any endpoint registers
         return self

@@ -67,6 +67,7 @@ from typing import Any
 import msgspec
 import ray
 
+from kvhandoff.actors._carrier import choose_carrier
 from kvhandoff.actors._coordinator import Coordinator
 from kvhandoff.actors._dataplane import FaultPlan
 from kvhandoff.actors._directory import Directory
@@ -227,7 +228,11 @@ class Fleet(Deployment):
         Placement: each instance is one STRICT_PACK placement group (its
         ranks share a node; docs/design.md "Placement"); `ctx_resources` /
         `gen_resources` and `ctx_labels` / `gen_labels` steer every instance
-        of that role to the nodes that carry them, as for `Deployment`."""
+        of that role to the nodes that carry them, as for `Deployment`.
+
+        `control_frames` is as for `Deployment.launch`: one carrier for
+        every instance, those that join later included ("auto" is measured
+        once, at launch)."""
         self = cls()
         self.name = name or f"kvh-{uuid.uuid4().hex[:8]}"
         ctx_tps = _tps("ctx", ctx)
@@ -286,6 +291,11 @@ class Fleet(Deployment):
             ray.init(include_dashboard=False, log_to_driver=False)
         if mem is MemoryKind.VRAM and not ray.cluster_resources().get("GPU", 0):
             raise InvalidConfig("memory='VRAM' puts each rank's KV pool on a GPU, but the Ray cluster has no GPU")
+        # One carrier for the whole fleet, instances that join later included.
+        self.carrier = await choose_carrier(control_frames)
+        self._common["frames"] = self.carrier.carrier
+        for inst in planned:
+            inst.configs = [msgspec.structs.replace(c, frames=self.carrier.carrier) for c in inst.configs]
         self._reclaim_timeout_s = lease_timeout_s + 2 * transfer_timeout_s + 4 * round_timeout_s
         try:
             self._directory = Directory.options(name=f"{self.name}.directory").remote()
@@ -690,6 +700,7 @@ class Fleet(Deployment):
             "name": self.name,
             "qualified": self.qualified,
             "unqualified_reasons": list(self.unqualified_reasons),
+            "control_frames": self.carrier.as_dict() if self.carrier is not None else None,
             "instances": self.instances(),
             "pairs": {k: dict(v) for k, v in self.pair_outcomes.items()},
             "ranks": ranks,

@@ -1027,7 +1027,7 @@ class RankCore(RoundParticipant):
 
     def _leased_unapplied(self, parent: ParentKey) -> bool:
         """Whether `parent` is leased in our vote and its admission not applied."""
-        return self.side.parents().get(parent) is ParentState.ADMITTED
+        return self.side.live_state(parent) is ParentState.ADMITTED
 
     def _replay_parked(self) -> None:
         """Parents that left the leased-in-vote state get their parked frames
@@ -1068,7 +1068,7 @@ class RankCore(RoundParticipant):
 
     async def phase(self, parent: ParentKey) -> dict[str, Any]:
         """The parent's local state and its edges' states (for tests and the demo)."""
-        state = self.side.parents().get(parent)
+        state = self.side.live_state(parent)
         edges = self.side.edges(parent) if state is not None else {}
         return {
             "state": state.value if state is not None else self._outcome.get(parent),
@@ -1275,9 +1275,7 @@ class RankCore(RoundParticipant):
                     if self.metrics.due(now):
                         self._export_metrics(now)
                 idle_sweeps = 0 if progressed else idle_sweeps + 1
-                if (self._notif is not None and any(
-                    state is not ParentState.QUARANTINED for state in self.side.parents().values()
-                )) or self._stage_polling():
+                if (self._notif is not None and self.side.any_live()) or self._stage_polling():
                     # Frames arrive only when polled: poll at the short interval
                     # while a request is live (an empty poll costs a few µs). On
                     # a GPU, a chunk takes ~0.1 ms: within 2 ms of the last
@@ -1362,7 +1360,7 @@ class RankCore(RoundParticipant):
         that ended it was applied here) passes `absent`: the answer for a
         parent this rank never held."""
         self._ensure_polling()
-        state = self.side.parents().get(parent)
+        state = self.side.live_state(parent)
         if absent is not None and state is None and parent not in self._outcome:
             return absent
         if parent in self._outcome and (
@@ -1997,7 +1995,7 @@ class GenRankCore(RankCore):
         return (
             super()._stage_polling()
             or (self._reader is not None and self._reader.pending() > 0)
-            or any(s in _TARGET_STATES for s in self.side.parents().values())
+            or self.side.any_live(_TARGET_STATES)
         )
 
     def _poll_chunks(self, now: float) -> bool:
@@ -2133,7 +2131,7 @@ class GenRankCore(RankCore):
         """GEN: install `parent`'s session and send OPEN on each of our edges
         (await-free: called while applying the admission). A CTX endpoint we
         do not know yet (a CTX rank restarted) is looked up first."""
-        if self.side.parents().get(parent) is not ParentState.ADMITTED:
+        if self.side.live_state(parent) is not ParentState.ADMITTED:
             return  # cancelled (and released) meanwhile: nothing to open
         if self._defer_open:
             deferred = self._defer_open.get(parent.request_id)

@@ -119,7 +119,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -911,6 +911,20 @@ class _Rank:
     def parents(self) -> dict[ParentKey, ParentState]:
         """Every live (not yet released) parent and its state."""
         return {key: record.state for key, record in self._parents.items()}
+
+    def live_state(self, parent: ParentKey) -> ParentState | None:
+        """The state of live parent `parent`, None if it is not live (never
+        admitted here, or released): `parents().get(parent)` without
+        building the whole map (a rank asks on every poll and frame)."""
+        record = self._parents.get(parent)
+        return record.state if record is not None else None
+
+    def any_live(self, states: Collection[ParentState] | None = None) -> bool:
+        """Whether a live parent is in one of `states` (None: in any state but
+        QUARANTINED), without building `parents()`."""
+        if states is None:
+            return any(record.state is not ParentState.QUARANTINED for record in self._parents.values())
+        return any(record.state in states for record in self._parents.values())
 
     def edges(self, parent: ParentKey) -> dict[ContextTicket, EdgeEvidence]:
         record = self._parents.get(parent)

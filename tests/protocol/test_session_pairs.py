@@ -1147,3 +1147,21 @@ def test_every_row_is_fired() -> None:
         machine, state, event = key
         assert (state, event) in MACHINES[machine][0], f"listed row {key} is gone: {why}"
         assert key not in seen, f"listed in UNREACHABLE_ROWS but fired (remove it): {key}"
+
+
+
+@pytest.mark.parametrize("scenario", ["_admitted", "_prepared", "s_unknown", "s_released", "s_freed", "s_cancel_decided"])
+def test_live_state_and_any_live_agree_with_the_parents_map(scenario: str) -> None:
+    """`live_state` and `any_live` (what a rank asks on every poll and frame)
+    say what `parents()` says, on every rank, in every state reached."""
+    pair = globals()[scenario]()
+    for rank in pair.ranks():
+        live = rank.parents()
+        assert rank.live_state(P) is live.get(P)
+        assert rank.any_live() == any(s is not _PS.QUARANTINED for s in live.values())
+        for state in _PS:
+            assert rank.any_live([state]) == (state in live.values())
+    if scenario == "s_unknown":  # a quarantined parent alone needs no fast polling
+        assert all(rank.live_state(P) is _PS.QUARANTINED and not rank.any_live() for rank in pair.ranks())
+    if scenario == "s_freed":
+        assert all(rank.live_state(P) is None and not rank.any_live() for rank in pair.ranks())

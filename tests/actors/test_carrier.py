@@ -1,0 +1,219 @@
+"""`control_frames="auto"`: the control-frame carrier is measured once per
+host at launch (actors/_carrier.py), reaches every rank of a deployment or
+fleet (instances that join later included), and is reported by `stats()`
+(also for the default, Ray calls, as asked).
+
+The probe runs on real Ray actors with real NIXL agents. Which carrier a
+host *should* take depends on the host, so the launch tests set the
+launcher's per-node answer (the cache `choose_carrier` fills) and check
+that the ranks then carry their frames on exactly that carrier."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import ray
+
+from kvhandoff.actors import _carrier
+from kvhandoff.actors._carrier import (
+    MIN_CORES,
+    NIXL_MARGIN,
+    PROBE_ROUNDS,
+    CarrierChoice,
+    choose_carrier,
+    decide,
+)
+from kvhandoff.actors.deployment import Deployment, InvalidConfig
+from kvhandoff.actors.fleet import Fleet
+
+from .helpers import assert_clean, gen_bytes, settled_stats
+
+pytestmark = pytest.mark.ray
+
+BOUND_S = 60.0  # generous: the box is shared and has 2 cores
+MS = 1e-3
+
+
+# ---- the rule (pure) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ray_ms", "notif_ms", "want"),
+    [
+        (1.2, 0.03, "nixl"),  # a many-core host: a notification hop is ~40x cheaper
+        (1.0, NIXL_MARGIN * 1.0, "nixl"),  # exactly at the margin
+        (1.0, NIXL_MARGIN * 1.0 + 0.01, "ray"),  # just over it: not a clear win
+        (1.0, 11.9, "ray"),  # two cores: the pollers starve
+    ],
+)
+def test_nixl_frames_only_by_a_clear_margin(ray_ms: float, notif_ms: float, want: str) -> None:
+    carrier, why = decide([ray_ms * MS] * PROBE_ROUNDS, [notif_ms * MS] * PROBE_ROUNDS)
+    assert carrier == want, why
+    assert "us" in why  # it says what it measured
+
+
+def test_a_lost_notification_or_no_ray_timing_keeps_ray_calls() -> None:
+    fast = [0.01 * MS] * PROBE_ROUNDS
+    carrier, why = decide([1 * MS] * PROBE_ROUNDS, fast[:-1])  # one notification never came back
+    assert carrier == "ray" and "came back" in why
+    assert decide([], fast)[0] == "ray"
+
+
+# ---- choosing on a real cluster ----------------------------------------------------------
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch) -> dict[str, CarrierChoice]:
+    """An empty per-node cache for this test (so it measures or decides anew)."""
+    cache: dict[str, CarrierChoice] = {}
+    monkeypatch.setattr(_carrier, "_CHOSEN", cache)
+    return cache
+
+
+def _node() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def test_asked_carriers_are_taken_as_asked(ray_cluster: Any, fresh: dict) -> None:
+    for asked in ("ray", "nixl"):
+        choice = asyncio.run(choose_carrier(asked))
+        assert (choice.carrier, choice.asked, choice.why) == (asked, asked, "asked for")
+    assert fresh == {}  # nothing measured, nothing cached
+
+
+def test_few_cores_take_ray_calls_without_probing(ray_cluster: Any, fresh: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def no_probe(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a host with too few cores must not start the probe")
+
+    monkeypatch.setattr(_carrier, "_cores", lambda: MIN_CORES - 1)
+    monkeypatch.setattr(_carrier, "probe_carriers", no_probe)
+    choice = asyncio.run(choose_carrier("auto"))
+    assert choice.carrier == "ray" and "cores" in choice.why, choice
+    assert choice.ray_rtt_us is None and fresh[_node()] is choice
+
+
+def test_many_cores_probe_once_per_node_on_real_nixl_agents(
+    ray_cluster: Any, fresh: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe times both carriers between two real actors with real NIXL
+    agents; the choice follows the rule from those numbers; a second launch
+    on the node reuses it (one probe per node and process)."""
+    runs: list[tuple[list[float], list[float]]] = []
+    real = _carrier.probe_carriers
+
+    async def counted(node: str, **kw: Any) -> tuple[list[float], list[float]]:
+        runs.append(await real(node, **kw))
+        return runs[-1]
+
+    monkeypatch.setattr(_carrier, "_cores", lambda: MIN_CORES)
+    monkeypatch.setattr(_carrier, "probe_carriers", counted)
+    first = asyncio.run(choose_carrier("auto"))
+    again = asyncio.run(choose_carrier("auto"))
+    assert len(runs) == 1 and again is first
+    ray_rtts, notif_rtts = runs[0]
+    assert len(ray_rtts) == PROBE_ROUNDS and all(t > 0 for t in ray_rtts)
+    assert len(notif_rtts) == PROBE_ROUNDS and all(t > 0 for t in notif_rtts)  # every notification answered
+    assert first.carrier == decide(ray_rtts, notif_rtts)[0], first
+    assert first.ray_rtt_us and first.notif_rtt_us
+
+
+def test_a_probe_that_fails_keeps_ray_calls(ray_cluster: Any, fresh: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("no UCX here")
+
+    monkeypatch.setattr(_carrier, "_cores", lambda: 64)
+    monkeypatch.setattr(_carrier, "probe_carriers", broken)
+    choice = asyncio.run(choose_carrier("auto"))
+    assert choice.carrier == "ray" and "RuntimeError" in choice.why, choice
+
+
+def test_the_default_is_ray_calls_as_asked(ray_cluster: Any, fresh: dict) -> None:
+    """Without `control_frames` a deployment carries frames on Ray calls and
+    measures nothing (the default until notifications pass the fleet chaos
+    runs on many-core hosts: docs/design.md "Control frames")."""
+    fresh[_node()] = CarrierChoice("nixl", "auto", "what auto would take here", 16)
+
+    async def scenario() -> dict:
+        dep = await Deployment.launch(pool_blocks=16, chunk_bytes=64 << 10, round_timeout_s=20.0)
+        try:
+            assert (await dep.handoff("cr-default", 60, timeout=BOUND_S)).outcome == "completed"
+            return await settled_stats(dep, BOUND_S)
+        finally:
+            await dep.shutdown()
+
+    stats = asyncio.run(scenario())
+    assert stats["control_frames"] == CarrierChoice("ray", "ray", "asked for", stats["control_frames"]["cores"]).as_dict()
+    assert all(nixl == 0 and calls > 0 for _, nixl, calls in _frames_by_carrier(stats))
+
+
+def test_an_unknown_carrier_is_refused_before_any_actor_starts(ray_cluster: Any, fresh: dict) -> None:
+    with pytest.raises(InvalidConfig, match="auto"):
+        asyncio.run(Deployment.launch(name="kvh-badcarrier", control_frames="udp"))
+    assert fresh == {}
+
+
+# ---- the choice reaches every rank --------------------------------------------------------
+
+
+def _frames_by_carrier(stats: dict) -> list[tuple[int, int, int]]:
+    """(frames sent, on notifications, Ray calls carrying frames) per rank."""
+    return [
+        (c["frames_sent"], c.get("frames_nixl", 0), c.get("frame_calls", 0))
+        for c in (s["counters"] for s in stats["ranks"])
+    ]
+
+
+@pytest.mark.parametrize("carrier", ["nixl", "ray"])
+def test_a_deployment_carries_its_frames_on_the_chosen_carrier(
+    ray_cluster: Any, fresh: dict, carrier: str
+) -> None:
+    """An "auto" launch takes the node's answer: with "nixl" not one frame
+    rides a Ray call, with "ray" not one rides a notification; either way
+    every byte is verified and every pool comes back whole."""
+    fresh[_node()] = CarrierChoice(carrier, "auto", "this test's answer", 16)
+
+    async def scenario() -> tuple[list[Any], dict]:
+        dep = await Deployment.launch(
+            pool_blocks=32, chunk_bytes=64 << 10, round_timeout_s=20.0, control_frames="auto"
+        )
+        try:
+            done = [await dep.handoff(f"cr-{carrier}-{i}", 100 + 40 * i, timeout=BOUND_S) for i in range(2)]
+            return done, await settled_stats(dep, BOUND_S)
+        finally:
+            await dep.shutdown()
+
+    done, stats = asyncio.run(scenario())
+    for i, r in enumerate(done):
+        assert r.outcome == "completed" and r.bytes_verified == gen_bytes(100 + 40 * i, 1), r
+    assert_clean(stats)
+    assert stats["control_frames"]["carrier"] == carrier
+    for sent, nixl, calls in _frames_by_carrier(stats):
+        assert sent > 0
+        assert (nixl, calls == 0) == ((sent, True) if carrier == "nixl" else (0, False)), (sent, nixl, calls)
+
+
+def test_an_instance_that_joins_a_fleet_takes_the_fleets_carrier(ray_cluster: Any, fresh: dict) -> None:
+    """The fleet resolves "auto" once: an instance added later carries its
+    frames on the same carrier as the first ones, whatever the node's cache
+    says by then."""
+    fresh[_node()] = CarrierChoice("nixl", "auto", "this test's answer", 16)
+
+    async def scenario() -> tuple[Any, dict]:
+        fleet = await Fleet.launch(
+            ctx=1, gen=1, pool_blocks=32, chunk_bytes=64 << 10, round_timeout_s=20.0, control_frames="auto"
+        )
+        try:
+            fresh[_node()] = CarrierChoice("ray", "auto", "changed after the launch", 16)
+            joined = await fleet.add_instance("gen", tp=1)
+            result = await fleet.handoff("cr-join", 120, gen=joined, timeout=BOUND_S)
+            return result, await settled_stats(fleet, BOUND_S)
+        finally:
+            await fleet.shutdown()
+
+    result, stats = asyncio.run(scenario())
+    assert result.outcome == "completed" and result.gen_instance.startswith(f"{stats['name']}-gen1"), result
+    assert stats["control_frames"]["carrier"] == "nixl"
+    joined = [s for s in stats["ranks"] if s["instance"] == "gen1"]
+    assert joined and all(c["frames_sent"] == c.get("frames_nixl", 0) > 0 for c in (s["counters"] for s in joined))
