@@ -151,7 +151,7 @@ from ._messages import (
 )
 from ._pool import BlockPool, BlockRef, BlockRefs
 from ._registry import DuplicateSessionError, SessionRegistry, check_descriptors
-from ._ticket import ContextTicket, Endpoint, ParentKey, Role
+from ._ticket import ContextTicket, Endpoint, ParentKey, RankNamespace, Role
 
 __all__ = [
     "whole_block_misfits",
@@ -202,6 +202,9 @@ DEFAULT_QUARANTINE_LIMIT = 0.5
 # How many released parents a rank remembers (cleanup-once reporting, stale
 # classification of late calls).
 _CLOSED_PARENT_MEMORY = 4096
+#: How many CTX ranks' confirmed deaths a GEN rank remembers (`GenRank.peer_dead`):
+#: one entry per CTX rank namespace (a fleet's instance incarnation and rank).
+MAX_DEAD_WRITERS = 4096
 
 
 # ---------------------------------------------------------------------------
@@ -1768,6 +1771,11 @@ class GenRank(_Rank):
     _parent_table = GEN_PARENT_TRANSITIONS
     _edge_table = GEN_EDGE_TRANSITIONS
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: The newest confirmed-dead epoch of each CTX rank (`peer_dead`), newest last, bounded.
+        self._dead_writers: collections.OrderedDict[RankNamespace, int] = collections.OrderedDict()
+
     def admit(
         self,
         parent: ParentKey,
@@ -1835,7 +1843,10 @@ class GenRank(_Rank):
             )
             self._sessions.install(spec.ticket, edge)
             record.edges[spec.ticket] = edge
-        return self._fire_parent(parent, _PE.INSTALLED)
+        actions = self._fire_parent(parent, _PE.INSTALLED)
+        if self._dead_writers:  # an edge toward a writer already confirmed dead
+            actions += self._dead_proof(record, now)
+        return actions
 
     def receive_ready(self, message: Ready, now: float) -> list[Action]:
         """READY for an exact session: the CTX topology decided; DMA may happen."""
@@ -1976,22 +1987,42 @@ class GenRank(_Rank):
         quiescent, UNKNOWN ones included. Edges still waiting become DRAINED and
         cancel their parent; a quarantined parent whose every edge is now
         proven is reclaimed (docs/design.md "Quarantine and reclaim")."""
+        known = self._dead_writers.get(dead.ns)
+        if known is None or dead.epoch > known:
+            # Remembered: an edge toward this incarnation installed after
+            # this notice (an OPEN built from a registration read before the
+            # death) is proven at its install, not quarantined for good.
+            self._dead_writers[dead.ns] = dead.epoch
+            self._dead_writers.move_to_end(dead.ns)
+            while len(self._dead_writers) > MAX_DEAD_WRITERS:
+                self._dead_writers.popitem(last=False)
         actions: list[Action] = []
         for record in list(self._parents.values()):
-            hit = [
-                e
-                for e in record.edges.values()
-                if e.ticket.ctx.ns == dead.ns
-                and e.ticket.ctx.epoch <= dead.epoch
+            actions += self._dead_proof(record, now)
+        return actions
+
+    def _dead_proof(self, record: _Parent, now: float) -> list[Action]:
+        """Apply every confirmed death of a writer to `record`'s edges: an
+        edge whose CTX incarnation is dead (or older than a dead one) and
+        still waits, or is UNKNOWN, is proven quiescent (a dead process posts
+        no WRITE); an installed parent it hit is cancelled as failed."""
+        hit = []
+        for e in record.edges.values():
+            dead_epoch = self._dead_writers.get(e.ticket.ctx.ns)
+            if (
+                dead_epoch is not None
+                and e.ticket.ctx.epoch <= dead_epoch
                 and (e.state is _ES.UNKNOWN or e.state not in _TERMINAL_EDGE_STATES)
-            ]
-            if not hit:
-                continue
-            for edge in hit:
-                actions += self._prove_quiescent(edge)
-            if record.cancel_reason is None and record.state is _PS.INSTALLED:
-                actions += self._cancel(record, CancelReason.FAILURE, now, intent=True)
-            actions += self._settle(record, now)
+            ):
+                hit.append(e)
+        if not hit:
+            return []
+        actions: list[Action] = []
+        for edge in hit:
+            actions += self._prove_quiescent(edge)
+        if record.cancel_reason is None and record.state is _PS.INSTALLED:
+            actions += self._cancel(record, CancelReason.FAILURE, now, intent=True)
+        actions += self._settle(record, now)
         return actions
 
     # ---- internals -----------------------------------------------------

@@ -21,6 +21,7 @@ from kvhandoff.protocol import (
     Drain,
     EdgeState,
     Endpoint,
+    GenEdgeSpec,
     LeaseError,
     ParentState,
     PostChunk,
@@ -36,7 +37,15 @@ from kvhandoff.protocol import (
     decode_frame,
 )
 
-from .harness import CTX_DIGEST, Pair, ctx_endpoint, parent_key
+from .harness import (
+    CHUNK_BYTES,
+    CTX_DIGEST,
+    Pair,
+    buffer_for,
+    ctx_endpoint,
+    make_ticket,
+    parent_key,
+)
 
 P = parent_key(1)
 
@@ -603,3 +612,41 @@ def test_peer_dead_proves_only_the_dead_writers_edges() -> None:
     pair.perform(gen.peer_dead(writer, pair.now))
     assert gen.parent_state(P) is ParentState.RELEASED
     assert gen.pool.counts().quarantined == 0 and gen.pool.counts().free == gen.pool.num_blocks
+
+
+def test_an_edge_installed_toward_a_writer_already_dead_is_proven_at_once() -> None:
+    """The death notice first, the OPEN toward that incarnation after it (a
+    GEN rank built it from a registration read before the death: a fleet
+    learns a pair's ranks lazily). A dead process posts no WRITE, so the
+    install proves the edge and cancels the parent as failed at once; the
+    round's cancel returns every block, and nothing is ever quarantined,
+    however long it waits (the notice is never repeated)."""
+    pair = Pair(chunk_window=1)
+    pair.admit(P, blocks=2, chunks=2)
+    writer = pair.ctx.our
+    pair.restart_ctx()  # the writer's incarnation is gone; nothing of P was installed yet
+    gen = pair.gens[0]
+    assert gen.peer_dead(writer, pair.now) == []  # nothing of it is live here: nothing to prove yet
+    ticket = make_ticket(P, writer, gen.our)
+    spec = GenEdgeSpec(ticket=ticket, buffer=buffer_for(gen.lease(P), gen.our.epoch), num_tokens=16, expected_bytes=2 * CHUNK_BYTES)
+    actions = gen.install(P, [spec], pair.now)
+    assert CancelIntent(P, CancelReason.FAILURE) in actions, actions
+    assert gen.edges(P)[ticket].state is EdgeState.DRAINED
+    gen.cancel(P, CancelReason.FAILURE, pair.now, from_round=True)  # the round decides the failure
+    for _ in range(3):  # past every deadline: still nothing quarantined
+        pair.now += pair.timeout + 1
+        gen.expire(pair.now)
+    assert gen.parent_state(P) is ParentState.RELEASED
+    assert gen.pool.counts().quarantined == 0 and gen.pool.counts().free == gen.pool.num_blocks
+
+
+def test_a_dead_writer_is_remembered_per_rank_and_only_for_its_epochs() -> None:
+    """A newer incarnation of the dead writer's rank is alive: an edge toward
+    it is installed as usual (nothing proven, nothing cancelled)."""
+    pair = Pair(chunk_window=1)
+    pair.admit(P, blocks=2, chunks=2)
+    gen = pair.gens[0]
+    gen.peer_dead(ctx_endpoint(epoch=pair.ctx.our.epoch - 1), pair.now)  # an older incarnation died
+    pair.install(P)  # toward the live one
+    assert gen.parent_state(P) is ParentState.INSTALLED
+    assert all(e.state is EdgeState.OPEN_PROPOSED for e in gen.edges(P).values())
