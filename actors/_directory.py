@@ -60,11 +60,17 @@ class DirectoryCore:
         self.deaths_confirmed = 0
         self._changed = asyncio.Event()
         self._lookup_delay_s = 0.0
+        self._lookup_delay_of: str | None = None
+        self._lookup_delays_left: int | None = None
 
-    async def set_lookup_delay(self, seconds: float) -> None:
-        """Fault injection (tests): every `lookup` answers `seconds` late, as a
-        loaded directory would. Registration and `all_of` are not delayed."""
+    async def set_lookup_delay(self, seconds: float, instance: str | None = None, count: int | None = None) -> None:
+        """Fault injection (tests): every `lookup` (of `instance` only, when
+        given; the next `count` such lookups only, when given) answers
+        `seconds` late, as a loaded directory would. Registration and
+        `all_of` are not delayed."""
         self._lookup_delay_s = max(0.0, float(seconds))
+        self._lookup_delay_of = instance
+        self._lookup_delays_left = count
 
     async def register(
         self,
@@ -187,9 +193,23 @@ class DirectoryCore:
         """Every instance in the fleet: (TopologySpec, memory kind)."""
         return list(self._instances.values())
 
-    async def lookup(self, instance: str, rank: int) -> tuple[Entry, Any] | None:
-        if self._lookup_delay_s:
+    async def lookup(self, instance: str, rank: int, epoch: int = 0, timeout: float = 0.0) -> tuple[Entry, Any] | None:
+        """The current entry of (`instance`, `rank`), or None. With `epoch`,
+        wait up to `timeout` until that incarnation (or a newer one) has
+        registered: a frame from a rank can reach a peer before the rank's own
+        registration reaches us (both are one-way calls from different
+        callers). An instance that left answers at once."""
+        if self._lookup_delay_s and self._lookup_delay_of in (None, instance) and self._lookup_delays_left != 0:
+            if self._lookup_delays_left is not None:
+                self._lookup_delays_left -= 1
             await asyncio.sleep(self._lookup_delay_s)
+
+        def ready() -> bool:
+            found = self._entries.get((instance, rank))
+            return instance in self._removed or (found is not None and found[0][0].epoch >= epoch)
+
+        if epoch and timeout > 0:
+            await self._until(ready, timeout)
         return self._entries.get((instance, rank))
 
     async def descriptors(self) -> dict[tuple[str, int], bytes]:
@@ -216,6 +236,12 @@ class DirectoryCore:
                     if found is None or found[0][0].epoch < epoch:
                         return False
             return True
+
+        return await self._until(ready, timeout)
+
+    async def _until(self, ready: Any, timeout: float) -> bool:
+        """Wait until `ready()` holds (re-checked at every registration or
+        removal), at most `timeout` seconds; whether it holds."""
 
         async def poll() -> None:
             while not ready():

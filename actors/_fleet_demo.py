@@ -137,6 +137,13 @@ class FleetReport:
                 for r in self.results
                 if r.outcome == "timeout"
             ],
+            # Parents still quarantined at the end: where, paired with whom,
+            # and each edge's evidence (whose proof is missing).
+            "quarantined_parents": [
+                {"instance": s.get("instance"), "role": s.get("role"), "rank": s.get("rank"), "epoch": s.get("epoch"), **q}
+                for s in self.ranks()
+                for q in s.get("quarantine", [])
+            ][:32],
             "control_frames": self.stats.get("control_frames"),
             "wall_s": self.durations.get("total_s", 0.0),
             "durations": dict(self.durations),

@@ -680,7 +680,10 @@ class RankCore(RoundParticipant):
         cached = self._peer_handles.get(key)
         if cached is not None and cached[0] == their:
             return cached[1]
-        found = await self._directory().lookup.remote(key[0], key[1])
+        # Wait (bounded) for `their` incarnation: its first frame can come
+        # before its registration reaches the directory (a rank that just
+        # joined or restarted), and the entry there is then an older one.
+        found = await self._directory().lookup.remote(key[0], key[1], their.epoch, self.config.lease_timeout_s)
         if found is None:
             raise UnknownSessionError(f"no rank actor registered for {their}")
         (endpoint, name, metadata, geometry), handle = found
@@ -1429,7 +1432,26 @@ class RankCore(RoundParticipant):
             "pairs": {i: negotiation_summary(p.negotiation) for i, p in self._pairs.items()},
             "conservative": self._conservative(),
             "staging": self._staging_stats(),
+            "quarantine": self._quarantine_detail(),
         }
+
+    def _quarantine_detail(self, limit: int = 8) -> list[dict[str, Any]]:
+        """The quarantined parents held here (the first `limit`): the peer
+        instance each pairs with and every edge's evidence, so a report
+        says whose proof is still missing."""
+        out: list[dict[str, Any]] = []
+        for parent, state in self.side.parents().items():
+            if state is not ParentState.QUARANTINED:
+                continue
+            if len(out) == limit:
+                break
+            edges = [
+                [f"ctx{t.ctx.ns.rank}.e{t.ctx.epoch}", f"gen{t.gen.ns.rank}.e{t.gen.epoch}", e.state.value,
+                 len(e.in_flight), e.terminal.value if e.terminal is not None else None]
+                for t, e in self.side.edges(parent).items()
+            ]
+            out.append({"request_id": parent.request_id, "peer": self._pair_of.get(parent), "edges": edges})
+        return out
 
     def _staging_stats(self) -> dict[str, Any]:
         return {"mode": self.config.data_mode, "arena_slots": self.arena.slots if self.arena is not None else 0}
@@ -1522,6 +1544,9 @@ class CtxRankCore(RankCore):
         self._pieces: dict[tuple[str, tuple[int, int], int], tuple[Piece, ...]] = {}
         self._in_flight: dict[tuple[ContextTicket, int], Chunk] = {}
         self._peer_agent: dict[ContextTicket, str] = {}
+        # Parents with an OPEN whose GEN agent is being looked up: not voted
+        # prepared until every such lookup ended (`_accept`).
+        self._resolving: dict[ParentKey, int] = {}
         self._writer: StagedWriter | None = None
         # Data phase per parent: [first post, last DONE, bytes] (perf_counter), bounded.
         self._xfer: collections.OrderedDict[ParentKey, list[float]] = collections.OrderedDict()
@@ -1655,14 +1680,26 @@ class CtxRankCore(RankCore):
         # cancelled. The session itself was installed above, before any
         # await, so frames that follow (CANCEL) still find it; the protocol's
         # `Prepared` is performed after the await.
+        # A parent can also become prepared elsewhere while we await (another
+        # edge's OPEN, from an agent known already or looked up faster): it
+        # is not voted while any of its lookups runs, and the last one to
+        # end votes it (`_record_prepared` checks it is still prepared).
+        parents = {action.parent for action in prepared}
         if isinstance(message, Open) and message.buffer.agent_name not in self.transport.peers:
+            parent = message.ticket.parent
+            self._resolving[parent] = self._resolving.get(parent, 0) + 1
             try:
                 await self._peer(message.ticket.gen)
             except Exception as exc:  # unresolvable now: the post fails, typed, and ends it
                 self.counters["peer_lookup_failed"] += 1
                 log.warning("rank %s: cannot resolve %s: %r", self.ns, message.ticket.gen, exc)
-        for action in prepared:
-            self._record_prepared(action.parent)
+            finally:
+                left = self._resolving.pop(parent) - 1
+                if left:
+                    self._resolving[parent] = left
+            parents.add(parent)
+        for parent in parents:
+            self._record_prepared(parent)
 
     def _perform_role(self, action: Action, now: float) -> list[Any]:
         match action:
@@ -1779,6 +1816,9 @@ class CtxRankCore(RankCore):
         stopped being prepared while we awaited its GEN agent (a CANCEL came)."""
         if not self.side.is_prepared(parent):
             return
+        if parent in self._resolving:
+            self.counters["prepared_awaiting_agent"] += 1
+            return  # the last of its agent lookups votes it (`_accept`)
         if self.config.spec.tp == 1:
             # The only rank of its instance is the whole intersection a decide
             # round would take: decide here, one report and one apply fewer on

@@ -282,6 +282,9 @@ def test_transfer_that_never_finishes_is_quarantined_not_reused(ray_cluster) -> 
     blocks = math.ceil(TOKENS / DEFAULT_LAYOUT.tokens_per_block)
     for s in stats["ranks"]:
         assert s["quarantined"] == blocks, s  # exactly the lease, still owned, never free
+        # The stats say whose it is and why: the stuck parent, its edge UNKNOWN.
+        (q,) = s["quarantine"]
+        assert q["request_id"] == "stuck" and [e[2] for e in q["edges"]] == ["unknown"], q
     ctx = next(s for s in stats["ranks"] if s["role"] == "ctx")
     # The stuck chunks are still tracked, never released to "abort" them (NIXL: not an abort).
     assert ctx["in_flight_chunks"] > 0 and ctx["leaked_handles"] == 0

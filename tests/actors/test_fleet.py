@@ -230,6 +230,70 @@ def test_drain_and_join_under_traffic(nodes) -> None:
     assert_clean(stats)
 
 
+def test_a_joined_instance_whose_agents_resolve_out_of_order(nodes) -> None:
+    """A CTX rank learns a joined GEN instance's agents from the directory at
+    their first OPENs. Here the GEN instance has two ranks, so the parent has
+    two edges on the (tp=1) CTX rank, and the directory answers the first of
+    those lookups 2 s late: the parent is voted prepared only once both agents
+    are known. Regression (a CI flake of the join test): the second OPEN's
+    fast lookup voted it, the CTX rank decided alone, posted to the agent not
+    yet known ("the registered regions of ... are not known") and the handoff
+    was cancelled."""
+
+    async def scenario():
+        fleet = await Fleet.launch(ctx=1, gen=1, **FLEET)
+        try:
+            joined = await fleet.add_instance("gen", tp=2)
+            gen_id = next(i["instance_id"] for i in fleet.instances() if i["id"] == joined)
+            await fleet._directory.set_lookup_delay.remote(2.0, gen_id, 1)
+            result = await fleet.handoff("slow-agent", TOKENS, gen=joined, timeout=TIMEOUT)
+            await fleet._directory.set_lookup_delay.remote(0.0)
+            return result, await fleet_stats(fleet)
+        finally:
+            await fleet.shutdown()
+
+    result, stats = run(scenario())
+    assert result.outcome == "completed", result
+    (ctx,) = [s for s in stats["ranks"] if s["role"] == "ctx"]
+    # The race was there: the parent was prepared while a lookup still ran.
+    assert ctx["counters"].get("prepared_awaiting_agent", 0) >= 1, ctx["counters"]
+    assert ctx["counters"].get("peer_lookup_failed", 0) == 0, ctx["counters"]
+    assert_clean(stats)
+
+
+def test_directory_lookup_waits_for_the_incarnation_it_was_asked_for(nodes) -> None:
+    """A rank's first frame can reach a peer before the rank's registration
+    reaches the directory (two one-way calls from different callers). A
+    lookup for that incarnation waits for it (bounded) instead of answering
+    with the older entry; a lookup without an epoch answers at once; one for
+    an instance that left answers at once."""
+    from kvhandoff.actors._directory import Directory
+
+    async def scenario():
+        directory = Directory.remote()
+        ns = RankNamespace(instance_id="g-i1", role=Role.GEN, rank=0)
+
+        def entry(epoch: int) -> tuple:
+            return (Endpoint(ns=ns, epoch=epoch), f"agent.e{epoch}", b"", None)
+
+        await directory.register.remote("gen", 0, entry(1), None)
+        waiting = directory.lookup.remote("g-i1", 0, 2, TIMEOUT)
+        at_once = await directory.lookup.remote("g-i1", 0)
+        ready, _ = ray.wait([waiting], timeout=0.5)
+        await directory.register.remote("gen", 0, entry(2), None)
+        newer = await waiting
+        bounded = await directory.lookup.remote("g-i1", 0, 3, 0.2)  # never registers: the current one
+        await directory.remove_instance.remote("g-i1")
+        gone = await directory.lookup.remote("g-i1", 0, 3, TIMEOUT)  # left: at once
+        ray.kill(directory)
+        return at_once, ready, newer, bounded, gone
+
+    at_once, ready, newer, bounded, gone = run(scenario())
+    assert at_once[0][0].epoch == 1 and ready == []  # the epoch-2 lookup waited
+    assert newer[0][0].epoch == 2 and bounded[0][0].epoch == 2
+    assert gone is None
+
+
 def test_a_dead_rank_fails_only_handoffs_touching_its_instance(nodes) -> None:
     """Kill one rank of ctx1 mid-traffic: handoffs of ctx0 go on unaffected,
     its coordinator restarts the rank (a new epoch), ctx1 serves again."""
