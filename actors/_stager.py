@@ -535,6 +535,15 @@ class StagedWriter:
     def busy(self) -> bool:
         return bool(self._posted or self._writes or self._gathering or any(p.queue for p in self._peers.values()))
 
+    def writing_to(self, instance: str) -> bool:
+        """Whether a chunk toward a rank of GEN instance `instance` is posted
+        and not polled terminal, being gathered, or queued for a slot."""
+        return (
+            any(w.ticket.gen.ns.instance_id == instance for w in self._posted)
+            or any(w.ticket.gen.ns.instance_id == instance for _, w in self._gathering)
+            or any(t.gen.ns.instance_id == instance for p in self._peers.values() for t, _, _ in p.queue)
+        )
+
     def in_flight(self) -> int:
         return len(self._posted) + len(self._gathering) + sum(len(p.queue) for p in self._peers.values())
 

@@ -746,18 +746,38 @@ class RankCore(RoundParticipant):
                 self._nudge()
         if any(peer == instance for peer in self._pair_of.values()):
             return  # unloaded when the last parent with it ends (`_finish`)
+        if self._writing_to(instance):
+            # A WRITE toward it is not polled to DONE or ERR yet (a parent
+            # quarantined on it has ended here, its chunks have not). Its
+            # agent stays loaded until the last one ends: unloading a peer
+            # under a transfer is no abort, and that handle would never end,
+            # so neither would the quarantine it keeps (the poll retries).
+            self.counters["unload_deferred_in_flight"] += 1
+            return
         del self._pairs[instance]
         for key in [k for k in self._peer_handles if k[0] == instance]:
-            endpoint, _ = self._peer_handles.pop(key)
-            name = agent_name(self.config.deployment, endpoint.ns, endpoint.epoch)
-            if name in self.transport.peers:
-                self.transport.remove_peer(name)
-                self.counters["agents_unloaded"] += 1
+            del self._peer_handles[key]
+        # Every agent of the instance, older incarnations' included (a
+        # `peer_restarted` notice forgets the handle, not the loaded agent).
+        prefix = f"{self.config.deployment}.{instance}."
+        for name in sorted(n for n in self.transport.peers if n.startswith(prefix)):
+            self.transport.remove_peer(name)
+            self.counters["agents_unloaded"] += 1
         self._pair_left(instance)
         self.counters["pairs_removed"] += 1
 
     def _pair_left(self, instance: str) -> None:
         """The role's own per-pair state of `instance` goes (its pair was dropped)."""
+
+    def _writing_to(self, instance: str) -> bool:
+        """Whether a WRITE we posted toward a rank of `instance` is not yet
+        polled to DONE or ERR (or a chunk toward it waits to be posted)."""
+        return False
+
+    def _drop_left_pairs(self) -> None:
+        """Retry unloading pairs that left while WRITEs toward them ran."""
+        for instance in [i for i, p in self._pairs.items() if p.left]:
+            self._drop_pair(instance)
 
     async def peer_joined(self, spec: TopologySpec, kind: str) -> bool:
         """The directory says instance `spec` joined the fleet: pair with it
@@ -1735,10 +1755,17 @@ class CtxRankCore(RankCore):
             self._perform(actions)
         if self._writer is not None and self._writer.poll(now):
             progressed = True
+        if progressed and any(p.left for p in self._pairs.values()):
+            self._drop_left_pairs()  # a pair kept loaded for a WRITE may go now
         return progressed
 
     def _chunks_in_flight(self) -> int:
         return len(self._in_flight) + (self._writer.in_flight() if self._writer is not None else 0)
+
+    def _writing_to(self, instance: str) -> bool:
+        if any(ticket.gen.ns.instance_id == instance for ticket, _ in self._in_flight):
+            return True
+        return self._writer is not None and self._writer.writing_to(instance)
 
     def _forget(self, parent: ParentKey) -> None:
         for ticket in [t for t in self._chunks if t.parent == parent]:
@@ -1773,6 +1800,9 @@ class CtxRankCore(RankCore):
     def _pair_left(self, instance: str) -> None:
         for key in [k for k in self._pieces if k[0] == instance]:
             del self._pieces[key]
+        prefix = f"{self.config.deployment}.{instance}."
+        for name in [n for n in self._geometry if n.startswith(prefix)]:
+            del self._geometry[name]
 
     def _plan_chunks(self, message: Open, pair: _Pair, cols: BlockColumns) -> list[ChunkPlan]:
         """The WRITE chunks of one edge: our lease's blocks paired, in order, with
