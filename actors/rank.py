@@ -856,7 +856,10 @@ class RankCore(RoundParticipant):
         coordinator killed it and Ray reported the actor gone). On GEN that is
         the proof that nothing it posted can still land: its edges, UNKNOWN ones
         included, are quiescent, and quarantined requests that waited only on
-        it are reclaimed. Refused like `peer_restarted` when not about a peer."""
+        it are reclaimed. On CTX it ends the quarantine of edges toward it
+        whose WRITEs all ended at their poll (an ERR of several descriptors
+        included: the rest can land only in the dead process). Refused like
+        `peer_restarted` when not about a peer."""
         if not self._about_a_peer(dead, "peer_dead"):
             return 0
         return self._perform_notice(self.side.peer_dead(dead, time.monotonic()), "peer_deaths_seen")

@@ -825,6 +825,9 @@ class _Edge:
     expected_bytes: int = 0  # GEN: what COMPLETED must report
     next_index: int = 0  # CTX: next chunk to post
     in_flight: set[int] = field(default_factory=set)  # CTX: posted, not DONE/ERR
+    #: CTX: indices in `in_flight` that ended in ERR with several descriptors
+    #: (ended at the initiator, their other writes unproven).
+    unproven: set[int] = field(default_factory=set)
     chunks_done: int = 0
     bytes_done: int = 0
     failed: bool = False  # CTX: a chunk reported ERR
@@ -1352,6 +1355,10 @@ class CtxRank(_Rank):
         self.conservative = conservative
         #: Chunks that reported ERR with more than one descriptor (unproven).
         self.unproven_chunks = 0
+        #: GEN incarnations confirmed dead: the newest dead epoch per GEN
+        #: rank, bounded (`peer_dead`). A WRITE toward one can land only in
+        #: a dead process's memory, and our blocks are only read by it.
+        self._dead_targets: collections.OrderedDict[RankNamespace, int] = collections.OrderedDict()
 
     def admit(
         self,
@@ -1547,8 +1554,8 @@ class CtxRank(_Rank):
             raise PoolError(f"descriptors must be an int >= 0, got {descriptors!r}")
         edge = self._posted_edge(ticket, index)
         record = self._parents[ticket.parent]
-        if descriptors > 1:
-            return self._chunk_unproven(record, edge, now)
+        if descriptors > 1 and not self._target_dead(edge):
+            return self._chunk_unproven(record, edge, index, now)
         edge.in_flight.discard(index)
         if edge.state is _ES.UNKNOWN:
             return self._fire_edge(edge, _EE.CHUNK_FAILED) + self._late_drain(edge, now)
@@ -1562,12 +1569,13 @@ class CtxRank(_Rank):
             actions += self._stop_finishing(record, now)  # incomplete: stop waiting for it
         return actions + self._settle(record, now)
 
-    def _chunk_unproven(self, record: _Parent, edge: _Edge, now: float) -> list[Action]:
+    def _chunk_unproven(self, record: _Parent, edge: _Edge, index: int, now: float) -> list[Action]:
         """A multi-descriptor chunk reported ERR: its index stays in flight
         (nothing proves its writes ended), the parent is cancelled, and the
         edge loses quiescence: UNKNOWN, TERMINAL(UNKNOWN) to the GEN, and the
         parent is quarantined once every edge is terminal."""
         edge.failed = True
+        edge.unproven.add(index)
         self.unproven_chunks += 1
         if edge.state is _ES.UNKNOWN:
             return self._settle(record, now)
@@ -1588,9 +1596,14 @@ class CtxRank(_Rank):
         """An UNKNOWN edge whose last posted chunk just reported DONE/ERR: every
         WRITE we posted from these blocks has ended (polled from the initiator),
         so the edge is DRAINED after all; its TERMINAL(DRAINED) is the GEN's
-        proof too. The parent is reclaimed once no edge is UNKNOWN."""
-        if edge.in_flight:
+        proof too. The parent is reclaimed once no edge is UNKNOWN. Toward a
+        GEN incarnation confirmed dead, chunks that ended in ERR with several
+        descriptors count as ended too: their other writes can land only in
+        the dead process, and our blocks are only read."""
+        if edge.in_flight and not (self._target_dead(edge) and edge.in_flight <= edge.unproven):
             return []
+        edge.in_flight.clear()
+        edge.unproven.clear()
         actions = self._prove_quiescent(edge)
         return actions + self._settle(self._parents[edge.ticket.parent], now)
 
@@ -1685,10 +1698,36 @@ class CtxRank(_Rank):
         return actions
 
     def peer_dead(self, dead: Endpoint, now: float) -> list[Action]:
-        """GEN incarnation `dead` is confirmed dead. We are the writer: its death
-        proves nothing about WRITEs we posted (only polling them to DONE/ERR
-        does), so this is `peer_restarted` for every epoch up to `dead`'s."""
-        return self.peer_restarted(Endpoint(ns=dead.ns, epoch=dead.epoch + 1), now)
+        """GEN incarnation `dead` (and every older one) is confirmed dead. We
+        are the writer: its death does not end WRITEs we posted (only polling
+        them to DONE/ERR does), so first this is `peer_restarted` for every
+        epoch up to `dead`'s. But a WRITE toward it can land only in the dead
+        process's memory, and it only reads our blocks: an UNKNOWN edge
+        toward it whose every chunk has ended at the initiator (DONE, or ERR
+        with any number of descriptors) is proven, and a quarantined parent
+        with no UNKNOWN edge left is reclaimed. A chunk still in flight ends
+        it later, at its poll (docs/design.md "Quarantine and reclaim")."""
+        known = self._dead_targets.get(dead.ns)
+        if known is None or dead.epoch > known:
+            self._dead_targets[dead.ns] = dead.epoch
+            self._dead_targets.move_to_end(dead.ns)
+            while len(self._dead_targets) > MAX_DEAD_WRITERS:
+                self._dead_targets.popitem(last=False)
+        actions = self.peer_restarted(Endpoint(ns=dead.ns, epoch=dead.epoch + 1), now)
+        for record in list(self._parents.values()):
+            for edge in list(record.edges.values()):
+                if (
+                    record.key in self._parents
+                    and edge.state is _ES.UNKNOWN
+                    and self._target_dead(edge)
+                ):
+                    actions += self._late_drain(edge, now)
+        return actions
+
+    def _target_dead(self, edge: _Edge) -> bool:
+        """Whether `edge`'s GEN incarnation is confirmed dead (`peer_dead`)."""
+        dead_epoch = self._dead_targets.get(edge.ticket.gen.ns)
+        return dead_epoch is not None and edge.ticket.gen.epoch <= dead_epoch
 
     # ---- internals -----------------------------------------------------
 

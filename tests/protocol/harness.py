@@ -172,6 +172,7 @@ class Pair:
         self.queue: list[Envelope] = []
         self.in_flight: dict[tuple[ContextTicket, int], Write] = {}
         self.strays: list[Write] = []  # writes of ERR chunks that may still land
+        self.dead_gens: set[tuple[int, int]] = set()  # (rank, epoch) confirmed dead
         self.chunks: dict[ParentKey, int] = {}  # chunks per edge
         self.intents: set[ParentKey] = set()
         self.actions: list[Action] = []
@@ -371,6 +372,16 @@ class Pair:
                 lambda: self.ctx.peer_restarted(self.gens[rank].our, self.now),
             )
 
+    def confirm_gen_dead(self, rank: int, epoch: int) -> None:
+        """The directory confirmed GEN incarnation (`rank`, `epoch`) dead and
+        tells the CTX (`peer_dead`). A write toward it lands nowhere that
+        matters any more: it only reads the CTX's blocks."""
+        self.dead_gens.add((rank, epoch))
+        ns = self.gens[rank].our.ns
+        self._act(
+            "S1", "CTX peer_dead", lambda: self.ctx.peer_dead(Endpoint(ns=ns, epoch=epoch), self.now)
+        )
+
     def restart_ctx(self, *, notify: bool = True) -> None:
         old = self.ctx
         self.ctx = self._new_ctx(old.our.epoch + 1)
@@ -533,7 +544,8 @@ class Pair:
     def check_s1(self) -> None:
         """No block a chunk may still touch is FREE or re-leased (same incarnation)."""
         for write in [*self.in_flight.values(), *self.strays]:
-            if write.ctx_epoch == self.ctx.our.epoch:
+            target_dead = any(r == write.gen_rank and e >= write.gen_epoch for r, e in self.dead_gens)
+            if write.ctx_epoch == self.ctx.our.epoch and not target_dead:
                 for ref in write.ctx_refs:
                     assert self.ctx.pool.is_current(ref), (
                         f"S1: CTX block {ref} reused under {write}"

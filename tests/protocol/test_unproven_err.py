@@ -95,3 +95,73 @@ def test_a_bad_descriptor_count_is_refused_and_changes_nothing(bad: object) -> N
     with pytest.raises(PoolError):
         pair.ctx.chunk_failed(ticket, index, pair.now, bad)  # type: ignore[arg-type]
     assert pair.ctx.snapshot() == before
+
+
+def test_the_death_of_the_target_proves_the_writers_lease() -> None:
+    """The GEN rank a multi-descriptor WRITE failed toward dies. Its restart
+    notice proves nothing; its confirmed death does for the CTX: the other
+    writes of that WRITE can land only in the dead process, and they only
+    read the CTX's blocks. The CTX's quarantine ends, its blocks serve the
+    next request, and no write that may still land meets a reused block of
+    a live rank (S1 as the harness checks it)."""
+    pair = _posting()
+    pair.fail_chunk_partially(next(iter(pair.in_flight)))
+    pair.deliver_all()
+    assert pair.ctx.parent_state(P) is ParentState.QUARANTINED
+    dead = pair.gens[0].our.epoch
+    pair.restart_gen(0)  # the notice: sessions with it end, nothing is proven
+    pair.settle_everything()
+    assert pair.ctx.parent_state(P) is ParentState.QUARANTINED
+    assert pair.ctx.pool.counts().quarantined > 0
+    pair.confirm_gen_dead(0, dead)
+    pair.settle_everything()
+    assert pair.ctx.parent_state(P) is ParentState.RELEASED
+    assert pair.ctx.pool.counts().quarantined == 0
+    pair.handoff(parent_key(2), blocks=2, chunks=2)  # the reclaimed blocks serve again
+    pair.settle_everything()
+    pair.check_s1()
+    pair.check_s4_and_ownership()
+
+
+def test_a_chunk_still_in_flight_toward_a_dead_target_ends_the_proof_at_its_poll() -> None:
+    """Two chunks in flight toward the GEN rank when it dies: one ERR'd with
+    several descriptors, one still running. The death alone does not end
+    the quarantine (a WRITE still posted from our blocks is polled to its
+    end first); its ERR then does, whatever its descriptors."""
+    pair = Pair(chunk_window=2)
+    pair.admit(P, blocks=2, chunks=3)
+    pair.prefill(P)
+    pair.install(P)
+    pair.deliver_all()
+    pair.decide(P)
+    pair.deliver_all()
+    first, second = list(pair.in_flight)
+    pair.fail_chunk_partially(first)
+    pair.deliver_all()
+    dead = pair.gens[0].our.epoch
+    pair.restart_gen(0)
+    pair.confirm_gen_dead(0, dead)
+    assert pair.ctx.parent_state(P) is ParentState.QUARANTINED  # `second` is still posted
+    pair.fail_chunk_partially(second)  # ERR, several descriptors: toward a dead target, it ends
+    pair.settle_everything()
+    assert pair.ctx.parent_state(P) is ParentState.RELEASED
+    assert pair.ctx.pool.counts().quarantined == 0
+    pair.check_s1()
+    pair.check_s4_and_ownership()
+
+
+def test_the_death_of_an_older_incarnation_proves_nothing_here() -> None:
+    """A confirmed death proves only edges toward that incarnation or an
+    older one: the death of an older epoch of the same GEN rank leaves the
+    quarantine toward the newer one in place."""
+    pair = _posting()
+    pair.fail_chunk_partially(next(iter(pair.in_flight)))
+    pair.deliver_all()
+    epoch = pair.gens[0].our.epoch
+    pair.restart_gen(0)
+    pair.confirm_gen_dead(0, epoch - 1)  # an older incarnation than the edge's
+    pair.settle_everything()
+    assert pair.ctx.parent_state(P) is ParentState.QUARANTINED
+    pair.confirm_gen_dead(0, epoch)
+    pair.settle_everything()
+    assert pair.ctx.parent_state(P) is ParentState.RELEASED
