@@ -458,15 +458,19 @@ GEN_EDGE_TRANSITIONS: Mapping[tuple[EdgeState, EdgeEvent], Transition] = {
     },
     # UNKNOWN is left only by proof: a non-UNKNOWN TERMINAL from the writer (it
     # is sent only once every chunk of the edge was polled to DONE/ERR; it
-    # arrives as `quiescence_proven`) or the writer incarnation confirmed dead.
-    # Other late evidence changes nothing.
+    # arrives as `quiescence_proven`), the writer incarnation confirmed dead,
+    # or the writer's REJECT of this very OPEN: it never recorded the OPEN, so
+    # it never wrote (a DUPLICATE reject, which says it did record one, never
+    # gets here). Found by the explorer: a GEN edge that went UNKNOWN at its
+    # deadline while its OPEN waited on a CTX whose lease ran out was
+    # quarantined for good, although the CTX refused that OPEN.
     (_ES.UNKNOWN, _EE.QUIESCENCE_PROVEN): _t(_ES.DRAINED),
+    (_ES.UNKNOWN, _EE.REJECTED): _t(_ES.NOT_STARTED),
     **{
         (_ES.UNKNOWN, e): _t(_ES.UNKNOWN)
         for e in (
             _EE.CANCEL,
             _EE.READY_RECEIVED,
-            _EE.REJECTED,
             _EE.QUIESCENCE_LOST,
             _EE.TERMINAL_UNKNOWN,
         )

@@ -43,7 +43,8 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(
-    "argv", [["--help"], ["demo", "--help"], ["bench", "--help"], ["--version"], ["demo", "--requests", "0"]]
+    "argv",
+    [["--help"], ["demo", "--help"], ["bench", "--help"], ["explore", "--help"], ["--version"], ["demo", "--requests", "0"]],
 )
 def test_parsing_imports_no_ray_torch_nixl_or_numpy(argv: list[str]) -> None:
     """`kvhandoff --help` and friends go through `main` and exit from argparse

@@ -77,3 +77,13 @@ def test_errors_with_data_survive_pickling() -> None:
     illegal = protocol.IllegalTransition("ctx-edge", "state", "event")
     again2 = pickle.loads(pickle.dumps(illegal))
     assert (again2.machine, again2.state, again2.event) == ("ctx-edge", "state", "event")
+
+
+def test_tools_import_the_protocol_only() -> None:
+    """tools/ (the explorer and its pair model) needs no Ray, NIXL, torch or
+    actors layer; and no production layer imports tools/."""
+    banned = {"ray", "nixl", "torch", "asyncio"}
+    bad = {m for m in _imports("tools") if m.split(".")[0] in banned or m.startswith("kvhandoff.actors")}
+    assert not bad, f"tools/ imports I/O or the actors layer: {bad}"
+    for layer in ("protocol", "topology"):
+        assert not {m for m in _imports(layer) if m.startswith("kvhandoff.tools")}, layer

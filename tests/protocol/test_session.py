@@ -86,11 +86,15 @@ def test_absorbing_states() -> None:
                 assert tr.next is ParentState.RELEASED
             if state is ParentState.QUARANTINED and event is not ParentEvent.RECLAIM:
                 assert tr.next is ParentState.QUARANTINED
-    # UNKNOWN is left only by a proof of quiescence, and only to DRAINED.
+    # UNKNOWN is left only by a proof of quiescence, and only to DRAINED; or,
+    # on GEN, by the writer's REJECT of the OPEN (it never recorded it, so it
+    # never wrote): to NOT_STARTED.
     for table in (CTX_EDGE_TRANSITIONS, GEN_EDGE_TRANSITIONS):
         for (state, event), tr in table.items():
             if state is EdgeState.UNKNOWN and event is EdgeEvent.QUIESCENCE_PROVEN:
                 assert tr.next is EdgeState.DRAINED
+            elif state is EdgeState.UNKNOWN and event is EdgeEvent.REJECTED:
+                assert table is GEN_EDGE_TRANSITIONS and tr.next is EdgeState.NOT_STARTED
             elif state is EdgeState.UNKNOWN:
                 assert tr.next is EdgeState.UNKNOWN and not tr.effects
     # Release is reachable only from SETTLED (every edge terminal, decided),

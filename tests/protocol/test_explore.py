@@ -1,0 +1,148 @@
+"""The interleaving explorer (`kvhandoff explore`, tools/explore.py) and the
+hole it found: a REJECT proves a GEN edge that went UNKNOWN at its deadline.
+
+The default bounds run here as CI's exhaustive check of the protocol: every
+interleaving of every world in `CONFIGS["default"]`, S1-S4 in every state,
+L1-L2 wherever the world is quiescent. A planted bug (a transition table row
+broken in place) must be found, with a shortest trace.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from kvhandoff.protocol import CancelReason, EdgeState, ParentState
+from kvhandoff.protocol import _session as session
+from kvhandoff.tools import _flags
+from kvhandoff.tools import explore as ex
+
+from .harness import Pair, parent_key
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+P = parent_key(1)
+
+
+# ---- the hole the explorer found --------------------------------------------
+
+
+def _open_waits_while_the_lease_runs_out() -> Pair:
+    """The explorer's trace: the GEN sent its OPEN and cancelled; every
+    deadline passed before the CTX saw the OPEN (its admission was never
+    applied: the actor parked the OPEN until the lease ended)."""
+    pair = Pair()
+    pair.admit(P, blocks=1, chunks=1)
+    pair.install(P)
+    gen = pair.gens[0]
+    pair.perform(gen.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.now += pair.timeout + 1
+    pair.expire()
+    return pair
+
+
+def test_a_reject_of_the_open_proves_an_edge_that_went_unknown() -> None:
+    pair = _open_waits_while_the_lease_runs_out()
+    gen = pair.gens[0]
+    (edge,) = gen.edges(P).values()
+    assert edge.state is EdgeState.UNKNOWN
+    assert gen.parent_state(P) is ParentState.QUARANTINED
+    pair.deliver_all()  # the OPEN is refused (REJECT), then the REJECT lands
+    assert any(type(e).__name__ == "IllegalTransition" for e in pair.errors)
+    pair.settle_everything()
+    pair.check_s1()
+    pair.check_s4_and_ownership()
+    assert P not in gen.parents()
+    counts = gen.pool.counts()
+    assert counts.free == counts.total, counts  # nothing stays quarantined
+
+
+def test_a_duplicate_reject_still_proves_nothing() -> None:
+    """A DUPLICATE reject says the CTX recorded an earlier copy of the OPEN:
+    it may be writing, so an UNKNOWN edge stays UNKNOWN."""
+    pair = _open_waits_while_the_lease_runs_out()
+    gen = pair.gens[0]
+    (ticket,) = gen.edges(P)
+    from kvhandoff.protocol import Reject, RejectReason
+
+    gen.receive(Reject(ticket=ticket, reason=RejectReason.DUPLICATE), pair.now)
+    assert gen.edges(P)[ticket].state is EdgeState.UNKNOWN
+    assert gen.parent_state(P) is ParentState.QUARANTINED
+
+
+# ---- the explorer ----------------------------------------------------------------
+
+
+def test_the_default_bounds_hold_every_invariant() -> None:
+    """CI's exhaustive run: at least 100,000 distinct states, no violation."""
+    results = ex.explore_all(ex.CONFIGS["default"])
+    assert [r.violations for r in results] == [[] for _ in results]
+    assert sum(r.states for r in results) >= 100_000
+    assert all(r.quiescent_checked > 0 for r in results)  # L1/L2 were checked
+    assert [r.config.name for r in results if not r.complete] == []  # every interleaving, to the end
+
+
+def test_a_planted_bug_is_found_with_a_shortest_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Undo the fix above in the GEN edge table: the explorer finds the
+    quarantine that never ends, by the shortest trace there is."""
+    table = dict(session.GEN_EDGE_TRANSITIONS)
+    table[(EdgeState.UNKNOWN, session.EdgeEvent.REJECTED)] = table[
+        (EdgeState.UNKNOWN, session.EdgeEvent.CANCEL)
+    ]
+    monkeypatch.setattr(session.GenRank, "_edge_table", table)
+    config = ex.Config("planted", cancels=1, dups=0, errs=0, restarts=0, chunks=1)
+    result = ex.explore(config)
+    assert result.violations, "the planted bug was not found"
+    (violation,) = result.violations
+    assert violation["invariant"] == "L2"
+    trace = violation["trace"]
+    # Shortest to a quiescent state (where L2 is judged): admit, install,
+    # cancel, every deadline, the refused OPEN, the refused CANCEL, the
+    # REJECT, then settle.
+    assert len(trace) == 8, trace
+    assert trace[0].startswith("both instances admit req-1")
+    assert "cancels req-1" in trace[2]
+    assert trace[3].startswith("time passes")
+    assert "refused" in trace[4] and "REJECT sent" in trace[4]
+    assert trace[6].startswith("deliver REJECT req-1")
+    assert trace[7].startswith("(settle")
+    # Without the bug the same bounds are clean, and complete.
+    monkeypatch.undo()
+    clean = ex.explore(config)
+    assert clean.violations == [] and clean.complete
+
+
+def test_a_refused_frame_that_changes_state_is_an_s3_violation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that records part of a frame before refusing it breaks S3."""
+    def refusing(self: session.GenRank, message: object, now: float) -> list[object]:
+        self.pool.lease(parent_key(9), 1)
+        raise session.UnknownSessionError("planted")
+
+    monkeypatch.setattr(session.GenRank, "receive_ready", refusing)
+    result = ex.explore(ex.Config("s3", cancels=0, dups=0, errs=0, restarts=0, expiries=0, chunks=1))
+    assert result.violations and result.violations[0]["invariant"] == "S3"
+
+
+def test_bounds_names_match_the_flags() -> None:
+    assert tuple(sorted(ex.CONFIGS)) == _flags.CONFIG_NAMES
+
+
+def test_planted_mutants_are_in_the_catalogue() -> None:
+    rows = ex._planted_mutants(ROOT / "tests" / "mutation" / "mutants.toml", ex.PLANTED)
+    assert len(rows) >= 8
+    assert all(r["file"].startswith("protocol/") for r in rows)
+
+
+def test_the_command_prints_the_documented_json() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvhandoff.actors.cli", "explore", "--config", "smoke", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out) == {"configs", "states", "transitions", "violations", "wall_s"}
+    assert out["violations"] == [] and out["states"] == out["configs"][0]["states"] > 100
+    assert out["configs"][0]["config"]["name"] == "tp1-cancel"

@@ -1,0 +1,601 @@
+"""A pair model (h11's ConnectionPair): one CtxRank and N GenRanks wired together.
+
+The protocol tests (tests/protocol) and the interleaving explorer
+(`kvhandoff explore`, tools/explore.py) drive the real protocol objects
+through it.
+
+It plays the actors layer: performs the actions the protocol objects return,
+pipes messages between them as encoded frames (`encode_frame`/`decode_frame`),
+keeps a model of the DMA chunks in flight (which GEN and CTX block
+incarnations each may still touch, for S1), and simulates the agreement rounds
+(cancel, decide, completion, NOT_STARTED verdict) with one CTX rank and the
+GEN ranks. Tests can hold messages in the queues to reorder, duplicate or drop
+them, restart a rank with a new epoch, and move time.
+
+When the protocol misbehaves, the harness reports the broken contract as an
+`AssertionError` that names it (S1, S3, S4, no-leak, L1), never as a
+`KeyError`/`TypeError` of its own bookkeeping: every call into a rank goes
+through `protocol_call` (a rank may raise only `ProtocolError`, the refusal
+contract of S3), and every lookup the harness makes in its own tables is
+guarded by an assertion that says which invariant a miss means.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+from kvhandoff.protocol import (
+    Action,
+    AdmissionStop,
+    BlockDescriptor,
+    BlockPool,
+    BlockRef,
+    BufferInfo,
+    Cancel,
+    CancelIntent,
+    CancelReason,
+    ContextTicket,
+    CtxRank,
+    DecodeReady,
+    EdgeState,
+    Endpoint,
+    GenEdgeSpec,
+    GenRank,
+    MemoryKind,
+    Open,
+    ParentKey,
+    ParentSettled,
+    ParentState,
+    PostChunk,
+    Prepared,
+    ProtocolError,
+    Quarantine,
+    RankNamespace,
+    Ready,
+    Receipt,
+    Reject,
+    Release,
+    Role,
+    SendMessage,
+    SessionMessage,
+    Terminal,
+    decode_frame,
+    encode_frame,
+    reject_for,
+)
+
+__all__ = [
+    "CHUNK_BYTES",
+    "CTX_DIGEST",
+    "GEN_DIGEST",
+    "TIMEOUT",
+    "Envelope",
+    "Pair",
+    "ProtocolCrash",
+    "Write",
+    "buffer_for",
+    "ctx_endpoint",
+    "gen_endpoint",
+    "make_ticket",
+    "parent_key",
+    "protocol_call",
+]
+
+CTX_DIGEST = bytes(range(32))
+GEN_DIGEST = bytes(range(32, 64))
+CHUNK_BYTES = 4096
+TIMEOUT = 10.0
+
+
+class ProtocolCrash(AssertionError):
+    """A rank raised something other than a ProtocolError (or returned no action list)."""
+
+
+def protocol_call(invariant: str, what: str, call: Callable[[], list[Action]]) -> list[Action]:
+    """Run one call into a rank. A `ProtocolError` passes through (a typed refusal,
+    which the caller checks changed nothing); anything else is the protocol
+    breaking its contract and is reported as an assertion naming `invariant`."""
+    try:
+        actions = call()
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise ProtocolCrash(
+            f"{invariant}: {what} raised {type(exc).__name__}: {exc!r}; a rank must refuse"
+            " with a ProtocolError and change nothing, or act"
+        ) from exc
+    if not isinstance(actions, list):
+        raise ProtocolCrash(f"{invariant}: {what} returned {actions!r}, not a list of actions")
+    return actions
+
+
+def ctx_endpoint(epoch: int = 1, rank: int = 0) -> Endpoint:
+    return Endpoint(ns=RankNamespace(instance_id="ctx0", role=Role.CTX, rank=rank), epoch=epoch)
+
+
+def gen_endpoint(epoch: int = 1, rank: int = 0) -> Endpoint:
+    return Endpoint(ns=RankNamespace(instance_id="gen0", role=Role.GEN, rank=rank), epoch=epoch)
+
+
+def parent_key(n: int, ctx_attempt: int = 0, gen_attempt: int = 0) -> ParentKey:
+    return ParentKey(request_id=f"req-{n}", ctx_attempt=ctx_attempt, gen_attempt=gen_attempt)
+
+
+def make_ticket(parent: ParentKey, ctx: Endpoint, gen: Endpoint) -> ContextTicket:
+    return ContextTicket(
+        request_id=parent.request_id,
+        ctx_attempt=parent.ctx_attempt,
+        gen_attempt=parent.gen_attempt,
+        ctx=ctx,
+        gen=gen,
+        ctx_digest=CTX_DIGEST,
+        gen_digest=GEN_DIGEST,
+    )
+
+
+def buffer_for(refs: Iterable[BlockRef], epoch: int) -> BufferInfo:
+    """What a GEN actor builds from its lease: one descriptor per block."""
+    return BufferInfo(
+        agent_name=f"gen-agent-{epoch}",
+        endpoint_epoch=epoch,
+        memory=MemoryKind.DRAM,
+        blocks=[
+            BlockDescriptor(r.block, r.generation, r.block * CHUNK_BYTES, CHUNK_BYTES) for r in refs
+        ],
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Write:
+    """One posted chunk: which block incarnations it may still touch."""
+
+    ticket: ContextTicket
+    index: int
+    ctx_epoch: int
+    gen_epoch: int
+    gen_rank: int
+    ctx_refs: tuple[BlockRef, ...]
+    gen_refs: tuple[BlockRef, ...]
+
+
+@dataclasses.dataclass
+class Envelope:
+    to_role: Role
+    to_rank: int
+    frame: bytes
+
+
+class Pair:
+    """One CTX rank and `n_gen` GEN ranks; every parent has one edge per GEN rank."""
+
+    def __init__(
+        self,
+        *,
+        ctx_blocks: int = 16,
+        gen_blocks: int = 16,
+        n_gen: int = 1,
+        chunk_window: int = 2,
+        timeout: float = TIMEOUT,
+        conservative: bool = False,
+        post_on_decide: bool = True,
+    ) -> None:
+        self.now = 0.0
+        self.timeout = timeout
+        self.chunk_window = chunk_window
+        self.conservative = conservative
+        self.post_on_decide = post_on_decide
+        self.ctx_blocks = ctx_blocks
+        self.gen_blocks = gen_blocks
+        self.n_gen = n_gen
+        self.ctx = self._new_ctx(1)
+        self.gens = [self._new_gen(1, r) for r in range(n_gen)]
+        self.queue: list[Envelope] = []
+        self.in_flight: dict[tuple[ContextTicket, int], Write] = {}
+        self.strays: list[Write] = []  # writes of ERR chunks that may still land
+        self.dead_gens: set[tuple[int, int]] = set()  # (rank, epoch) confirmed dead
+        self.chunks: dict[ParentKey, int] = {}  # chunks per edge
+        self.intents: set[ParentKey] = set()
+        self.actions: list[Action] = []
+        self.errors: list[ProtocolError] = []
+        self.admission_stopped = False
+        self.decode_ready: set[ParentKey] = set()
+        # (CTX epoch, parent) for every Prepared the CTX reported: the round's
+        # `prepared` channel. A parent is decided only once it is here.
+        self.prepared: set[tuple[int, ParentKey]] = set()
+
+    # ---- construction --------------------------------------------------
+
+    def _new_ctx(self, epoch: int) -> CtxRank:
+        return CtxRank(
+            ctx_endpoint(epoch),
+            CTX_DIGEST,
+            BlockPool(self.ctx_blocks),
+            edges_per_parent=self.n_gen,
+            transfer_timeout=self.timeout,
+            chunk_window=self.chunk_window,
+            conservative=self.conservative,
+            post_on_decide=self.post_on_decide,
+        )
+
+    def _new_gen(self, epoch: int, rank: int) -> GenRank:
+        return GenRank(
+            gen_endpoint(epoch, rank),
+            GEN_DIGEST,
+            BlockPool(self.gen_blocks),
+            transfer_timeout=self.timeout,
+        )
+
+    def ranks(self) -> list[CtxRank | GenRank]:
+        return [self.ctx, *self.gens]
+
+    def tickets(self, parent: ParentKey) -> list[ContextTicket]:
+        return [make_ticket(parent, self.ctx.our, g.our) for g in self.gens]
+
+    # ---- lifecycle steps (what the actors and rounds would call) -------
+
+    def admit(
+        self, parent: ParentKey, *, blocks: int = 2, chunks: int = 2, lease: float = 5.0
+    ) -> None:
+        """Admission rounds on both sides: lease on every rank."""
+        self.ctx.admit(parent, blocks, now=self.now, lease_deadline=self.now + lease)
+        for gen in self.gens:
+            gen.admit(parent, blocks, now=self.now, deadline=self.now + lease)
+        self.chunks[parent] = chunks
+
+    def prefill(self, parent: ParentKey) -> None:
+        self._act("S3", f"prefilled({parent!r})", lambda: self.ctx.prefilled(parent))
+
+    def install(self, parent: ParentKey) -> None:
+        chunks = self.chunks[parent]
+        for gen in self.gens:
+            ticket = make_ticket(parent, self.ctx.our, gen.our)
+            spec = GenEdgeSpec(
+                ticket=ticket,
+                buffer=buffer_for(gen.lease(parent), gen.our.epoch),
+                num_tokens=16,
+                expected_bytes=chunks * CHUNK_BYTES,
+            )
+            self._act(
+                "S3",
+                f"install({parent!r}) on {gen.our.ns}",
+                lambda g=gen, s=spec: g.install(parent, [s], self.now),
+            )
+
+    def decide(self, parent: ParentKey) -> None:
+        """CTX decision round: only when every edge is prepared (the round's rule)."""
+        self._act("S3", f"decided({parent!r})", lambda: self.ctx.decided(parent, self.now))
+
+    def all_prepared(self, parent: ParentKey) -> bool:
+        """The CTX reported the parent `Prepared` and it is still RESIDENT (the
+        round decides only prepared parents that nobody cancelled)."""
+        return (
+            self.ctx.our.epoch,
+            parent,
+        ) in self.prepared and self.ctx.parent_state(parent) is ParentState.RESIDENT
+
+    def run_rounds(self) -> None:
+        """One batch of rounds: cancels (union), completions (intersection), verdicts."""
+        for parent in sorted(self.intents, key=repr):
+            for rank in self.ranks():
+                if parent in rank.parents():
+                    self._act(
+                        "L1",
+                        f"decided cancel of {parent!r}",
+                        lambda r=rank, p=parent: r.cancel(
+                            p, CancelReason.PEER, self.now, from_round=True
+                        ),
+                    )
+        self.intents.clear()
+        # Topology-wide NOT_STARTED verdict first: the CTX rank (the only writer)
+        # proved it, and no GEN rank has contrary evidence.
+        gen_parents: set[ParentKey] = set()
+        for gen in self.gens:
+            gen_parents |= set(gen.parents())
+        for parent in sorted(gen_parents, key=repr):
+            holders = [g for g in self.gens if parent in g.parents()]
+            if (
+                parent in self.ctx.parents()
+                and self.ctx.local_not_started(parent)
+                and all(g.local_not_started(parent) for g in holders)
+            ):
+                for rank in [self.ctx, *holders]:
+                    self._act(
+                        "S1",
+                        f"NOT_STARTED verdict for {parent!r}",
+                        lambda r=rank, p=parent: r.release_not_started(p),
+                    )
+        # Completion rounds: CTX (one rank here), GEN (intersection over ranks).
+        for parent, state in self.ctx.parents().items():
+            if state is ParentState.SETTLED:
+                self._act(
+                    "L1", f"CTX completion of {parent!r}", lambda p=parent: self.ctx.completed(p)
+                )
+        for parent in sorted(gen_parents, key=repr):
+            # A QUARANTINED rank is finished with the parent (a failure, in the
+            # round's union); it does not hold the others' completion back.
+            holders = [g for g in self.gens if parent in g.parents()]
+            states = {g.parents().get(parent) for g in holders}
+            if ParentState.SETTLED in states and states <= {
+                ParentState.SETTLED,
+                ParentState.QUARANTINED,
+            }:
+                for gen in holders:
+                    if gen.parents().get(parent) is ParentState.SETTLED:
+                        self._act(
+                            "L1",
+                            f"GEN completion of {parent!r}",
+                            lambda g=gen, p=parent: g.completed(p),
+                        )
+
+    def free(self, parent: ParentKey) -> None:
+        for gen in self.gens:
+            if parent in gen.parents():
+                self._act("L1", f"free of {parent!r}", lambda g=gen, p=parent: g.free(p))
+
+    def expire(self) -> None:
+        for rank in self.ranks():
+            self._act(
+                "L1", f"expire({self.now}) on {rank.our.ns}", lambda r=rank: r.expire(self.now)
+            )
+
+    # ---- the data plane model ------------------------------------------
+
+    def finish_chunk(self, key: tuple[ContextTicket, int], *, ok: bool = True) -> None:
+        """A posted chunk reports DONE (ok) or ERR; only its own CTX incarnation hears it."""
+        assert key in self.in_flight, f"harness: chunk {key[1]} of {key[0].edge} was never posted"
+        write = self.in_flight.pop(key)
+        if write.ctx_epoch != self.ctx.our.epoch:
+            return  # the incarnation that posted it is gone: nobody polls it
+        ticket, index = key
+        what = f"chunk_{'done' if ok else 'failed'}({ticket.request_id} {ticket.edge} #{index})"
+        try:
+            if ok:
+                actions = protocol_call(
+                    "S1", what, lambda: self.ctx.chunk_done(ticket, index, CHUNK_BYTES, self.now)
+                )
+            else:
+                actions = protocol_call(
+                    "S1", what, lambda: self.ctx.chunk_failed(ticket, index, self.now)
+                )
+        except ProtocolError as exc:
+            # The CTX posted this chunk itself: it must hear its completion, or the
+            # chunk's blocks could be released while the DMA may still run.
+            raise AssertionError(
+                f"S1: the CTX refused {what} of a chunk it posted: {exc!r}"
+            ) from exc
+        self.perform(actions)
+
+    def fail_chunk_partially(self, key: tuple[ContextTicket, int], descriptors: int = 2) -> None:
+        """A posted chunk of several descriptors reports ERR while others of
+        its writes still run: the write stays in flight (it may still land)."""
+        assert key in self.in_flight, f"harness: chunk {key[1]} of {key[0].edge} was never posted"
+        ticket, index = key
+        what = f"chunk_failed({ticket.request_id} {ticket.edge} #{index}, descriptors={descriptors})"
+        self.perform(
+            protocol_call("S1", what, lambda: self.ctx.chunk_failed(ticket, index, self.now, descriptors))
+        )
+        # The CTX never hears of it again (ERR is terminal for NIXL), but its
+        # writes may still land: a stray, checked by `check_s1` until the
+        # incarnation that posted it is gone (`restart_ctx`).
+        self.strays.append(self.in_flight.pop(key))
+
+    # ---- restarts ------------------------------------------------------
+
+    def restart_gen(self, rank: int = 0, *, notify: bool = True) -> None:
+        """GEN rank `rank` restarts with a new epoch: fresh pool, no sessions."""
+        old = self.gens[rank]
+        self.gens[rank] = self._new_gen(old.our.epoch + 1, rank)
+        if notify:
+            self._act(
+                "S1",
+                "CTX peer_restarted",
+                lambda: self.ctx.peer_restarted(self.gens[rank].our, self.now),
+            )
+
+    def confirm_gen_dead(self, rank: int, epoch: int) -> None:
+        """The directory confirmed GEN incarnation (`rank`, `epoch`) dead and
+        tells the CTX (`peer_dead`). A write toward it lands nowhere that
+        matters any more: it only reads the CTX's blocks."""
+        self.dead_gens.add((rank, epoch))
+        ns = self.gens[rank].our.ns
+        self._act(
+            "S1", "CTX peer_dead", lambda: self.ctx.peer_dead(Endpoint(ns=ns, epoch=epoch), self.now)
+        )
+
+    def restart_ctx(self, *, notify: bool = True) -> None:
+        old = self.ctx
+        self.ctx = self._new_ctx(old.our.epoch + 1)
+        self.strays = [w for w in self.strays if w.ctx_epoch != old.our.epoch]  # its process is gone
+        if notify:
+            for gen in self.gens:
+                self._act(
+                    "S1",
+                    "GEN peer_restarted",
+                    lambda g=gen: g.peer_restarted(self.ctx.our, self.now),
+                )
+
+    # ---- actions and messages ------------------------------------------
+
+    def _act(self, invariant: str, what: str, call: Callable[[], list[Action]]) -> None:
+        """Perform what one of the harness's own calls into a rank returns."""
+        self.perform(protocol_call(invariant, what, call))
+
+    def perform(self, actions: Iterable[Action]) -> None:
+        for action in actions:
+            self.actions.append(action)
+            match action:
+                case SendMessage(to=to, message=message):
+                    rank = to.ns.rank
+                    self.queue.append(Envelope(to.ns.role, rank, encode_frame(message)))
+                case PostChunk(ticket=ticket, index=index):
+                    assert self.ctx.pool.holds(ticket.parent), (
+                        f"S1: PostChunk {index} of {ticket.edge} for {ticket.parent!r},"
+                        " whose lease the CTX no longer holds: the DMA would read freed blocks"
+                    )
+                    assert (ticket, index) not in self.in_flight, (
+                        f"S1: chunk {index} of {ticket.edge} posted again while in flight"
+                    )
+                    gen_refs: tuple[BlockRef, ...] = ()
+                    edge_open = self._open_for(ticket)
+                    if edge_open is not None:
+                        gen_refs = tuple(
+                            BlockRef(d.block, d.generation) for d in edge_open.buffer.blocks
+                        )
+                    self.in_flight[(ticket, index)] = Write(
+                        ticket=ticket,
+                        index=index,
+                        ctx_epoch=ticket.ctx.epoch,
+                        gen_epoch=ticket.gen.epoch,
+                        gen_rank=ticket.gen.ns.rank,
+                        ctx_refs=self.ctx.pool.lease_of(ticket.parent),
+                        gen_refs=gen_refs,
+                    )
+                case CancelIntent(parent=parent):
+                    self.intents.add(parent)
+                case AdmissionStop():
+                    self.admission_stopped = True
+                case DecodeReady(parent=parent):
+                    self.decode_ready.add(parent)
+                case Prepared(parent=parent):
+                    key = (self.ctx.our.epoch, parent)
+                    assert key not in self.prepared, f"Prepared({parent!r}) reported twice"
+                    edges = self.ctx.edges(parent)
+                    assert len(edges) == len(self.gens) and all(
+                        e.state is EdgeState.PREPARED for e in edges.values()
+                    ), f"Prepared({parent!r}) with edges {[e.state for e in edges.values()]}"
+                    self.prepared.add(key)
+                case Release() | Quarantine() | ParentSettled():
+                    pass
+                case _:
+                    pass
+
+    def _open_for(self, ticket: ContextTicket) -> Open | None:
+        # The CTX recorded the OPEN; its descriptors say which GEN blocks a chunk writes.
+        try:
+            return self.ctx.session_open(ticket)
+        except ProtocolError:
+            return None
+
+    def deliver(self, i: int = 0) -> ProtocolError | None:
+        """Deliver queued message `i`; return the ProtocolError it raised, if any."""
+        env = self.queue.pop(i)
+        return self.deliver_frame(env.to_role, env.to_rank, env.frame)
+
+    def deliver_frame(self, role: Role, rank: int, frame: bytes) -> ProtocolError | None:
+        message = decode_frame(frame)
+        assert isinstance(message, (Open, Ready, Cancel, Terminal, Receipt, Reject))
+        return self.deliver_message(role, rank, message)
+
+    def deliver_message(
+        self, role: Role, rank: int, message: SessionMessage
+    ) -> ProtocolError | None:
+        what = f"{role.value} rank {rank} receive({type(message).__name__} {message.ticket.request_id})"
+        try:
+            if role is Role.CTX:
+                num_chunks = self.chunks.get(message.ticket.parent, 1)
+                actions = protocol_call(
+                    "S3", what, lambda: self.ctx.receive(message, self.now, num_chunks=num_chunks)
+                )
+            else:
+                assert 0 <= rank < len(self.gens), f"S3: {what}: no GEN rank {rank} exists"
+                gen = self.gens[rank]
+                actions = protocol_call("S3", what, lambda: gen.receive(message, self.now))
+        except ProtocolError as error:
+            self.errors.append(error)
+            if role is Role.CTX and isinstance(message, Open):
+                # The actor answers a refused OPEN with a REJECT (to the ticket's GEN).
+                reject: Reject | None = reject_for(message, error, self.ctx.our)
+                if reject is not None:  # an OPEN not addressed to us is dropped silently
+                    self.queue.append(
+                        Envelope(Role.GEN, message.ticket.gen.ns.rank, encode_frame(reject))
+                    )
+            return error
+        self.perform(actions)
+        return None
+
+    def deliver_all(self, limit: int = 1000) -> None:
+        for _ in range(limit):
+            if not self.queue:
+                return
+            self.deliver(0)
+        raise AssertionError("message storm: queue never drained")
+
+    def pump(self, limit: int = 100) -> None:
+        """Deliver messages and finish chunks until nothing moves."""
+        for _ in range(limit):
+            if self.queue:
+                self.deliver_all()
+            elif any(w.ctx_epoch == self.ctx.our.epoch for w in self.in_flight.values()):
+                key = next(
+                    k for k, w in self.in_flight.items() if w.ctx_epoch == self.ctx.our.epoch
+                )
+                self.finish_chunk(key)
+            else:
+                return
+        raise AssertionError("pump did not settle")
+
+    # ---- whole handoffs and invariants -----------------------------------
+
+    def handoff(self, parent: ParentKey, *, blocks: int = 2, chunks: int = 2) -> None:
+        """The success path, start to decode-ready."""
+        self.admit(parent, blocks=blocks, chunks=chunks)
+        self.prefill(parent)
+        self.install(parent)
+        self.deliver_all()
+        assert self.all_prepared(parent)
+        self.decide(parent)
+        self.pump()
+        self.run_rounds()
+
+    def settle_everything(self, rounds: int = 12) -> None:
+        """Drive every parent to an end: deliver, finish chunks, decide, expire, rounds."""
+        for _ in range(rounds):
+            self.pump()
+            for parent in list(self.ctx.parents()):
+                if self.all_prepared(parent):
+                    self.decide(parent)
+            self.pump()
+            self.run_rounds()
+            for parent in sorted(self.decode_ready, key=repr):
+                self.free(parent)
+            self.now += self.timeout + 1
+            self.expire()
+
+    def check_s1(self) -> None:
+        """No block a chunk may still touch is FREE or re-leased (same incarnation)."""
+        for write in [*self.in_flight.values(), *self.strays]:
+            target_dead = any(r == write.gen_rank and e >= write.gen_epoch for r, e in self.dead_gens)
+            if write.ctx_epoch == self.ctx.our.epoch and not target_dead:
+                for ref in write.ctx_refs:
+                    assert self.ctx.pool.is_current(ref), (
+                        f"S1: CTX block {ref} reused under {write}"
+                    )
+            assert 0 <= write.gen_rank < len(self.gens), f"S1: {write} targets no GEN rank"
+            gen = self.gens[write.gen_rank]
+            if write.gen_epoch == gen.our.epoch:
+                for ref in write.gen_refs:
+                    assert gen.pool.is_current(ref), f"S1: GEN block {ref} reused under {write}"
+
+    def check_s4_and_ownership(self) -> None:
+        """S4 in every pool, and pool ownership matches the protocol state exactly (no leak)."""
+        for rank in self.ranks():
+            try:
+                rank.pool.check_invariants()
+            except ProtocolError as exc:
+                raise AssertionError(f"S4: pool of {rank.our.ns}: {exc}") from exc
+            counts = rank.pool.counts()
+            owned = 0
+            for parent, state in rank.parents().items():
+                assert rank.pool.holds(parent), (
+                    f"no leak: {parent!r} is live ({state.value}) on {rank.our.ns}"
+                    " but its pool holds no lease for it"
+                )
+                owned += len(rank.pool.lease_of(parent))
+                assert rank.pool.is_quarantined(parent) == (state is ParentState.QUARANTINED), (
+                    f"S4: {parent!r} is {state.value} on {rank.our.ns} but its pool lease is"
+                    f" {'' if rank.pool.is_quarantined(parent) else 'not '}quarantined"
+                )
+            assert counts.leased + counts.quarantined == owned, (
+                f"no leak: pool of {rank.our.ns} has {counts}, its live parents own {owned}"
+            )
