@@ -57,15 +57,21 @@ import sys
 import tempfile
 import time
 import tomllib
+from functools import partial
 from typing import Any
 
 from kvhandoff.protocol import (
+    Cancel,
     CancelReason,
     Endpoint,
     Open,
     ParentKey,
     ParentState,
+    Ready,
+    Receipt,
+    Reject,
     Role,
+    Terminal,
     decode_frame,
 )
 from kvhandoff.tools._flags import add_explore_arguments
@@ -105,7 +111,7 @@ def _world(name: str, **bounds: int) -> Config:
     """A world with only the faults named (a budget is at most: a world
     holds every path with fewer of them too)."""
     none = dict(cancels=0, drops=0, dups=0, reorders=0, errs=0, partials=0, expiries=0, restarts=0)
-    return Config(name, **{**none, **bounds})  # type: ignore[arg-type]
+    return Config(name, **{**none, **bounds})
 
 
 #: The default worlds: every pair of fault kinds (restart, cancel, deadline,
@@ -179,6 +185,8 @@ def _invariant_of(exc: BaseException) -> str:
 
 Event = tuple[Any, ...]
 
+_SESSION_MESSAGES = (Open, Ready, Cancel, Terminal, Receipt, Reject)
+
 #: What a frame names, by its bytes (frames repeat across states): its
 #: parent and its channel (the sender's incarnation, the receiver).
 _FRAME_INFO: dict[bytes, tuple[ParentKey, tuple[Any, ...]]] = {}
@@ -187,7 +195,9 @@ _FRAME_INFO: dict[bytes, tuple[ParentKey, tuple[Any, ...]]] = {}
 def _frame_info(env: Envelope) -> tuple[ParentKey, tuple[Any, ...]]:
     info = _FRAME_INFO.get(env.frame)
     if info is None:
-        ticket = decode_frame(env.frame).ticket  # type: ignore[union-attr]
+        message = decode_frame(env.frame)
+        assert isinstance(message, _SESSION_MESSAGES), f"harness: a {type(message).__name__} on the wire"
+        ticket = message.ticket
         sender = ticket.gen if env.to_role is Role.CTX else ticket.ctx
         channel = (env.to_role.value, env.to_rank, sender.ns.role.value, sender.ns.rank, sender.epoch)
         if len(_FRAME_INFO) > 100_000:
@@ -282,8 +292,8 @@ class World(Pair):
             for g in range(len(self.gens)):
                 out.append(("restart_gen", g))
             out.append(("restart_ctx",))
-        for rank, epoch in self.restarted_gens:
-            out.append(("confirm_dead", rank, epoch))
+        for gen_rank, epoch in self.restarted_gens:
+            out.append(("confirm_dead", gen_rank, epoch))
         for epoch in self.restarted_ctx:
             out.append(("confirm_ctx_dead", epoch))
         return out
@@ -408,7 +418,7 @@ class World(Pair):
             # Its process is gone and confirmed so: its writes land nowhere now.
             self.in_flight = {k: w for k, w in self.in_flight.items() if w.ctx_epoch != epoch}
             for g, gen in enumerate(self.gens):
-                self._act("S1", f"gen{g} peer_dead", lambda gen=gen: gen.peer_dead(dead, self.now))
+                self._act("S1", f"gen{g} peer_dead", partial(gen.peer_dead, dead, self.now))
             return f"the directory confirms CTX epoch {epoch} dead"
         raise ValueError(f"unknown event {event!r}")
 
@@ -484,8 +494,8 @@ class World(Pair):
         death, then rounds, frees and every timer run until nothing moves."""
         try:
             # The directory confirms every dead incarnation in the end (fair).
-            for rank, epoch in list(self.restarted_gens):
-                self._apply(("confirm_dead", rank, epoch))
+            for gen_rank, epoch in list(self.restarted_gens):
+                self._apply(("confirm_dead", gen_rank, epoch))
             for epoch in list(self.restarted_ctx):
                 self._apply(("confirm_ctx_dead", epoch))
             self.settle_everything()
@@ -534,6 +544,7 @@ def _who(r: int) -> str:
 
 def _frame(env: Envelope) -> str:
     message = decode_frame(env.frame)
+    assert isinstance(message, _SESSION_MESSAGES), f"harness: a {type(message).__name__} on the wire"
     extra = ""
     if isinstance(message, Open):
         extra = f" gen-epoch {message.ticket.gen.epoch}"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
+from functools import partial
 
 from kvhandoff.protocol import (
     Action,
@@ -108,6 +109,13 @@ def protocol_call(invariant: str, what: str, call: Callable[[], list[Action]]) -
     if not isinstance(actions, list):
         raise ProtocolCrash(f"{invariant}: {what} returned {actions!r}, not a list of actions")
     return actions
+
+
+def _ref_of(descriptor: object) -> BlockRef:
+    """The block incarnation a descriptor of the model's OPENs names (the
+    model builds one descriptor per block: `buffer_for`)."""
+    assert isinstance(descriptor, BlockDescriptor), f"harness: descriptor {descriptor!r}"
+    return BlockRef(descriptor.block, descriptor.generation)
 
 
 def ctx_endpoint(epoch: int = 1, rank: int = 0) -> Endpoint:
@@ -259,7 +267,7 @@ class Pair:
             self._act(
                 "S3",
                 f"install({parent!r}) on {gen.our.ns}",
-                lambda g=gen, s=spec: g.install(parent, [s], self.now),
+                partial(gen.install, parent, [spec], self.now),
             )
 
     def decide(self, parent: ParentKey) -> None:
@@ -282,9 +290,7 @@ class Pair:
                     self._act(
                         "L1",
                         f"decided cancel of {parent!r}",
-                        lambda r=rank, p=parent: r.cancel(
-                            p, CancelReason.PEER, self.now, from_round=True
-                        ),
+                        partial(rank.cancel, parent, CancelReason.PEER, self.now, from_round=True),
                     )
         self.intents.clear()
         # Topology-wide NOT_STARTED verdict first: the CTX rank (the only writer)
@@ -299,17 +305,17 @@ class Pair:
                 and self.ctx.local_not_started(parent)
                 and all(g.local_not_started(parent) for g in holders)
             ):
-                for rank in [self.ctx, *holders]:
+                for member in (self.ctx, *holders):
                     self._act(
                         "S1",
                         f"NOT_STARTED verdict for {parent!r}",
-                        lambda r=rank, p=parent: r.release_not_started(p),
+                        partial(member.release_not_started, parent),
                     )
         # Completion rounds: CTX (one rank here), GEN (intersection over ranks).
         for parent, state in self.ctx.parents().items():
             if state is ParentState.SETTLED:
                 self._act(
-                    "L1", f"CTX completion of {parent!r}", lambda p=parent: self.ctx.completed(p)
+                    "L1", f"CTX completion of {parent!r}", partial(self.ctx.completed, parent)
                 )
         for parent in sorted(gen_parents, key=repr):
             # A QUARANTINED rank is finished with the parent (a failure, in the
@@ -325,18 +331,18 @@ class Pair:
                         self._act(
                             "L1",
                             f"GEN completion of {parent!r}",
-                            lambda g=gen, p=parent: g.completed(p),
+                            partial(gen.completed, parent),
                         )
 
     def free(self, parent: ParentKey) -> None:
         for gen in self.gens:
             if parent in gen.parents():
-                self._act("L1", f"free of {parent!r}", lambda g=gen, p=parent: g.free(p))
+                self._act("L1", f"free of {parent!r}", partial(gen.free, parent))
 
     def expire(self) -> None:
         for rank in self.ranks():
             self._act(
-                "L1", f"expire({self.now}) on {rank.our.ns}", lambda r=rank: r.expire(self.now)
+                "L1", f"expire({self.now}) on {rank.our.ns}", partial(rank.expire, self.now)
             )
 
     # ---- the data plane model ------------------------------------------
@@ -412,7 +418,7 @@ class Pair:
                 self._act(
                     "S1",
                     "GEN peer_restarted",
-                    lambda g=gen: g.peer_restarted(self.ctx.our, self.now),
+                    partial(gen.peer_restarted, self.ctx.our, self.now),
                 )
 
     # ---- actions and messages ------------------------------------------
@@ -439,16 +445,14 @@ class Pair:
                     gen_refs: tuple[BlockRef, ...] = ()
                     edge_open = self._open_for(ticket)
                     if edge_open is not None:
-                        gen_refs = tuple(
-                            BlockRef(d.block, d.generation) for d in edge_open.buffer.blocks
-                        )
+                        gen_refs = tuple(_ref_of(d) for d in edge_open.buffer.blocks)
                     self.in_flight[(ticket, index)] = Write(
                         ticket=ticket,
                         index=index,
                         ctx_epoch=ticket.ctx.epoch,
                         gen_epoch=ticket.gen.epoch,
                         gen_rank=ticket.gen.ns.rank,
-                        ctx_refs=self.ctx.pool.lease_of(ticket.parent),
+                        ctx_refs=tuple(self.ctx.pool.lease_of(ticket.parent)),
                         gen_refs=gen_refs,
                     )
                 case CancelIntent(parent=parent):
