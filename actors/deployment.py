@@ -1255,7 +1255,20 @@ class _LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        """Stop the loop, wait for its thread, cancel what is left on it and
+        close it: nothing of the deployment (no task awaiting a Ray reference)
+        outlives this call. Idempotent."""
+        if self.loop.is_closed():
+            return
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join()
+        left = asyncio.all_tasks(self.loop)
+        for task in left:
+            task.cancel()
+        if left:
+            self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        self.loop.close()
 
 
 class SyncDeployment:
@@ -1285,8 +1298,7 @@ class SyncDeployment:
         return self._run(coro)
 
     def shutdown(self) -> None:
-        """Idempotent, like `Deployment.shutdown`."""
-        if self.deployment.closed:
-            return
-        self._runner.run(self.deployment.shutdown())
+        """Idempotent, like `Deployment.shutdown`; its loop thread ends too."""
+        if not self.deployment.closed:
+            self._runner.run(self.deployment.shutdown())
         self._runner.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -24,5 +25,14 @@ def ray_cluster() -> Iterator[object]:
     try:
         yield ray
     finally:
+        left = sorted(t.name for t in threading.enumerate() if t.name in _OWN_THREADS)
         if started:
             ray.shutdown()
+    # After the shutdown: a loop thread a deployment left holds its tasks
+    # (and their Ray references) into the next module's cluster.
+    assert not left, f"a deployment's thread outlived the module: {left}"
+
+
+#: The threads kvhandoff starts in a driver (`Deployment.launch_sync`'s loop,
+#: the vLLM connector's control loop and engine stepper).
+_OWN_THREADS = frozenset({"kvhandoff-loop", "kvhandoff-control", "vllm-engine"})

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import math
 import random
+import threading
 import time
 from typing import Any
 
@@ -387,6 +388,27 @@ def test_a_one_rank_ctx_decides_alone_and_parks_an_early_open(ray_cluster: Any) 
     assert ("coord", "report") in path  # the GEN instance's completion
     assert path.count(("coord", "report")) == 1 and trace.hops <= 10, path
     assert_pools_whole(stats)
+
+
+def test_the_blocking_wrapper_hands_off_and_leaves_no_thread(ray_cluster: Any) -> None:
+    """`launch_sync` for scripts: a handoff completes with every byte
+    verified, and `shutdown` (idempotent) ends the wrapper's loop thread and
+    closes its loop; a call after it is refused with a typed error. A thread
+    left behind keeps its tasks, and their Ray references, alive into
+    whatever the process does next."""
+    before = {t.ident for t in threading.enumerate()}
+    sync = Deployment.launch_sync(ctx_tp=1, gen_tp=1, pool_blocks=64, round_timeout_s=ROUND_TIMEOUT)
+    try:
+        loop_threads = [t for t in threading.enumerate() if t.ident not in before and t.name == "kvhandoff-loop"]
+        result = sync.handoff("sync-1", TOKENS, timeout=TIMEOUT)
+    finally:
+        sync.shutdown()
+    sync.shutdown()
+    assert result.outcome == "completed" and result.bytes_verified == expected_bytes(TOKENS, 1), result
+    assert len(loop_threads) == 1 and not loop_threads[0].is_alive()
+    assert sync._runner.loop.is_closed()
+    with pytest.raises(DeploymentClosed):
+        sync.handoff("sync-2", TOKENS)
 
 
 # -- 13: a dead rank is an outcome, and "completed" never lies -----------------------------
