@@ -1640,6 +1640,9 @@ class CtxRankCore(RankCore):
         GEN agent's name and registered buffer); any other frame as the base does."""
         if not isinstance(message, Open):
             return super()._receive(message, now)
+        again = self.side.open_again(message)
+        if again is not None:
+            return again  # a GEN rank asks about an edge we hold: nothing new to check
         # The protocol checks the OPEN (lease size, block size, the sender's
         # own agent, whole blocks of its registered buffer when the directory
         # gave us that) before it records anything.

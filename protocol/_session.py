@@ -105,8 +105,12 @@ Both sides::
 
 Quarantine ends with proof, in place: an UNKNOWN edge becomes DRAINED when
 the proof arrives (CTX: every chunk it posted polled to DONE/ERR; GEN: a
-non-UNKNOWN TERMINAL from the writer, or `peer_dead` for the writer), and a
-quarantined parent with no UNKNOWN edge left is reclaimed.
+non-UNKNOWN TERMINAL from the writer, its REJECT of the OPEN, or `peer_dead`
+for the writer), and a quarantined parent with no UNKNOWN edge left is
+reclaimed. A GEN rank asks the writer of an UNKNOWN edge for its proof
+(`expire` re-sends the OPEN, `UNKNOWN_ASKS` times, backing off); the writer
+answers with `open_again` (its TERMINAL again) or, holding no such session,
+refuses the OPEN.
 
 `Prepared` (CTX: every edge of the parent prepared), `ParentSettled` (every
 local edge terminal) and `CancelIntent` are what the actor feeds into the next
@@ -191,6 +195,7 @@ __all__ = [
     "DEFAULT_TRANSFER_TIMEOUT",
     "DEFAULT_CHUNK_WINDOW",
     "DEFAULT_QUARANTINE_LIMIT",
+    "UNKNOWN_ASKS",
 ]
 
 #: Seconds a decided transfer, a drain or a GEN wait may take before escalation.
@@ -202,6 +207,10 @@ DEFAULT_QUARANTINE_LIMIT = 0.5
 # How many released parents a rank remembers (cleanup-once reporting, stale
 # classification of late calls).
 _CLOSED_PARENT_MEMORY = 4096
+#: How many times a GEN rank asks the writer of an UNKNOWN edge again (its
+#: OPEN re-sent, `GenRank.expire`), a transfer timeout apart and doubling,
+#: before it leaves the quarantine to the writer's death or a restart.
+UNKNOWN_ASKS = 4
 #: How many CTX ranks' confirmed deaths a GEN rank remembers (`GenRank.peer_dead`):
 #: one entry per CTX rank namespace (a fleet's instance incarnation and rank).
 MAX_DEAD_WRITERS = 4096
@@ -837,6 +846,7 @@ class _Edge:
     failed: bool = False  # CTX: a chunk reported ERR
     deadline: float | None = None  # drain (CTX) / cancel wait (GEN)
     receipt_bytes: int | None = None  # CTX: what GEN acknowledged
+    asks: int = 0  # GEN: times the writer of this UNKNOWN edge was asked again
 
     def evidence(self) -> EdgeEvidence:
         return EdgeEvidence(
@@ -1003,7 +1013,7 @@ class _Rank:
                     record.deadline,
                     tuple(
                         sorted(
-                            (repr(t), e.evidence(), e.deadline, e.receipt_bytes)
+                            (repr(t), e.evidence(), e.deadline, e.receipt_bytes, e.asks)
                             for t, e in record.edges.items()
                         )
                     ),
@@ -1413,6 +1423,27 @@ class CtxRank(_Rank):
         """Prefill finished: the KV is resident and OPENs may be prepared."""
         return self._fire_parent(parent, _PE.PREFILLED)
 
+    def open_again(self, message: Open) -> list[Action] | None:
+        """The answer to an OPEN we recorded already, asked again by a GEN
+        rank whose edge went UNKNOWN without our TERMINAL (it was lost, or
+        late): our TERMINAL again once the edge is terminal (its evidence
+        unchanged: nothing is recorded), else nothing (the TERMINAL comes when
+        the edge ends). None when this exact OPEN is not a session we hold:
+        `receive_open` decides (a new OPEN is recorded; a refused one is
+        answered by `reject_for`, and any REJECT but DUPLICATE tells the GEN
+        rank that nothing of ours writes under that ticket: a session is
+        closed only once its writes are proven over).
+        """
+        ticket = message.ticket
+        if ticket.ctx != self.our or ticket not in self._sessions:
+            return None
+        edge = self._sessions.get(ticket)
+        if edge.open != message:
+            return None  # another OPEN under a live ticket: DUPLICATE, as before
+        if edge.state not in _TERMINAL_EDGE_STATES:
+            return []
+        return self._edge_effect(edge, _FX.SEND_TERMINAL)
+
     def receive_open(
         self,
         message: Open,
@@ -1632,6 +1663,9 @@ class CtxRank(_Rank):
         """Dispatch a received message (OPEN, CANCEL, RECEIPT, REJECT) to its handler."""
         match message:
             case Open():
+                again = self.open_again(message)
+                if again is not None:
+                    return again
                 return self.receive_open(message, now, num_chunks=num_chunks)
             case Cancel():
                 return self.receive_cancel(message, now)
@@ -2004,6 +2038,25 @@ class GenRank(_Rank):
                     ):
                         actions += self._fire_edge(edge, _EE.QUIESCENCE_LOST)
                 actions += self._settle(record, now)
+            if record.state is _PS.QUARANTINED:
+                actions += self._ask_again(record, now)
+        return actions
+
+    def _ask_again(self, record: _Parent, now: float) -> list[Action]:
+        """Ask the writer of each UNKNOWN edge of quarantined `record` what
+        became of it: its OPEN again, at once and then a transfer timeout
+        later, doubling, `UNKNOWN_ASKS` times in all. The answer proves the
+        edge or nothing (`CtxRank.open_again`): our TERMINAL resent (a lost
+        one ends the quarantine), or a REJECT (no session of the writer's
+        can write). Past the last ask the quarantine waits for the writer's
+        death, or counts toward the admission stop and its planned restart."""
+        actions: list[Action] = []
+        for edge in record.edges.values():
+            due = edge.deadline is None or now >= edge.deadline
+            if edge.state is _ES.UNKNOWN and due and edge.asks < UNKNOWN_ASKS:
+                edge.asks += 1
+                edge.deadline = now + self.transfer_timeout * (1 << (edge.asks - 1))
+                actions.append(SendMessage(edge.ticket.ctx, edge.open))
         return actions
 
     def peer_restarted(self, their: Endpoint, now: float) -> list[Action]:

@@ -143,9 +143,17 @@ CONFIGS: dict[str, list[Config]] = {
         _world("tp1x2-cancel-deadline-reorder", requests=2, chunks=1, cancels=1, expiries=1, reorders=1),
     ],
     # Frames lost between live ranks: outside the carriers' fault model (a Ray
-    # call or a NIXL notification to a live actor is not lost), kept to show
-    # what a lost frame costs today (an edge quarantined until a restart).
-    "lossy": [_world("tp1-loss", chunks=2, drops=1)],
+    # call or a NIXL notification to a live actor is not lost), but a lost
+    # frame must not cost more than a few timeouts: a GEN rank asks the writer
+    # of an UNKNOWN edge again (`GenRank.expire`), so every quarantine it
+    # starts ends, with a lost frame or two anywhere.
+    "lossy": [
+        _world("tp1-loss2-deadline", chunks=2, drops=2, expiries=1),
+        _world("tp1-loss-cancel-deadline", chunks=2, drops=1, cancels=1, expiries=1),
+        _world("tp1-loss-err-dup", chunks=2, window=2, drops=1, errs=1, partials=1, dups=1),
+        _world("tp2-loss-cancel", gen_ranks=2, chunks=1, drops=1, cancels=1),
+        _world("tp1x2-loss-reorder", requests=2, chunks=1, drops=1, reorders=1),
+    ],
 }
 
 #: Protocol mutants of tests/mutation/mutants.toml the planted run plants,

@@ -373,6 +373,46 @@ def test_late_drain_reclaims_quarantine_in_place(ray_cluster) -> None:
     assert_clean(stats)
 
 
+def test_a_quarantine_from_lost_frames_ends_by_asking_the_writer(ray_cluster) -> None:
+    """The CTX rank's READY and TERMINAL for a request are lost (frames a
+    live actor's carrier does not lose, dropped on purpose). The KV landed,
+    but the GEN rank never hears so: its wait runs out, its edge goes UNKNOWN
+    and its blocks are quarantined. It asks the writer again (its OPEN
+    re-sent); the CTX's answer (its TERMINAL again, or a REJECT once it
+    released the request) proves the edge, and the blocks come back in
+    place: no restart, no admission stop, and a new request reuses them
+    with every byte verified (S1/S2)."""
+
+    async def scenario():
+        dep = await launch(ctx_tp=1, gen_tp=1, transfer_timeout_s=1.0)
+        try:
+            ctx = (await dep.ranks(Role.CTX))[0]
+            await hold_frames(ctx, "lost", Role.GEN, 0)
+            pending = asyncio.ensure_future(dep.handoff("lost", TOKENS, timeout=TIMEOUT))
+            deadline = time.monotonic() + TIMEOUT
+            while await held_frames(ctx, "lost", Role.GEN, 0) < 2:  # READY, TERMINAL
+                assert time.monotonic() < deadline and not pending.done(), "the CTX rank never finished"
+                await asyncio.sleep(0.01)
+            dropped = await release_frames(ctx, "lost", Role.GEN, 0, drop=True)
+            lost = await pending
+            stats = await wait_stats(dep, lambda s: all(r["quarantined"] == 0 for r in s["ranks"]), 60.0)
+            coords = [await dep.coordinator(r).stats.remote() for r in (Role.CTX, Role.GEN)]
+            reuse = await dep.handoff("reuse", TOKENS, timeout=TIMEOUT)
+            return dropped, lost, stats, coords, reuse, await settled_stats(dep)
+        finally:
+            await dep.shutdown()
+
+    dropped, lost, reclaimed, coords, reuse, stats = run(scenario())
+    assert dropped == 2
+    assert lost.outcome == "failed" and lost.gen_outcomes == ("quarantined",), lost
+    gen = next(s for s in reclaimed["ranks"] if s["role"] == "gen")
+    assert gen["quarantined"] == 0 and gen["reclaimed"] == BLOCKS, gen
+    assert gen["counters"].get("quarantined") == 1 and not gen["admission_stopped"], gen["counters"]
+    assert all(c["restarts"] == 0 and c["reclaim_restarts"] == 0 for c in coords), coords
+    assert reuse.outcome == "completed" and reuse.bytes_verified == gen_bytes(TOKENS, 1), reuse
+    assert_clean(stats)
+
+
 def test_quarantine_past_the_limit_stops_admission_and_restarts(ray_cluster) -> None:
     """Chunks that never end (no proof will ever come): each stuck request
     quarantines its blocks on both sides. Past half the pool the CTX rank stops

@@ -111,15 +111,17 @@ def test_a_planted_bug_is_found_with_a_shortest_trace(monkeypatch: pytest.Monkey
     assert violation["invariant"] == "L2"
     trace = violation["trace"]
     # Shortest to a quiescent state (where L2 is judged): admit, install,
-    # cancel, every deadline, the refused OPEN, the refused CANCEL, the
-    # REJECT, then settle.
-    assert len(trace) == 8, trace
+    # cancel, every deadline (the edge goes UNKNOWN and the GEN rank asks
+    # again: its OPEN re-sent), the refused OPEN, the refused CANCEL, the
+    # refused OPEN asked again, both REJECTs, then settle.
+    assert len(trace) == 10, trace
     assert trace[0].startswith("both instances admit req-1")
     assert "cancels req-1" in trace[2]
     assert trace[3].startswith("time passes")
     assert "refused" in trace[4] and "REJECT sent" in trace[4]
-    assert trace[6].startswith("deliver REJECT req-1")
-    assert trace[7].startswith("(settle")
+    assert trace[6].startswith("deliver OPEN req-1") and "REJECT sent" in trace[6]
+    assert trace[7].startswith("deliver REJECT req-1") and trace[8].startswith("deliver REJECT req-1")
+    assert trace[9].startswith("(settle")
     # Without the bug the same bounds are clean, and complete.
     monkeypatch.undo()
     clean = ex.explore(config)
@@ -135,6 +137,22 @@ def test_a_refused_frame_that_changes_state_is_an_s3_violation(monkeypatch: pyte
     monkeypatch.setattr(session.GenRank, "receive_ready", refusing)
     result = ex.explore(ex.Config("s3", cancels=0, dups=0, errs=0, restarts=0, expiries=0, chunks=1))
     assert result.violations and result.violations[0]["invariant"] == "S3"
+
+
+def test_a_lost_frame_anywhere_ends_every_quarantine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lossy worlds (frames lost between live ranks, with deadlines,
+    cancels, ERRs, duplicates and a TP 2 GEN instance): every quarantine
+    ends, because a GEN rank asks the writer of an UNKNOWN edge again. The
+    largest lossy world (two requests) runs on demand: `--config lossy`."""
+    worlds = [w for w in ex.CONFIGS["lossy"] if w.requests == 1]
+    assert len(worlds) >= 4 and all(w.drops >= 1 for w in worlds)
+    for world in worlds:
+        result = ex.explore(world)
+        assert result.violations == [] and result.complete, (world.name, result.violations[:1])
+    # Without the asks, the first lost OPEN leaves a quarantine for good.
+    monkeypatch.setattr(session, "UNKNOWN_ASKS", 0)
+    (violation, *_) = ex.explore(worlds[0]).violations
+    assert violation["invariant"] == "L2" and any(step.startswith("lost: OPEN") for step in violation["trace"])
 
 
 def test_bounds_names_match_the_flags() -> None:
