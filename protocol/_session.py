@@ -28,7 +28,9 @@ Safety (docs/design.md "Invariants"):
 * S1 - a block is released only through a RELEASE effect, and RELEASE is only
   reachable once every edge of the parent is terminal with quiescence proven
   (COMPLETED, NOT_STARTED, DRAINED) and the matching agreement round has run,
-  or through the topology-wide NOT_STARTED verdict. UNKNOWN quarantines.
+  or through the topology-wide NOT_STARTED verdict (which the runtime does
+  not use: each rank's own evidence suffices, docs/design.md "Who may free
+  memory"). UNKNOWN quarantines.
 * S3 - every received message is looked up by exact ticket first; a stale or
   unknown ticket raises before anything changes. Validation of an OPEN is
   complete before the edge is recorded.

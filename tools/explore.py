@@ -97,6 +97,9 @@ class Config:
     partials: int = 0  # chunks that fail part-way (an ERR with writes still landing)
     expiries: int = 1  # times every deadline passes
     restarts: int = 1  # rank deaths (GEN or CTX), each with a new epoch
+    #: 1: the rounds also apply the topology-wide NOT_STARTED verdict. 0 (the
+    #: runtime): each rank releases on its own evidence, the cancel decided.
+    verdict: int = 0
     max_states: int = 1_000_000
     max_depth: int = 80
 
@@ -224,6 +227,7 @@ class World(Pair):
             gen_blocks=config.requests,
             chunk_window=config.window,
             timeout=10.0,
+            not_started_verdict=bool(config.verdict),
         )
         self.config = config
         self.budget = {
@@ -444,7 +448,8 @@ class World(Pair):
                 if state is ParentState.SETTLED:
                     return True
                 if (
-                    parent in ctx_parents
+                    self.not_started_verdict
+                    and parent in ctx_parents
                     and self.ctx.local_not_started(parent)
                     and all(g.local_not_started(parent) for g in self.gens if parent in g.parents())
                 ):

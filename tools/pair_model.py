@@ -187,8 +187,14 @@ class Pair:
         timeout: float = TIMEOUT,
         conservative: bool = False,
         post_on_decide: bool = True,
+        not_started_verdict: bool = True,
     ) -> None:
         self.now = 0.0
+        #: Whether the rounds apply the topology-wide NOT_STARTED verdict
+        #: (`release_not_started`). The runtime does not (each rank releases
+        #: on its own evidence once the cancel is decided); the explorer
+        #: models the runtime.
+        self.not_started_verdict = not_started_verdict
         self.timeout = timeout
         self.chunk_window = chunk_window
         self.conservative = conservative
@@ -301,7 +307,8 @@ class Pair:
         for parent in sorted(gen_parents, key=repr):
             holders = [g for g in self.gens if parent in g.parents()]
             if (
-                parent in self.ctx.parents()
+                self.not_started_verdict
+                and parent in self.ctx.parents()
                 and self.ctx.local_not_started(parent)
                 and all(g.local_not_started(parent) for g in holders)
             ):

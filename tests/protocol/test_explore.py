@@ -9,6 +9,7 @@ broken in place) must be found, with a shortest trace.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -153,6 +154,30 @@ def test_a_lost_frame_anywhere_ends_every_quarantine(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(session, "UNKNOWN_ASKS", 0)
     (violation, *_) = ex.explore(worlds[0]).violations
     assert violation["invariant"] == "L2" and any(step.startswith("lost: OPEN") for step in violation["trace"])
+
+
+def test_the_runtime_needs_no_topology_wide_not_started_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 22 (e): the rank actors never apply the round's NOT_STARTED
+    verdict; each rank releases on its own evidence. The explorer models
+    that (`verdict=0`, every default world) and finds nothing wrong. With
+    the verdict on, it is never reached: the same states, and not one call
+    (the decided cancel comes first and releases the parent on each rank).
+    If this changes, docs/design.md "Who may free memory" must too."""
+    calls: list[object] = []
+    real = session._Rank.release_not_started
+
+    def counted(self: session._Rank, parent: session.ParentKey) -> list[session.Action]:
+        calls.append(parent)
+        return real(self, parent)
+
+    monkeypatch.setattr(session._Rank, "release_not_started", counted)
+    assert all(w.verdict == 0 for w in ex.CONFIGS["default"])
+    world = next(w for w in ex.CONFIGS["default"] if w.name == "tp1-reorder-cancel-deadline")
+    without = ex.explore(world)
+    with_verdict = ex.explore(dataclasses.replace(world, verdict=1))
+    assert without.violations == [] == with_verdict.violations
+    assert without.complete and without.states == with_verdict.states > 1_000
+    assert calls == []
 
 
 def test_bounds_names_match_the_flags() -> None:
