@@ -1,6 +1,6 @@
 """The rank actors: one rank of one instance as a Ray async actor, one class per role.
 
-Theory of operation (docs/design.md "Lifecycle", "Agreement rounds", STYLE.md 5)
+Theory of operation (docs/design.md "Lifecycle", "Agreement rounds")
 ---------------------------------------------------------------------------
 A rank actor is an I/O shell around one sans-IO protocol object (`CtxRank` or
 `GenRank` from `kvhandoff.protocol`) and its `BlockPool`. It makes no protocol

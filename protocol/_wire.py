@@ -192,7 +192,7 @@ _VERSION_KINDS: Final[Mapping[int, frozenset[type]]] = MappingProxyType(
 )
 assert tuple(sorted(_VERSION_KINDS)) == SUPPORTED_VERSIONS
 
-# The one typed decoder and encoder (STYLE.md 4). Both are stateless between
+# The one typed decoder and encoder. Both are stateless between
 # calls, which is what makes decode_frame pure.
 _DECODER: Final = msgspec.msgpack.Decoder(Message)
 _ENCODER: Final = msgspec.msgpack.Encoder()
