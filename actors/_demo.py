@@ -328,6 +328,17 @@ def run(args: argparse.Namespace) -> int:
                 return 2
             if not fleet:
                 setattr(args, f"{role}_tp", tps[0])
+    from kvhandoff.protocol import TopologyError
+    from kvhandoff.topology import DEFAULT_LAYOUT, heads_per_rank
+
+    for role in ("ctx", "gen"):  # a TP the KV heads do not split over: refused before Ray starts
+        tps = getattr(args, f"{role}_tp")
+        for tp in tps if isinstance(tps, list) else [tps]:
+            try:
+                heads_per_rank(DEFAULT_LAYOUT, tp)
+            except TopologyError as exc:
+                print(f"kvhandoff demo: --{role}-tp {tp}: {exc}", file=sys.stderr)
+                return 2
     t0 = time.perf_counter()
     reporter = Reporter("kvhandoff demo", quiet=args.json)
     address = getattr(args, "address", None)  # --address: an existing cluster

@@ -96,6 +96,7 @@ from kvhandoff.protocol import (
     Role,
     TopologyError,
 )
+from kvhandoff.topology import DEFAULT_LAYOUT as _TOPOLOGY_DEFAULT_LAYOUT
 from kvhandoff.topology import (
     INSTANCE_LAYOUTS,
     InstancePlacement,
@@ -134,9 +135,8 @@ _ANY_PARENT = {"request_id": "r", "ctx_attempt": 0, "gen_attempt": 0}
 
 T = TypeVar("T")
 
-#: A small model-like layout for host-memory demos: 4 layers, 8 KV heads of 64
-#: fp16 dims, 16 tokens per block (128 KiB per block at TP=1).
-DEFAULT_LAYOUT = KVLayout(num_layers=4, num_kv_heads=8, head_dim=64, dtype="float16", tokens_per_block=16)
+#: The layout of a synthetic deployment (`kvhandoff.topology.DEFAULT_LAYOUT`).
+DEFAULT_LAYOUT = _TOPOLOGY_DEFAULT_LAYOUT
 
 
 class DeploymentError(Exception):

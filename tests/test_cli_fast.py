@@ -64,6 +64,24 @@ def test_parsing_imports_no_ray_torch_nixl_or_numpy(argv: list[str]) -> None:
     assert heavy == [], heavy
 
 
+@pytest.mark.parametrize(("flag", "tp"), [("--ctx-tp", 3), ("--gen-tp", 16)])
+def test_a_tp_the_heads_do_not_split_over_is_refused_before_ray_starts(flag: str, tp: int) -> None:
+    """The demo's layout has 8 KV heads: a TP that does not divide them is
+    refused at once (exit 2) with the TPs that fit, before Ray is imported,
+    let alone started."""
+    code = (
+        "import atexit, json, sys\n"
+        "atexit.register(lambda: print('MODULES=' + json.dumps(sorted(sys.modules))))\n"
+        "from kvhandoff.actors.cli import main\n"
+        f"sys.exit(main(['demo', {flag!r}, '{tp}']))\n"
+    )
+    proc = _run(code)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{flag} {tp}: cannot split 8 KV heads" in proc.stderr and "tp that fit: 1, 2, 4, 8" in proc.stderr
+    modules = json.loads(proc.stdout.rsplit("MODULES=", 1)[1])
+    assert [m for m in modules if m.split(".")[0] == "ray"] == []
+
+
 def test_the_actors_package_loads_its_names_on_first_use() -> None:
     """`kvhandoff.actors` exports lazily (what makes parsing light): every name
     of `__all__` has a source, and importing the package imports no Ray."""

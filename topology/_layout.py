@@ -31,6 +31,7 @@ from ._spec import TopologyFieldError
 
 __all__ = [
     "KVLayout",
+    "DEFAULT_LAYOUT",
     "HeadSplitError",
     "DTYPE_BYTES",
     "heads_per_rank",
@@ -71,7 +72,9 @@ class HeadSplitError(TopologyError):
             if tp > num_kv_heads
             else "heads are not divisible by tp"
         )
-        super().__init__(f"cannot split {num_kv_heads} KV heads over tp={tp}: {why}")
+        fits = [n for n in range(1, num_kv_heads + 1) if num_kv_heads % n == 0]
+        shown = ", ".join(map(str, fits[:12])) + (", ..." if len(fits) > 12 else "")
+        super().__init__(f"cannot split {num_kv_heads} KV heads over tp={tp}: {why} (tp that fit: {shown})")
         self.num_kv_heads = num_kv_heads
         self.tp = tp
 
@@ -115,6 +118,12 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     def head_bytes(self) -> int:
         """Bytes of one head slab: one head's K (or V), one layer, one block."""
         return self.tokens_per_block * self.head_dim * self.dtype_bytes
+
+
+#: A small model-like layout for host-memory demos and synthetic deployments
+#: (no model): 4 layers, 8 KV heads of 64 fp16 dims, 16 tokens per block
+#: (128 KiB per block at TP=1).
+DEFAULT_LAYOUT = KVLayout(num_layers=4, num_kv_heads=8, head_dim=64, dtype="float16", tokens_per_block=16)
 
 
 def _check_tp(tp: object) -> int:
