@@ -711,6 +711,10 @@ class Deployment:
     @classmethod
     def launch_sync(cls, **kwargs: Any) -> SyncDeployment:
         """`launch` for scripts: returns a blocking wrapper with the same methods."""
+        if not ray.is_initialized():
+            # Here, in the caller's thread (a script's main thread): Ray sets
+            # its signal handlers only there, and warns from any other.
+            ray.init(include_dashboard=False, log_to_driver=False)
         runner = _LoopThread()
         try:
             deployment = runner.run(cls.launch(**kwargs))

@@ -13,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -409,6 +412,27 @@ def test_the_blocking_wrapper_hands_off_and_leaves_no_thread(ray_cluster: Any) -
     assert sync._runner.loop.is_closed()
     with pytest.raises(DeploymentClosed):
         sync.handoff("sync-2", TOKENS)
+
+
+def test_a_script_that_launches_blocking_gets_no_ray_thread_warning(tmp_path: Any) -> None:
+    """A script's `launch_sync` starts Ray itself, in the script's own
+    thread: Ray sets its signal handlers there and prints no "SIGTERM
+    handler is not set" (it did when the wrapper's loop thread started it)."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import ray\n"
+        "from kvhandoff.actors import Deployment\n"
+        "dep = Deployment.launch_sync(ctx_tp=1, gen_tp=1, pool_blocks=32)\n"
+        "result = dep.handoff('one', 50, timeout=60)\n"
+        "dep.shutdown()\n"
+        "ray.shutdown()\n"
+        "print('OUTCOME', result.outcome)\n"
+    )
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and "OUTCOME completed" in proc.stdout, proc.stderr[-2000:]
+    assert "SIGTERM handler is not set" not in proc.stderr, proc.stderr[-2000:]
 
 
 # -- 13: a dead rank is an outcome, and "completed" never lies -----------------------------
