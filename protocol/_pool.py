@@ -81,6 +81,9 @@ class BlockRef:
     block: int
     generation: int
 
+    def __reduce__(self) -> tuple[Any, tuple[int, int]]:
+        return (BlockRef, (self.block, self.generation))  # positional: cheaper than copyreg's
+
 
 _STATE_OF_CODE = (BlockState.FREE, BlockState.LEASED, BlockState.QUARANTINED)
 
@@ -89,6 +92,14 @@ def _frozen(values: Any) -> np.ndarray:
     out = np.array(values, dtype=np.int64)  # a copy: the caller keeps its own
     out.setflags(write=False)
     return out
+
+
+def _refs_from_bytes(blocks: bytes, generations: bytes) -> BlockRefs:
+    refs = BlockRefs.__new__(BlockRefs)
+    # frombuffer over bytes is read-only already, as `_frozen` makes them.
+    refs._blocks = np.frombuffer(blocks, dtype=np.int64)
+    refs._generations = np.frombuffer(generations, dtype=np.int64)
+    return refs
 
 
 class BlockRefs(Sequence[BlockRef]):
@@ -108,6 +119,12 @@ class BlockRefs(Sequence[BlockRef]):
         if b.ndim != 1 or b.shape != g.shape:
             raise ValueError(f"blocks {b.shape} and generations {g.shape} must be equal 1-d arrays")
         self._blocks, self._generations = b, g
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes, bytes]]:
+        # Pickled as the arrays' bytes: a copy of a rank (the interleaving
+        # explorer copies whole worlds) costs a few microseconds, not numpy's
+        # generic array reduction.
+        return (_refs_from_bytes, (self._blocks.tobytes(), self._generations.tobytes()))
 
     @classmethod
     def of(cls, refs: Sequence[BlockRef]) -> BlockRefs:
@@ -196,6 +213,9 @@ class _Lease:
     state: _LeaseState
     oid: int  # the owner's number in the pool's owner array
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_Lease, (self.refs, self.state, self.oid))  # positional: cheaper than copyreg's slot dict
+
 
 class BlockPool:
     """The KV blocks of one rank: leases, generations, quarantine (S4).
@@ -203,6 +223,20 @@ class BlockPool:
     `owner` is any hashable key naming one parent attempt on this rank (the
     session layer uses `ParentKey`). One owner holds at most one lease.
     """
+
+    _ARRAYS = (("_state", np.int8), ("_generation", np.int64), ("_owner_id", np.int64))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The three arrays as bytes (see `BlockRefs.__reduce__`).
+        state = dict(self.__dict__)
+        for name, _ in self._ARRAYS:
+            state[name] = state[name].tobytes()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, dtype in self._ARRAYS:
+            state[name] = np.frombuffer(state[name], dtype=dtype).copy()
+        self.__dict__.update(state)
 
     def __init__(self, num_blocks: int, *, first_generation: int = 0) -> None:
         if num_blocks < 1:

@@ -850,6 +850,11 @@ class _Edge:
     receipt_bytes: int | None = None  # CTX: what GEN acknowledged
     asks: int = 0  # GEN: times the writer of this UNKNOWN edge was asked again
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Every field, positionally (cheaper than copyreg's slot dict: the
+        # explorer copies whole ranks at every step).
+        return (_Edge, tuple(getattr(self, name) for name in self.__slots__))
+
     def evidence(self) -> EdgeEvidence:
         return EdgeEvidence(
             state=self.state,
@@ -877,6 +882,9 @@ class _Parent:
     # CTX: how many edges (GEN ranks) this parent has here; it depends on the
     # GEN instance the parent pairs with (a fleet mixes TPs). 0: the rank's default.
     expected_edges: int = 0
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_Parent, tuple(getattr(self, name) for name in self.__slots__))  # as `_Edge`
 
 
 class _Rank:
