@@ -120,7 +120,7 @@ def _world(name: str, **bounds: int) -> Config:
 #: The default worlds: every pair of fault kinds (restart, cancel, deadline,
 #: duplicate, reordering, ERR and partial failure) on a TP 1 -> 1 handoff of
 #: two chunks, pairs on TP 1 -> 2, and two concurrent handoffs. Each runs to
-#: completion (every interleaving, to the end): ~209,000 states, about 3.6
+#: completion (every interleaving, to the end): ~213,000 states, about three
 #: minutes on a 2-core box (two worlds at a time).
 _DEFAULT = [  # largest first: two workers finish about together
     _world("tp2-err-dup", gen_ranks=2, chunks=1, errs=1, partials=1, dups=1),
