@@ -985,6 +985,11 @@ class _Bench:
 
             with self._section("engine", "the engine's Python beside no endpoint, an idle one, one under load"):
                 out["engine"] = await engine_cost(a, self.reporter, self.rid)
+        if "soak" in sections:
+            from kvhandoff.actors._bench_soak import soak
+
+            with self._section("soak", f"{a.soak_s:.0f} s of handoffs under cancels: does memory stay flat?"):
+                out["soak"] = await soak(a, self.reporter, self.rid)
         if self.pool_samples:
             out["pools"] = self.pool_samples
         out["targets"] = _targets(out)
@@ -1232,6 +1237,10 @@ def _targets(out: dict[str, Any]) -> list[dict[str, Any]]:
         from kvhandoff.actors._bench_engine import engine_targets
 
         engine_targets(out["engine"], add)
+    if out.get("soak"):
+        from kvhandoff.actors._bench_soak import soak_targets
+
+        soak_targets(out["soak"], add)
     cancel = out.get("cancel")
     if cancel:
         bound = out.get("chunk_s", math.nan) + cancel["round_s_p50"]
@@ -1568,6 +1577,11 @@ def render(out: dict[str, Any]) -> str:
 
         scale_headers, scale_rows = scale_table(out["scale"])
         parts.append(_table("Scale: aggregate small-handoff rate of fleets (tp=1 instances)", scale_headers, scale_rows))
+    if out.get("soak"):
+        from kvhandoff.actors._bench_soak import soak_table
+
+        soak_headers, soak_rows = soak_table(out["soak"])
+        parts.append(_table("Soak: resident memory of every process", soak_headers, soak_rows))
     parts.append(_table("Targets (docs/design.md)", ["target", "measured", "bound", "", "note"], rows))
     if out["notes"]:
         parts.append("\nnotes: " + "; ".join(out["notes"]))

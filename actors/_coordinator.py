@@ -78,7 +78,7 @@ import msgspec
 import ray
 from ray.exceptions import ActorDiedError
 
-from kvhandoff.actors._metrics import InstanceMetrics
+from kvhandoff.actors._metrics import InstanceMetrics, resident_bytes
 from kvhandoff.actors._trace import (
     SENT,
     TraceEvent,
@@ -92,6 +92,7 @@ from kvhandoff.protocol import (
     AdmissionRequest,
     ParentKey,
     RankReport,
+    RecentMemory,
     RoundDecision,
     RoundError,
     RoundLeader,
@@ -114,6 +115,9 @@ __all__ = [
 ]
 
 RankFactory = Callable[[int, int], Any]  # (rank, epoch) -> ActorHandle
+
+#: The byte budget of the recent round decisions a coordinator keeps (`decision_log`).
+_DECISION_LOG_BYTES = 2 << 20
 
 
 class CoordinatorError(Exception):
@@ -258,8 +262,10 @@ class CoordinatorCore:
         self._reattached = 0
         self._stopped: asyncio.Event | None = None  # set by shutdown (`watch` returns)
         self._round_done = asyncio.Event()  # set after every round (drain waits on it)
-        # Submitted parents -> their peer instance (for cancels), bounded.
-        self._peer_of: collections.OrderedDict[ParentKey, str] = collections.OrderedDict()
+        # Submitted parents -> their peer instance (for cancels): written at the
+        # submission and again at each decision about the parent, so it is
+        # kept while the parent lives and `RETAIN_S` after its last decision.
+        self._peer_of: RecentMemory[ParentKey, str] = RecentMemory()
         self._next_epoch = first_epoch
         self._epochs: list[int] = []
         self._leader: RoundLeader | None = None
@@ -307,9 +313,12 @@ class CoordinatorCore:
         self._rejected_votes: collections.Counter[str] = collections.Counter()
         self._round_seconds: collections.deque[float] = collections.deque(maxlen=1024)
         self._rank_errors: collections.deque[str] = collections.deque(maxlen=32)
-        self._decision_log: collections.deque[RoundDecision] = collections.deque(maxlen=4096)
-        self._outcomes: collections.OrderedDict[ParentKey, str] = collections.OrderedDict()
-        self._timeouts: list[RoundTimeout] = []
+        self._decisions_logged = 0
+        # Recent decisions (debugging, tests) and decided outcomes (late
+        # `outcome` calls), each bounded by age and bytes (`RecentMemory`).
+        self._decision_log: RecentMemory[int, RoundDecision] = RecentMemory(max_bytes=_DECISION_LOG_BYTES)
+        self._outcomes: RecentMemory[ParentKey, str] = RecentMemory()
+        self._timeouts: collections.deque[RoundTimeout] = collections.deque(maxlen=8)
         self._start_status: dict[int, str] = {}  # rank -> how its start went (start_status)
         # Ray calls this coordinator made (per kind) and reports it took: the
         # bench divides them by the handoffs to print calls per handoff.
@@ -566,10 +575,7 @@ class CoordinatorCore:
         self._queue_admission(parent, num_tokens, release_when_ready, blocks, peer_instance)
         if release_when_ready:
             self._complete_at_decision.add(parent)
-        self._peer_of[parent] = peer_instance
-        self._peer_of.move_to_end(parent)
-        while len(self._peer_of) > 65536:
-            self._peer_of.popitem(last=False)
+        self._peer_of.remember(parent, peer_instance, time.monotonic())
         outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._submitted[parent] = outcome
         self._wakeup.set()
@@ -701,7 +707,11 @@ class CoordinatorCore:
 
     async def decision_log(self) -> list[RoundDecision]:
         """The most recent decisions, oldest first (bounded)."""
-        return list(self._decision_log)
+        return list(self._decision_log.values())
+
+    def _log_decision(self, decision: RoundDecision) -> None:
+        self._decisions_logged += 1
+        self._decision_log.remember(self._decisions_logged, decision, time.monotonic())
 
     async def epochs(self) -> list[int]:
         """The current endpoint epoch of every rank."""
@@ -771,7 +781,13 @@ class CoordinatorCore:
             "round_s_p50": seconds[len(seconds) // 2] if seconds else None,
             "round_s_max": seconds[-1] if seconds else None,
             "rank_errors": list(self._rank_errors),
-            "timeouts": [str(t) for t in self._timeouts[-8:]],
+            "timeouts": [str(t) for t in self._timeouts],
+            "memory": {
+                "resident_bytes": resident_bytes(),
+                "outcomes": self._outcomes.stats(),
+                "peers": self._peer_of.stats(),
+                "decision_log": self._decision_log.stats(),
+            },
             "failure_reason": self._failure_reason,
         }
 
@@ -875,13 +891,13 @@ class CoordinatorCore:
                 self.calls["rounds_without_votes"] += 1
             if isinstance(outcome, RoundTimedOut):
                 decision = outcome.decision
-                self._decision_log.append(decision)
+                self._log_decision(decision)
                 bad = set(outcome.missing_ranks)
                 survivors = [r for r in range(self._tp) if r not in bad]
                 bad |= await self._apply_phase(decision, survivors)
             else:
                 decision = outcome
-                self._decision_log.append(decision)  # made: logged before anyone hears it
+                self._log_decision(decision)  # made: logged before anyone hears it
                 self._answer_early(decision, taken_admits)
                 bad = await self._apply_phase(decision, range(self._tp))
             if peer_answer is not None:
@@ -1082,11 +1098,12 @@ class CoordinatorCore:
             self._counts[name] += len(parents)
             for parent in parents:
                 outcomes[parent] = name
+        now = time.monotonic()
         for parent, name in outcomes.items():
-            self._outcomes[parent] = name
-            self._outcomes.move_to_end(parent)
-        while len(self._outcomes) > 65536:
-            self._outcomes.popitem(last=False)
+            self._outcomes.remember(parent, name, now)
+            peer = self._peer_of.get(parent)
+            if peer is not None:
+                self._peer_of.remember(parent, peer, now)  # kept RETAIN_S past its last decision
         admitted = set(decision.admitted)
         for parent, future in taken_admits.items():
             self._admit_at_decision.discard(parent)

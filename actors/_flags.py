@@ -36,7 +36,7 @@ START_TIMEOUT_S = 600.0
 
 # -- bench choices --------------------------------------------------------------------------
 
-SECTIONS = ("data", "paged", "control", "cancel", "frames", "crossover", "scale", "engine")
+SECTIONS = ("data", "paged", "control", "cancel", "frames", "crossover", "scale", "engine", "soak")
 #: What runs without `--sections` (frames is asked for by name).
 DEFAULT_SECTIONS = ("data", "paged", "control", "cancel")
 #: `Deployment.launch(data_mode=)`; the same tuple as `_stager.DATA_MODES`
@@ -339,6 +339,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--ping-n", type=positive_int, default=1000, help="pipelined ping.remote() calls per rate sample")
     add("--scale-sizes", type=positive_ints, default="1,2,4,1", help="scale section: NxN fleets of tp=1 instances, in this order (1 again last: no size gains from the order)")
     add("--scale-clients", type=positive_int, default=4, help="scale section: clients per instance of a role")
+    add("--soak-s", type=positive_float, default=600.0, help="soak section: seconds of small handoffs under cancels")
+    add("--soak-warmup-s", type=non_negative_float, default=180.0, help="soak section: seconds before the memory growth is measured (the bounded memories fill: 120 s retention)")
+    add("--soak-clients", type=positive_int, default=4, help="soak section: concurrent clients")
+    add("--soak-cancel", type=rate, default=0.3, help="soak section: fraction of handoffs cancelled after a random delay")
     add("--frames-n", type=positive_int, default=2000, help="ping-pong round trips per frame size (frames)")
     add("--frames-burst", type=positive_int, default=10000, help="frames per one-way burst (frames)")
     add("--frames-bytes", type=positive_ints, default="200,2048", help="frame sizes in bytes (frames)")

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -50,6 +51,7 @@ __all__ = [
     "InstanceMetrics",
     "RankMetrics",
     "failed",
+    "resident_bytes",
 ]
 
 log = logging.getLogger("kvhandoff.metrics")
@@ -245,6 +247,17 @@ class _Sink:
 
 
 _sink = _Sink()
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory in bytes (Linux `/proc`), or None where
+    it cannot be read. For `stats()`: an operator (and the bench's soak)
+    watches a long-running rank or coordinator stay flat."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def failed(what: str, exc: BaseException) -> None:

@@ -93,6 +93,7 @@ from kvhandoff.protocol import (
     Endpoint,
     MemoryKind,
     ParentKey,
+    RecentMemory,
     Role,
     TopologyError,
 )
@@ -262,12 +263,6 @@ class _Attempt:
 class Deployment:
     """A CTX instance and a GEN instance with their coordinators (async API)."""
 
-    #: How many recently finished request ids keep their attempt (for `parent()`,
-    #: `wait()`, a late `cancel()`); in-flight ids are always kept. Attempt ids
-    #: come from one deployment-wide counter, so forgetting an id is safe: its
-    #: next attempt still gets an id no rank has seen.
-    _RECENT_IDS = 65536
-
     def __init__(self) -> None:
         self.name = ""
         self.ctx_spec: TopologySpec
@@ -291,7 +286,12 @@ class Deployment:
         # that has no attempt (yet, or any more).
         self._attempt_ids = itertools.count(1)
         self._live: dict[str, _Attempt] = {}
-        self._recent: collections.OrderedDict[str, ParentKey] = collections.OrderedDict()
+        # Each request id's latest attempt (for `parent()`, `wait()`, a late
+        # `cancel()`), kept `RETAIN_S` past the end of its handoff; in-flight
+        # ids are in `_live`. Attempt ids come from one deployment-wide
+        # counter, so forgetting an id is safe: its next attempt still gets
+        # an id no rank has seen.
+        self._recent: RecentMemory[str, ParentKey] = RecentMemory()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reclaim_timeout_s = 60.0
         # Rank handles and CTX endpoints change only when a rank restarts (a new
@@ -759,10 +759,7 @@ class Deployment:
         if attempt > _MAX_ATTEMPT:
             raise DeploymentError(f"deployment {self.name!r} used up its {_MAX_ATTEMPT} attempt ids: launch a new one")
         parent = ParentKey(request_id=request_id, ctx_attempt=attempt, gen_attempt=attempt)
-        self._recent[request_id] = parent
-        self._recent.move_to_end(request_id)
-        while len(self._recent) > self._RECENT_IDS:
-            self._recent.popitem(last=False)
+        self._recent.remember(request_id, parent, time.monotonic())
         return parent
 
     def _check_id(self, request_id: Any) -> None:
@@ -966,6 +963,8 @@ class Deployment:
         finally:
             if self._live.get(parent.request_id) is attempt:
                 del self._live[parent.request_id]
+                if self._recent.get(parent.request_id) == parent:
+                    self._recent.remember(parent.request_id, parent, time.monotonic())
         latency = time.perf_counter() - start
         if result is None:
             outcome = "cancelled" if attempt.abandoned else "timeout"

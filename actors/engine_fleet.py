@@ -28,7 +28,6 @@ The data plane is direct.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import re
@@ -61,6 +60,7 @@ from kvhandoff.protocol import (
     HandoffTicket,
     MemoryKind,
     ParentKey,
+    RecentMemory,
     Role,
     TicketError,
     TopologyError,
@@ -72,8 +72,6 @@ __all__ = ["EngineFleet", "FleetInstance"]
 log = logging.getLogger("kvhandoff.engine_fleet")
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,31}$")
-#: Parents received recently -> their GEN instance (for `returned(..., GEN)`), bounded.
-_RECENT = 65536
 
 
 @dataclass
@@ -109,7 +107,7 @@ class EngineFleet:
         self._directory: Any = None
         self._closed = False
         self._round_timeout_s = 5.0
-        self._received: collections.OrderedDict[ParentKey, str] = collections.OrderedDict()
+        self._received: RecentMemory[ParentKey, str] = RecentMemory()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._membership = asyncio.Lock()
         # The parts of `EngineDeployment` that need only the layout (block checks, attempts).
@@ -359,10 +357,7 @@ class EngineFleet:
         if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
             raise InvalidRequest(f"timeout must be a positive number of seconds, got {_short(timeout)}")
         parent = ticket.parent
-        self._received[parent] = inst.id
-        self._received.move_to_end(parent)
-        while len(self._received) > _RECENT:
-            self._received.popitem(last=False)
+        self._received.remember(parent, inst.id, time.monotonic())
         start = time.perf_counter()
         submission = asyncio.ensure_future(
             _ref(inst.coord.submit.remote(parent, ticket.num_tokens, True, ids, ticket.ctx_instance))

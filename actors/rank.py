@@ -107,7 +107,7 @@ from kvhandoff.actors._dataplane import (
 )
 from kvhandoff.actors._frames import NixlNotifChannel
 from kvhandoff.actors._member import RoundMember, RoundParticipant, VoteNews
-from kvhandoff.actors._metrics import RankMetrics
+from kvhandoff.actors._metrics import RankMetrics, resident_bytes
 from kvhandoff.actors._metrics import failed as metrics_failed
 from kvhandoff.actors._pattern import POISON, expected_blocks, request_seed
 from kvhandoff.actors._staged import StagingArena
@@ -171,6 +171,7 @@ from kvhandoff.protocol import (
     RankDescriptorV1,
     RankDescriptorV2,
     RankNamespace,
+    RecentMemory,
     Release,
     Role,
     RoundDecision,
@@ -215,8 +216,8 @@ log = logging.getLogger("kvhandoff.rank")
 #: here yet (`RankCore._park`); a frame past it is handed to the protocol.
 MAX_PARKED = 4096
 
-#: Finished requests whose outcome (and data-phase timing) a rank remembers.
-_OUTCOME_MEMORY = 65536
+#: The byte budget of a CTX rank's recent data-phase timings (`transfer_timings`).
+_TIMING_BYTES = 1 << 20
 
 __all__ = [
     "RankConfig",
@@ -445,7 +446,8 @@ class RankCore(RoundParticipant):
         # Admitted parents' token counts (GEN: for its OPENs), until their outcome.
         self._tokens: dict[ParentKey, int] = {}
         # Outcomes and waiters (for the client API).
-        self._outcome: collections.OrderedDict[ParentKey, LocalOutcome] = collections.OrderedDict()
+        # Kept while a late `wait` may still ask (protocol `RecentMemory`).
+        self._outcome: RecentMemory[ParentKey, LocalOutcome] = RecentMemory()
         self._waiters: dict[ParentKey, list[asyncio.Future[LocalOutcome]]] = collections.defaultdict(list)
         # Waiters for a parent's blocks to be back in the pool (`returned`).
         self._returns: dict[ParentKey, list[asyncio.Future[bool]]] = {}
@@ -950,7 +952,7 @@ class RankCore(RoundParticipant):
             # Leased tentatively in our vote, not admitted (another rank refused,
             # or the round timed out): nothing was exposed, give it back.
             if parent in parents:
-                self._outcome[parent] = LocalOutcome.REJECTED
+                self._outcome.remember(parent, LocalOutcome.REJECTED, now)
                 self._perform(self.side.withdraw(parent))
         for parent in decision.admitted:
             if parent in parents:
@@ -1241,11 +1243,11 @@ class RankCore(RoundParticipant):
         by the protocol once its cancel is decided; a success feeds the completion
         round (GEN verifies every byte first: S2, `_bytes_ok`)."""
         if cancelled:
-            self._outcome.setdefault(parent, LocalOutcome.CANCELLED)
+            self._outcome.setdefault(parent, LocalOutcome.CANCELLED, time.monotonic())
             return
         if not self._bytes_ok(parent):
             self.member.record_failure(parent)
-            self._outcome[parent] = LocalOutcome.FAILED
+            self._outcome.remember(parent, LocalOutcome.FAILED, time.monotonic())
         else:
             self.member.record_completion(parent)
         self._nudge()
@@ -1361,13 +1363,10 @@ class RankCore(RoundParticipant):
         The first outcome recorded wins (e.g. "failed" from byte verification over
         the protocol's "cancelled" for the round's decided failure). Outcomes
         themselves are remembered, boundedly, for late `wait` calls."""
-        self._outcome.setdefault(parent, outcome)
-        self._outcome.move_to_end(parent)
-        while len(self._outcome) > _OUTCOME_MEMORY:
-            self._outcome.popitem(last=False)
+        outcome = self._outcome.setdefault(parent, outcome, time.monotonic())
         for future in self._waiters.pop(parent, []):
             if not future.done():
-                future.set_result(self._outcome[parent])
+                future.set_result(outcome)
         self._tokens.pop(parent, None)
         peer = self._pair_of.pop(parent, None)
         if peer is not None:
@@ -1456,7 +1455,16 @@ class RankCore(RoundParticipant):
             "conservative": self._conservative(),
             "staging": self._staging_stats(),
             "quarantine": self._quarantine_detail(),
+            "memory": {
+                "resident_bytes": resident_bytes(),
+                "outcomes": self._outcome.stats(),
+                **self._remembered(),
+            },
         }
+
+    def _remembered(self) -> dict[str, Any]:
+        """Role-specific bounded memories (`RecentMemory.stats()`), for `stats()`."""
+        return {}
 
     def _quarantine_detail(self, limit: int = 8) -> list[dict[str, Any]]:
         """The quarantined parents held here (the first `limit`): the peer
@@ -1557,6 +1565,9 @@ class CtxRankCore(RankCore):
     side: CtxRank
     admits_unpaired = True
 
+    def _remembered(self) -> dict[str, Any]:
+        return {"transfer_timings": self._xfer.stats()}
+
     def __init__(self, config: RankConfig, epoch: int, *, tensors: Sequence[torch.Tensor] | None = None) -> None:
         # The data plane: per edge ticket, its chunk plans, the GEN geometry
         # its OPEN's blocks were checked against (None: not yet, it was not
@@ -1572,7 +1583,7 @@ class CtxRankCore(RankCore):
         self._resolving: dict[ParentKey, int] = {}
         self._writer: StagedWriter | None = None
         # Data phase per parent: [first post, last DONE, bytes] (perf_counter), bounded.
-        self._xfer: collections.OrderedDict[ParentKey, list[float]] = collections.OrderedDict()
+        self._xfer: RecentMemory[ParentKey, list[float]] = RecentMemory(max_bytes=_TIMING_BYTES)
         super().__init__(config, epoch, tensors=tensors)  # last: it registers this rank
         if self.arena is not None:
             below = staged_below(self.buffer.device, config.staged_below)
@@ -1891,9 +1902,7 @@ class CtxRankCore(RankCore):
     def _post(self, ticket: ContextTicket, index: int, now: float) -> None:
         plans, _, _ = self._chunks[ticket]
         if ticket.parent not in self._xfer:
-            self._xfer[ticket.parent] = [time.perf_counter(), 0.0, 0]  # before the post
-            while len(self._xfer) > _OUTCOME_MEMORY:
-                self._xfer.popitem(last=False)
+            self._xfer.remember(ticket.parent, [time.perf_counter(), 0.0, 0], now)  # before the post
         peer = self._peer_agent[ticket]
         try:
             geometry = self._gen_geometry(ticket, peer)
@@ -2121,7 +2130,7 @@ class GenRankCore(RankCore):
                 release = parent in self._release_when_ready
                 if self.pool.holds(parent):  # the bytes that landed here (metrics)
                     self.counters["bytes_received"] += len(self.pool.lease_of(parent)) * self.block_bytes
-                self._outcome[parent] = action.outcome
+                self._outcome.remember(parent, action.outcome, now)
                 self._finish(parent, action.outcome)
                 if release:
                     # Nobody consumes it (the submission said so): verified,

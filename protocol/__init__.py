@@ -7,6 +7,7 @@ names, and `__all__` lists exactly those (tests/protocol/test_public.py).
 
 from . import (
     _errors,
+    _memory,
     _messages,
     _negotiation,
     _pool,
@@ -18,6 +19,7 @@ from . import (
     _wire,
 )
 from ._errors import *  # noqa: F403
+from ._memory import *  # noqa: F403
 from ._messages import *  # noqa: F403
 from ._negotiation import *  # noqa: F403
 from ._pool import *  # noqa: F403
@@ -39,4 +41,5 @@ __all__ = [
     *_session.__all__,
     *_rounds.__all__,
     *_staging.__all__,
+    *_memory.__all__,
 ]

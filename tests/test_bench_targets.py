@@ -136,3 +136,30 @@ def test_the_control_overhead_target_is_per_size_over_a_ping() -> None:
     (small,) = overhead({"machine": {"cpus": 2}, "data": [data(3.0, mib=4)]})
     assert "4 MiB" in small["target"] and small["note"] == "GPU host target"
     assert overhead({"data": [{"size_mib": 1, "e2e_over_raw_best": 1.0, "data_over_raw_best": 1.0}]}) == []
+
+
+def test_the_soak_target_is_the_largest_served_slope_after_the_warm_up() -> None:
+    from kvhandoff.actors._bench_soak import GROWTH_BOUND, slope, soak_table
+
+    # A slope is bytes per handoff, least squares: a flat line with one jump
+    # reads small; a steady climb reads its rate.
+    assert slope([0, 1, 2, 3], [10, 10, 10, 10]) == 0.0
+    assert slope([0, 1000, 2000], [0, 64_000, 128_000]) == 64.0
+    assert math.isnan(slope([1, 1, 1], [1, 2, 3])) and math.isnan(slope([1, 2], [1, 2]))
+    samples = [
+        {"t_s": t, "handoffs": 100 * t, "resident_bytes": {"gen0": 1000 * t, "driver": 5000 * t}}
+        for t in range(10)
+    ]
+    soak = {
+        "seconds": 10.0, "warmup_s": 4.0, "warmed_up": True, "handoffs": 900, "cancel_fraction": 0.3,
+        "samples": samples, "growth_bytes_per_handoff": {"gen0": 10.0, "driver": 50.0},
+        "max_growth_bytes_per_handoff": 10.0,
+    }
+    (target,) = [t for t in _targets({"soak": soak}) if t["target"].startswith("soak:")]
+    assert target["met"] is True and target["bound"] == GROWTH_BOUND and target["op"] == "<="
+    soak["max_growth_bytes_per_handoff"] = GROWTH_BOUND + 1
+    soak["warmed_up"] = False
+    (missed,) = [t for t in _targets({"soak": soak}) if t["target"].startswith("soak:")]
+    assert missed["met"] is False and "NOT warmed up" in missed["note"]
+    headers, rows = soak_table(soak)
+    assert [r[0] for r in rows] == ["gen0", "driver"] and rows[0][2] == 4000 / (1 << 20)

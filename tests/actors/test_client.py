@@ -34,7 +34,7 @@ from kvhandoff.actors import (
     LaunchFailed,
 )
 from kvhandoff.actors._phases import held_frames, hold_frames, release_frames
-from kvhandoff.protocol import ParentKey, Role
+from kvhandoff.protocol import ParentKey, RecentMemory, Role
 from kvhandoff.topology import block_bytes
 
 from .helpers import inside
@@ -256,7 +256,8 @@ def test_a_driver_that_dies_after_submitting_strands_nothing(dep: Deployment) ->
 
 
 def test_attempt_memory_is_bounded_and_attempt_ids_never_repeat(dep: Deployment) -> None:
-    dep._RECENT_IDS = 4  # type: ignore[misc]  # instance override: a small bound to reach
+    saved = dep._recent
+    dep._recent = RecentMemory(retain_s=3600.0, max_bytes=2048)  # a byte bound small enough to reach
 
     async def scenario() -> tuple[list[Any], list[HandoffResult]]:
         parents, results = [], []
@@ -267,12 +268,71 @@ def test_attempt_memory_is_bounded_and_attempt_ids_never_repeat(dep: Deployment)
 
     try:
         parents, results = run(scenario())
+        recent = dep._recent
     finally:
-        del dep._RECENT_IDS  # type: ignore[misc]
-    assert len(dep._recent) <= 4 and not dep._live
+        dep._recent = saved
+    assert recent.nbytes <= 2048 and len(recent) < 10 and recent.stats()["dropped_by_bytes"] > 0
+    assert not dep._live
     attempts = [p.ctx_attempt for p in parents]
     assert len(set(attempts)) == len(attempts), attempts  # "many-0" again: a new id, never reused
     assert all(r.outcome == "completed" for r in results), results
+
+
+def _set_retention(seconds: float) -> Any:
+    """A function for `__ray_call__`: shorten every `RecentMemory` of a rank's
+    endpoint or a coordinator to `seconds`; returns the previous retentions."""
+
+    def apply(obj: Any) -> dict[str, float]:
+        target = getattr(obj, "kvhandoff", obj)  # a rank host's endpoint, or the coordinator itself
+        before = {}
+        for name, value in vars(target).items():
+            if isinstance(value, RecentMemory):
+                before[name] = value.retain_s
+                value.retain_s = seconds
+        return before
+
+    return apply
+
+
+def test_what_ranks_and_coordinators_remember_of_finished_handoffs_ages_out(dep: Deployment) -> None:
+    """Issue 22 (h) on the real actors: an outcome is remembered for a late
+    question, then forgotten once it is older than the retention, so a
+    long-running rank or coordinator does not grow with traffic."""
+    retain = 1.5
+
+    async def scenario() -> tuple[list[Any], list[dict], list[dict], list[Any]]:
+        ranks = await dep.ranks(Role.CTX) + await dep.ranks(Role.GEN)
+        coords = [dep.coordinator(Role.CTX), dep.coordinator(Role.GEN)]
+        for h in ranks:
+            assert "_outcome" in await h.__ray_call__.remote(_set_retention(retain))
+        for c in coords:
+            assert {"_outcomes", "_peer_of", "_decision_log"} <= set(await c.__ray_call__.remote(_set_retention(retain)))
+        first = [await dep.handoff(f"aged-{i}", 16, timeout=TIMEOUT) for i in range(4)]
+        assert all(r.outcome == "completed" for r in first), first
+        # Within the retention a late question is answered from memory.
+        late = [await h.wait.remote(dep.parent("aged-0"), 5.0) for h in ranks]
+        before = [await h.stats.remote() for h in ranks]
+        coord_before = [await c.stats.remote() for c in coords]
+        await asyncio.sleep(retain * 1.5)  # the retention is the thing under test: its age must pass
+        assert (await dep.handoff("aged-last", 16, timeout=TIMEOUT)).outcome == "completed"
+        after = [await h.stats.remote() for h in ranks] + [await c.stats.remote() for c in coords]
+        for h in ranks:
+            await h.__ray_call__.remote(_set_retention(120.0))
+        for c in coords:
+            await c.__ray_call__.remote(_set_retention(120.0))
+        return late, before + coord_before, after, first
+
+    late, before, after, _ = run(scenario())
+    assert [str(getattr(x, "value", x)) for x in late] == ["released"] * (len(late) - 1) + ["completed"], late
+    assert all(s["memory"]["outcomes"]["entries"] >= 4 for s in before), [s["memory"] for s in before]
+    for s in after:
+        memory = s["memory"]
+        assert memory["resident_bytes"] is None or memory["resident_bytes"] > 0
+        # Only the last handoff is remembered; the four before it aged out.
+        assert memory["outcomes"]["entries"] <= 2, memory
+        assert memory["outcomes"]["dropped_by_age"] >= 4, memory
+        if "peers" in memory:  # a coordinator
+            assert memory["peers"]["entries"] <= 2 and memory["decision_log"]["dropped_by_age"] > 0, memory
 
 
 # -- hop traces (actors/_trace.py) on the real actors ---------------------------------------
