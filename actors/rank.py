@@ -139,7 +139,6 @@ from kvhandoff.protocol import (
     BufferInfo,
     CancelDeferred,
     CancelIntent,
-    CancelReason,
     Capability,
     CleanupSkipped,
     ContextTicket,
@@ -181,12 +180,15 @@ from kvhandoff.protocol import (
     StageAck,
     StageWrite,
     StaleError,
+    Step,
     StopPosting,
     UnknownSessionError,
     active_cancel,
     agree,
+    apply_step,
     block_columns,
     check_unnegotiated,
+    decision_steps,
     decode_frame,
     decode_stage,
     descriptor_frame,
@@ -948,28 +950,23 @@ class RankCore(RoundParticipant):
     def _apply(self, decision: RoundDecision) -> None:
         now = time.monotonic()
         parents = self.side.parents()
-        for parent in decision.rejected:
-            # Leased tentatively in our vote, not admitted (another rank refused,
-            # or the round timed out): nothing was exposed, give it back.
-            if parent in parents:
-                self._outcome.remember(parent, LocalOutcome.REJECTED, now)
-                self._perform(self.side.withdraw(parent))
-        for parent in decision.admitted:
-            if parent in parents:
+        for step, parent in decision_steps(decision, parents):
+            # What each step means is the protocol's (`apply_step`); here only
+            # what the shell adds: the role's work after an admission, the
+            # CTX's decide, and what it counts and remembers.
+            if step is Step.ADMITTED:
                 self._admitted(parent, now)
-        for parent in getattr(decision, "decided", ()):
-            if parent in parents:
+                continue
+            if step is Step.DECIDED:
                 self._decided(parent, now)
-        for parent in decision.cancelled:
-            if parent in parents:
+                continue
+            if step is Step.WITHDRAW:
+                # Leased tentatively in our vote, not admitted (another rank
+                # refused, or the round timed out): nothing was exposed.
+                self._outcome.remember(parent, LocalOutcome.REJECTED, now)
+            elif step is Step.CANCELLED:
                 self.metrics.cancelled(parents[parent].value)
-                self._perform(self.side.cancel(parent, CancelReason.CLIENT, now, from_round=True))
-        for parent in decision.failed:
-            if parent in parents:
-                self._perform(self.side.cancel(parent, CancelReason.FAILURE, now, from_round=True))
-        for parent in decision.completed:
-            if parent in parents:
-                self._perform(self.side.completed(parent, now))
+            self._perform(apply_step(self.side, step, parent, now))
         alive = self.side.parents()
         self.member.follower.forget(alive.__contains__)
         self._replay_parked()

@@ -6,6 +6,7 @@ names, and `__all__` lists exactly those (tests/protocol/test_public.py).
 """
 
 from . import (
+    _decision,
     _errors,
     _memory,
     _messages,
@@ -18,6 +19,7 @@ from . import (
     _ticket,
     _wire,
 )
+from ._decision import *  # noqa: F403
 from ._errors import *  # noqa: F403
 from ._memory import *  # noqa: F403
 from ._messages import *  # noqa: F403
@@ -40,6 +42,7 @@ __all__ = [
     *_registry.__all__,
     *_session.__all__,
     *_rounds.__all__,
+    *_decision.__all__,
     *_staging.__all__,
     *_memory.__all__,
 ]

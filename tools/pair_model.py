@@ -7,9 +7,12 @@ through it.
 It plays the actors layer: performs the actions the protocol objects return,
 pipes messages between them as encoded frames (`encode_frame`/`decode_frame`),
 keeps a model of the DMA chunks in flight (which GEN and CTX block
-incarnations each may still touch, for S1), and simulates the agreement rounds
-(cancel, decide, completion, NOT_STARTED verdict) with one CTX rank and the
-GEN ranks. Tests can hold messages in the queues to reorder, duplicate or drop
+incarnations each may still touch, for S1), and runs the agreement rounds of
+each instance with the real `RoundLeader` and one `RoundFollower` per rank.
+Ranks apply decisions through the protocol's `decision_steps`/`apply_step`,
+as the rank actor does; news (cancel intents, failures, completions) reaches
+the leader as the actor's does, in rank reports. The one CTX rank decides a
+prepared parent alone, as a one-rank CTX instance does. Tests can hold messages in the queues to reorder, duplicate or drop
 them, restart a rank with a new epoch, and move time.
 
 When the protocol misbehaves, the harness reports the broken contract as an
@@ -26,8 +29,11 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from functools import partial
 
+import msgspec
+
 from kvhandoff.protocol import (
     Action,
+    AdmissionRequest,
     AdmissionStop,
     BlockDescriptor,
     BlockPool,
@@ -35,7 +41,6 @@ from kvhandoff.protocol import (
     BufferInfo,
     Cancel,
     CancelIntent,
-    CancelReason,
     ContextTicket,
     CtxRank,
     DecodeReady,
@@ -48,6 +53,7 @@ from kvhandoff.protocol import (
     ParentKey,
     ParentSettled,
     ParentState,
+    PoolError,
     PostChunk,
     Prepared,
     ProtocolError,
@@ -58,9 +64,15 @@ from kvhandoff.protocol import (
     Reject,
     Release,
     Role,
+    RoundDecision,
+    RoundFollower,
+    RoundLeader,
     SendMessage,
     SessionMessage,
+    Step,
     Terminal,
+    apply_step,
+    decision_steps,
     decode_frame,
     encode_frame,
     reject_for,
@@ -87,6 +99,8 @@ CTX_DIGEST = bytes(range(32))
 GEN_DIGEST = bytes(range(32, 64))
 CHUNK_BYTES = 4096
 TIMEOUT = 10.0
+#: A model round never waits: every vote is in before it closes.
+ROUND_TIMEOUT = 1.0
 
 
 class ProtocolCrash(AssertionError):
@@ -204,12 +218,24 @@ class Pair:
         self.n_gen = n_gen
         self.ctx = self._new_ctx(1)
         self.gens = [self._new_gen(1, r) for r in range(n_gen)]
+        # One round leader per instance and one follower per rank, as the
+        # coordinators and the rank actors hold them.
+        self.leaders: dict[Role, RoundLeader] = {
+            Role.CTX: RoundLeader(1, epochs={0: 1}),
+            Role.GEN: RoundLeader(n_gen, epochs=dict.fromkeys(range(n_gen), 1)),
+        }
+        self.ctx_follower = RoundFollower(0, 1)
+        self.gen_followers = [RoundFollower(r, 1) for r in range(n_gen)]
+        # What a coordinator adds to its next proposal: failures of a
+        # restarted rank's in-flight parents, cancels undoing an admission
+        # the peer instance refused.
+        self.failures_pending: dict[Role, set[ParentKey]] = {Role.CTX: set(), Role.GEN: set()}
+        self.cancels_pending: dict[Role, set[ParentKey]] = {Role.CTX: set(), Role.GEN: set()}
         self.queue: list[Envelope] = []
         self.in_flight: dict[tuple[ContextTicket, int], Write] = {}
         self.strays: list[Write] = []  # writes of ERR chunks that may still land
         self.dead_gens: set[tuple[int, int]] = set()  # (rank, epoch) confirmed dead
         self.chunks: dict[ParentKey, int] = {}  # chunks per edge
-        self.intents: set[ParentKey] = set()
         self.actions: list[Action] = []
         self.errors: list[ProtocolError] = []
         self.admission_stopped = False
@@ -251,14 +277,19 @@ class Pair:
     def admit(
         self, parent: ParentKey, *, blocks: int = 2, chunks: int = 2, lease: float = 5.0
     ) -> None:
-        """Admission rounds on both sides: lease on every rank."""
-        self.ctx.admit(parent, blocks, now=self.now, lease_deadline=self.now + lease)
-        for gen in self.gens:
-            gen.admit(parent, blocks, now=self.now, deadline=self.now + lease)
+        """One admission round in each instance (each rank leases in its
+        vote); GEN's is vetoed when the CTX instance did not admit, and the
+        CTX's admission undone (a cancel) when GEN's round did not."""
         self.chunks[parent] = chunks
+        request = AdmissionRequest(parent=parent, num_tokens=16)
+        ctx = self._round(Role.CTX, [request], blocks=blocks, lease=lease)
+        vetoed = () if parent in ctx.admitted else (parent,)
+        gen = self._round(Role.GEN, [request], blocks=blocks, lease=lease, vetoed=vetoed)
+        if parent in ctx.admitted and parent not in gen.admitted:
+            self.cancels_pending[Role.CTX].add(parent)
 
     def prefill(self, parent: ParentKey) -> None:
-        self._act("S3", f"prefilled({parent!r})", lambda: self.ctx.prefilled(parent))
+        self._act("S3", f"prefilled({parent!r})", lambda: self.ctx.prefilled(parent), self.ctx)
 
     def install(self, parent: ParentKey) -> None:
         chunks = self.chunks[parent]
@@ -274,11 +305,12 @@ class Pair:
                 "S3",
                 f"install({parent!r}) on {gen.our.ns}",
                 partial(gen.install, parent, [spec], self.now),
+                gen,
             )
 
     def decide(self, parent: ParentKey) -> None:
         """CTX decision round: only when every edge is prepared (the round's rule)."""
-        self._act("S3", f"decided({parent!r})", lambda: self.ctx.decided(parent, self.now))
+        self._act("S3", f"decided({parent!r})", lambda: self.ctx.decided(parent, self.now), self.ctx)
 
     def all_prepared(self, parent: ParentKey) -> bool:
         """The CTX reported the parent `Prepared` and it is still RESIDENT (the
@@ -289,67 +321,179 @@ class Pair:
         ) in self.prepared and self.ctx.parent_state(parent) is ParentState.RESIDENT
 
     def run_rounds(self) -> None:
-        """One batch of rounds: cancels (union), completions (intersection), verdicts."""
-        for parent in sorted(self.intents, key=repr):
-            for rank in self.ranks():
-                if parent in rank.parents():
-                    self._act(
-                        "L1",
-                        f"decided cancel of {parent!r}",
-                        partial(rank.cancel, parent, CancelReason.PEER, self.now, from_round=True),
-                    )
-        self.intents.clear()
-        # Topology-wide NOT_STARTED verdict first: the CTX rank (the only writer)
-        # proved it, and no GEN rank has contrary evidence.
-        gen_parents: set[ParentKey] = set()
-        for gen in self.gens:
-            gen_parents |= set(gen.parents())
-        for parent in sorted(gen_parents, key=repr):
+        """A round in each instance that has something to decide (news its
+        ranks reported, failures or cancels its coordinator adds), then, if
+        modelled, the topology-wide NOT_STARTED verdict."""
+        for role in (Role.CTX, Role.GEN):
+            if self.round_due(role):
+                self._round(role)
+        if not self.not_started_verdict:
+            return
+        # The CTX rank (the only writer) proved NOT_STARTED, and no GEN rank
+        # has contrary evidence.
+        for parent in sorted({p for g in self.gens for p in g.parents()}, key=repr):
             holders = [g for g in self.gens if parent in g.parents()]
             if (
-                self.not_started_verdict
-                and parent in self.ctx.parents()
+                parent in self.ctx.parents()
                 and self.ctx.local_not_started(parent)
                 and all(g.local_not_started(parent) for g in holders)
             ):
-                for member in (self.ctx, *holders):
+                members: list[CtxRank | GenRank] = [self.ctx, *holders]
+                for member in members:
                     self._act(
                         "S1",
                         f"NOT_STARTED verdict for {parent!r}",
                         partial(member.release_not_started, parent),
+                        member,
                     )
-        # Completion rounds: CTX (one rank here), GEN (intersection over ranks).
-        for parent, state in self.ctx.parents().items():
-            if state is ParentState.SETTLED:
+
+    def verdict_due(self) -> bool:
+        """Whether the NOT_STARTED verdict (when modelled) would release a parent."""
+        if not self.not_started_verdict:
+            return False
+        ctx_parents = self.ctx.parents()
+        for gen in self.gens:
+            for parent in gen.parents():
+                if (
+                    parent in ctx_parents
+                    and self.ctx.local_not_started(parent)
+                    and all(g.local_not_started(parent) for g in self.gens if parent in g.parents())
+                ):
+                    return True
+        return False
+
+    def round_due(self, role: Role) -> bool:
+        """Would a round of `role`'s instance decide anything now (the
+        coordinator's test before it runs a round without admissions)?"""
+        leader = self.leaders[role]
+        self._push_reports(role)
+        return bool(
+            (self.failures_pending[role] | self.cancels_pending[role]) & leader.in_flight
+            or leader.reports_decide()
+        )
+
+    def rounds_due(self) -> bool:
+        return self.round_due(Role.CTX) or self.round_due(Role.GEN) or self.verdict_due()
+
+    def normalize_rounds(self) -> None:
+        """Renumber the rounds so that equal states compare equal (the
+        explorer's canonical form). Between two steps no round is open and
+        every follower applied its leader's last decision, so the numbers
+        carry no information: the next round becomes 1, report sequences 0,
+        and every set is rebuilt in one order. Each report is pushed first,
+        so the stored reports are the followers' news."""
+        for role in (Role.CTX, Role.GEN):
+            self._push_reports(role)
+            leader = self.leaders[role]
+            assert leader.proposal is None, "harness: a round is open between steps"
+            shift = leader.next_round - 1
+            leader.next_round = 1
+            leader.in_flight = set(sorted(leader.in_flight, key=repr))
+            leader.decided = set(sorted(leader.decided, key=repr))
+            leader._reports = {  # noqa: SLF001 (the model's canonical form)
+                rank: msgspec.structs.replace(got, seq=0) for rank, got in sorted(leader._reports.items())  # noqa: SLF001
+            }
+            for _, follower in self._instance(role):
+                assert follower.last_applied == shift, "harness: a follower missed a decision"
+                follower.last_applied = follower.last_voted = 0
+                follower._report_seq = 0  # noqa: SLF001
+                follower._reported = (0, frozenset(), frozenset())  # noqa: SLF001
+                for name in ("_cancels", "_completions", "_failures", "_prepared"):
+                    setattr(follower, name, set(sorted(getattr(follower, name), key=repr)))
+            self.failures_pending[role] = set(sorted(self.failures_pending[role], key=repr))
+            self.cancels_pending[role] = set(sorted(self.cancels_pending[role], key=repr))
+
+    def _instance(self, role: Role) -> list[tuple[CtxRank | GenRank, RoundFollower]]:
+        if role is Role.CTX:
+            return [(self.ctx, self.ctx_follower)]
+        return list(zip(self.gens, self.gen_followers, strict=True))
+
+    def _follower(self, rank: CtxRank | GenRank) -> RoundFollower | None:
+        """The follower of `rank`'s current incarnation; None for an old one."""
+        if rank is self.ctx:
+            return self.ctx_follower
+        for gen, follower in zip(self.gens, self.gen_followers, strict=True):
+            if rank is gen:
+                return follower
+        return None
+
+    def _push_reports(self, role: Role) -> None:
+        """Every rank of `role`'s instance pushes its news (a `RankReport`)."""
+        leader = self.leaders[role]
+        for _, follower in self._instance(role):
+            leader.report(follower.report())
+
+    def _round(
+        self,
+        role: Role,
+        admissions: Iterable[AdmissionRequest] = (),
+        *,
+        blocks: int = 0,
+        lease: float = 0.0,
+        vetoed: Iterable[ParentKey] = (),
+    ) -> RoundDecision:
+        """One round of `role`'s instance, run by its real leader: votes (a
+        lease per admission) or, without admissions, the ranks' reports;
+        then every rank applies the decision, in order, exactly once."""
+        leader = self.leaders[role]
+        admissions = tuple(admissions)
+        pending = self.failures_pending[role] & leader.in_flight
+        proposal = leader.open_round(
+            admissions,
+            self.cancels_pending[role],
+            now=self.now,
+            timeout=ROUND_TIMEOUT,
+            failures=pending,
+        )
+        self.failures_pending[role].clear()
+        self.cancels_pending[role].clear()
+        if admissions:
+            for rank, follower in self._instance(role):
+                leased = []
+                for request in admissions:
+                    try:
+                        if isinstance(rank, CtxRank):
+                            rank.admit(request.parent, blocks, now=self.now, lease_deadline=self.now + lease)
+                        else:
+                            rank.admit(request.parent, blocks, now=self.now, deadline=self.now + lease)
+                    except PoolError:
+                        continue
+                    leased.append(request.parent)
+                leader.receive_vote(follower.vote_with_news(proposal, admit_ok=leased), self.now)
+        else:
+            self._push_reports(role)
+            leader.votes_from_reports(self.now)
+        decision = leader.close(self.now, vetoed=vetoed)
+        for rank, follower in self._instance(role):
+            follower.apply(decision)
+            for step, parent in decision_steps(decision, rank.parents()):
+                if step is Step.ADMITTED:
+                    continue  # the role's work is its own step (`prefill`, `install`)
                 self._act(
-                    "L1", f"CTX completion of {parent!r}", partial(self.ctx.completed, parent)
+                    "L1",
+                    f"{step.value} {parent!r} on {rank.our.ns}",
+                    partial(apply_step, rank, step, parent, self.now),
+                    rank,
                 )
-        for parent in sorted(gen_parents, key=repr):
-            # A QUARANTINED rank is finished with the parent (a failure, in the
-            # round's union); it does not hold the others' completion back.
-            holders = [g for g in self.gens if parent in g.parents()]
-            states = {g.parents().get(parent) for g in holders}
-            if ParentState.SETTLED in states and states <= {
-                ParentState.SETTLED,
-                ParentState.QUARANTINED,
-            }:
-                for gen in holders:
-                    if gen.parents().get(parent) is ParentState.SETTLED:
-                        self._act(
-                            "L1",
-                            f"GEN completion of {parent!r}",
-                            partial(gen.completed, parent),
-                        )
+            follower.forget(rank.parents().__contains__)
+        return decision
+
+    def client_cancel(self, parent: ParentKey) -> None:
+        """A client's cancel: its coordinator puts it in the next round's
+        proposal and tells the peer instance's coordinator, which does the
+        same (`Coordinator.cancel`)."""
+        for role in (Role.CTX, Role.GEN):
+            self.cancels_pending[role].add(parent)
 
     def free(self, parent: ParentKey) -> None:
         for gen in self.gens:
             if parent in gen.parents():
-                self._act("L1", f"free of {parent!r}", partial(gen.free, parent))
+                self._act("L1", f"free of {parent!r}", partial(gen.free, parent), gen)
 
     def expire(self) -> None:
         for rank in self.ranks():
             self._act(
-                "L1", f"expire({self.now}) on {rank.our.ns}", partial(rank.expire, self.now)
+                "L1", f"expire({self.now}) on {rank.our.ns}", partial(rank.expire, self.now), rank
             )
 
     # ---- the data plane model ------------------------------------------
@@ -377,7 +521,7 @@ class Pair:
             raise AssertionError(
                 f"S1: the CTX refused {what} of a chunk it posted: {exc!r}"
             ) from exc
-        self.perform(actions)
+        self.perform(actions, self.ctx)
 
     def fail_chunk_partially(self, key: tuple[ContextTicket, int], descriptors: int = 2) -> None:
         """A posted chunk of several descriptors reports ERR while others of
@@ -386,7 +530,8 @@ class Pair:
         ticket, index = key
         what = f"chunk_failed({ticket.request_id} {ticket.edge} #{index}, descriptors={descriptors})"
         self.perform(
-            protocol_call("S1", what, lambda: self.ctx.chunk_failed(ticket, index, self.now, descriptors))
+            protocol_call("S1", what, lambda: self.ctx.chunk_failed(ticket, index, self.now, descriptors)),
+            self.ctx,
         )
         # The CTX never hears of it again (ERR is terminal for NIXL), but its
         # writes may still land: a stray, checked by `check_s1` until the
@@ -399,12 +544,26 @@ class Pair:
         """GEN rank `rank` restarts with a new epoch: fresh pool, no sessions."""
         old = self.gens[rank]
         self.gens[rank] = self._new_gen(old.our.epoch + 1, rank)
+        self.gen_followers[rank] = self._rejoin(Role.GEN, rank, old.our.epoch + 1)
         if notify:
             self._act(
                 "S1",
                 "CTX peer_restarted",
                 lambda: self.ctx.peer_restarted(self.gens[rank].our, self.now),
+                self.ctx,
             )
+
+    def _rejoin(self, role: Role, rank: int, epoch: int) -> RoundFollower:
+        """What the coordinator does when it replaces a rank: the leader takes
+        the new epoch (the old incarnation's votes and reports are refused),
+        the new follower joins at the next round, and every parent in flight
+        fails in the next round (the dead rank held a shard of each)."""
+        leader = self.leaders[role]
+        leader.set_epoch(rank, epoch)
+        follower = RoundFollower(rank, epoch)
+        follower.join(leader.next_round)
+        self.failures_pending[role] |= leader.in_flight
+        return follower
 
     def confirm_gen_dead(self, rank: int, epoch: int) -> None:
         """The directory confirmed GEN incarnation (`rank`, `epoch`) dead and
@@ -413,12 +572,16 @@ class Pair:
         self.dead_gens.add((rank, epoch))
         ns = self.gens[rank].our.ns
         self._act(
-            "S1", "CTX peer_dead", lambda: self.ctx.peer_dead(Endpoint(ns=ns, epoch=epoch), self.now)
+            "S1",
+            "CTX peer_dead",
+            lambda: self.ctx.peer_dead(Endpoint(ns=ns, epoch=epoch), self.now),
+            self.ctx,
         )
 
     def restart_ctx(self, *, notify: bool = True) -> None:
         old = self.ctx
         self.ctx = self._new_ctx(old.our.epoch + 1)
+        self.ctx_follower = self._rejoin(Role.CTX, 0, old.our.epoch + 1)
         self.strays = [w for w in self.strays if w.ctx_epoch != old.our.epoch]  # its process is gone
         if notify:
             for gen in self.gens:
@@ -426,17 +589,37 @@ class Pair:
                     "S1",
                     "GEN peer_restarted",
                     partial(gen.peer_restarted, self.ctx.our, self.now),
+                    gen,
                 )
 
     # ---- actions and messages ------------------------------------------
 
-    def _act(self, invariant: str, what: str, call: Callable[[], list[Action]]) -> None:
-        """Perform what one of the harness's own calls into a rank returns."""
-        self.perform(protocol_call(invariant, what, call))
+    def _act(
+        self,
+        invariant: str,
+        what: str,
+        call: Callable[[], list[Action]],
+        by: CtxRank | GenRank | None = None,
+    ) -> None:
+        """Perform what one of the harness's own calls into rank `by` returns."""
+        self.perform(protocol_call(invariant, what, call), by)
 
-    def perform(self, actions: Iterable[Action]) -> None:
+    def perform(self, actions: Iterable[Action], by: CtxRank | GenRank | None = None) -> None:
+        """Perform the actions rank `by` returned, as its actor would: news
+        for the rounds (a cancel intent, a failure, a completion) goes to its
+        follower (an old incarnation's is void, as its reports are refused)."""
         for action in actions:
             self.actions.append(action)
+            if isinstance(action, (CancelIntent, AdmissionStop, ParentSettled)):
+                assert by is not None, f"harness: {action!r} performed without the rank that produced it"
+                follower = self._follower(by)
+                if follower is not None:
+                    if isinstance(action, CancelIntent):
+                        follower.record_cancel(action.parent)
+                    elif isinstance(action, AdmissionStop):
+                        follower.record_failure(action.parent)
+                    elif not action.cancelled:
+                        follower.record_completion(action.parent)
             match action:
                 case SendMessage(to=to, message=message):
                     rank = to.ns.rank
@@ -462,8 +645,6 @@ class Pair:
                         ctx_refs=tuple(self.ctx.pool.lease_of(ticket.parent)),
                         gen_refs=gen_refs,
                     )
-                case CancelIntent(parent=parent):
-                    self.intents.add(parent)
                 case AdmissionStop():
                     self.admission_stopped = True
                 case DecodeReady(parent=parent):
@@ -476,7 +657,7 @@ class Pair:
                         e.state is EdgeState.PREPARED for e in edges.values()
                     ), f"Prepared({parent!r}) with edges {[e.state for e in edges.values()]}"
                     self.prepared.add(key)
-                case Release() | Quarantine() | ParentSettled():
+                case Release() | Quarantine() | ParentSettled() | CancelIntent():
                     pass
                 case _:
                     pass
@@ -503,14 +684,16 @@ class Pair:
     ) -> ProtocolError | None:
         what = f"{role.value} rank {rank} receive({type(message).__name__} {message.ticket.request_id})"
         try:
+            receiver: CtxRank | GenRank
             if role is Role.CTX:
                 num_chunks = self.chunks.get(message.ticket.parent, 1)
+                receiver = self.ctx
                 actions = protocol_call(
                     "S3", what, lambda: self.ctx.receive(message, self.now, num_chunks=num_chunks)
                 )
             else:
                 assert 0 <= rank < len(self.gens), f"S3: {what}: no GEN rank {rank} exists"
-                gen = self.gens[rank]
+                gen = receiver = self.gens[rank]
                 actions = protocol_call("S3", what, lambda: gen.receive(message, self.now))
         except ProtocolError as error:
             self.errors.append(error)
@@ -522,7 +705,7 @@ class Pair:
                         Envelope(Role.GEN, message.ticket.gen.ns.rank, encode_frame(reject))
                     )
             return error
-        self.perform(actions)
+        self.perform(actions, receiver)
         return None
 
     def deliver_all(self, limit: int = 1000) -> None:

@@ -91,7 +91,7 @@ def test_cancel_before_open() -> None:
     pair.prefill(P)
     # The client cancels; the round applies it on every rank before GEN installed.
     for rank in pair.ranks():
-        pair.perform(rank.cancel(P, CancelReason.CLIENT, pair.now, from_round=True))
+        pair.perform(rank.cancel(P, CancelReason.CLIENT, pair.now, from_round=True), rank)
     assert not pair.queue, "no OPEN, no TERMINAL: nothing was exposed"
     # Decided cancel + every local edge terminal (there are none): no completion
     # round will come for a cancelled parent, so each rank releases at once.
@@ -110,7 +110,7 @@ def test_cancel_after_open_before_ready() -> None:
     ticket = pair.tickets(P)[0]
     gen = pair.gens[0]
     actions = gen.cancel(P, CancelReason.CLIENT, pair.now)
-    pair.perform(actions)
+    pair.perform(actions, gen)
     assert [a.message for a in _of(actions, SendMessage)] == [
         Cancel(ticket=ticket, reason=CancelReason.CLIENT)
     ]
@@ -133,7 +133,7 @@ def test_cancel_after_open_early_release_by_verdict() -> None:
     pair = Pair()
     _to_prepared(pair)
     for rank in pair.ranks():
-        pair.perform(rank.cancel(P, CancelReason.CLIENT, pair.now, from_round=True))
+        pair.perform(rank.cancel(P, CancelReason.CLIENT, pair.now, from_round=True), rank)
     held = list(pair.queue)
     pair.queue.clear()  # CANCEL and TERMINAL(NOT_STARTED) still on the wire
     # CTX proved its edge NOT_STARTED locally (it is the writer): released at once.
@@ -144,7 +144,7 @@ def test_cancel_after_open_early_release_by_verdict() -> None:
     # The round's topology-wide verdict (CTX proved NOT_STARTED before it released;
     # no GEN has contrary evidence) frees GEN without waiting for the TERMINAL.
     assert _terminals_sent_by_ctx(held) == [TerminalKind.NOT_STARTED]
-    pair.perform(pair.gens[0].release_not_started(P))
+    pair.perform(pair.gens[0].release_not_started(P), pair.gens[0])
     assert pair.gens[0].parent_state(P) is ParentState.RELEASED
     _assert_all_free(pair)
     # The late messages are stale now and change nothing.
@@ -170,7 +170,7 @@ def test_cancel_after_ready_before_post() -> None:
     assert pair.ctx.evidence(ticket).state is EdgeState.READY
     pair.deliver_all()
     assert pair.gens[0].evidence(ticket).state is EdgeState.READY
-    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     assert pair.ctx.start_posting(P, pair.now) == []  # the cancel won: nothing is ever posted
     pair.deliver_all()
     assert pair.ctx.evidence(ticket).state is EdgeState.NOT_STARTED
@@ -189,7 +189,7 @@ def test_cancel_mid_dma_drains() -> None:
     pair.finish_chunk((ticket, 0))  # chunk 2 gets posted; 1 and 2 in flight
     assert set(pair.in_flight) == {(ticket, 1), (ticket, 2)}
     pair.deliver_all()  # READY reaches GEN
-    pair.perform(pair.gens[0].cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(pair.gens[0].cancel(P, CancelReason.CLIENT, pair.now), pair.gens[0])
     pair.actions.clear()
     pair.deliver_all()  # CANCEL reaches CTX
     assert _of(pair.actions, StopPosting) == [StopPosting(ticket)]
@@ -219,7 +219,7 @@ def test_cancel_mid_dma_with_siblings_is_parent_scoped() -> None:
     first, second = pair.tickets(P)
     pair.decide(P)
     pair.deliver_all()
-    pair.perform(pair.gens[0].cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(pair.gens[0].cancel(P, CancelReason.CLIENT, pair.now), pair.gens[0])
     pair.deliver_all()  # CTX drains both edges; GEN 1 learns by TERMINAL
     assert pair.ctx.evidence(first).state is EdgeState.DRAINING
     assert pair.ctx.evidence(second).state is EdgeState.DRAINING
@@ -237,10 +237,10 @@ def test_drain_timeout_quarantines_both_sides() -> None:
     ticket = pair.tickets(P)[0]
     pair.decide(P)
     pair.deliver_all()
-    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
     pair.now += pair.timeout  # the posted chunks never report
-    pair.perform(pair.ctx.expire(pair.now))
+    pair.perform(pair.ctx.expire(pair.now), pair.ctx)
     assert pair.ctx.evidence(ticket).state is EdgeState.UNKNOWN
     assert pair.ctx.parent_state(P) is ParentState.QUARANTINED
     assert pair.ctx.pool.counts().quarantined == 2
@@ -278,9 +278,9 @@ def test_reclaim_needs_every_chunk_polled() -> None:
     _to_prepared(pair, chunks=2)
     ticket = pair.tickets(P)[0]
     pair.decide(P)
-    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     pair.now += pair.timeout
-    pair.perform(pair.ctx.expire(pair.now))
+    pair.perform(pair.ctx.expire(pair.now), pair.ctx)
     assert pair.ctx.parent_state(P) is ParentState.QUARANTINED
     with pytest.raises(LeaseError):
         pair.ctx.reclaim(P, proof="")
@@ -301,11 +301,12 @@ def test_cancel_after_terminal() -> None:
         pair.finish_chunk(key)
     assert pair.ctx.evidence(ticket).state is EdgeState.COMPLETED
     pair.actions.clear()
-    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     assert not _of(pair.actions, SendMessage) and not _of(pair.actions, Drain)  # nothing to undo
     pair.deliver_all()  # READY, TERMINAL(COMPLETED) -> RECEIPT
     assert pair.gens[0].evidence(ticket).state is EdgeState.COMPLETED
-    pair.run_rounds()  # the cancel reaches GEN's round; completion releases without decode
+    pair.client_cancel(P)  # the client's cancel reaches both coordinators' next rounds
+    pair.run_rounds()  # GEN's round decides it: completion releases without decode
     assert pair.gens[0].parent_state(P) is ParentState.RELEASED
     assert not _of(pair.actions, DecodeReady) and not _of(pair.actions, Quarantine)
     _assert_all_free(pair)
@@ -321,7 +322,7 @@ def test_cancel_after_receipt() -> None:
     assert pair.ctx._sessions.get(ticket).receipt_bytes is not None
     assert pair.ctx.parent_state(P) is ParentState.SETTLED
     for rank in pair.ranks():
-        pair.perform(rank.cancel(P, CancelReason.CLIENT, pair.now, from_round=True))
+        pair.perform(rank.cancel(P, CancelReason.CLIENT, pair.now, from_round=True), rank)
     assert not pair.queue
     pair.run_rounds()
     assert not _of(pair.actions, DecodeReady)
@@ -348,7 +349,7 @@ def test_ctx_lease_expiry_records_intent_and_the_round_releases() -> None:
     releases, exactly once."""
     pair = Pair()
     pair.ctx.admit(P, 3, now=0.0, lease_deadline=5.0)
-    pair.perform(pair.ctx.prefilled(P))
+    pair.perform(pair.ctx.prefilled(P), pair.ctx)
     assert pair.ctx.expire(4.9) == []
     actions = pair.ctx.expire(5.0)
     assert _of(actions, CancelIntent) == [CancelIntent(P, CancelReason.TIMEOUT)]
@@ -365,7 +366,7 @@ def test_ctx_lease_expiry_with_prepared_edge_tells_gen_not_started() -> None:
     _to_prepared(pair)
     ticket = pair.tickets(P)[0]
     pair.now = 5.0
-    pair.perform(pair.ctx.expire(pair.now))
+    pair.perform(pair.ctx.expire(pair.now), pair.ctx)
     assert pair.ctx.parent_state(P) is ParentState.SETTLED  # cancelled, nothing released yet
     assert _terminals(pair) == [TerminalKind.NOT_STARTED]
     pair.deliver_all()
@@ -384,7 +385,7 @@ def test_transfer_timeout_is_a_cancel_intent_not_a_release() -> None:
     pair.decide(P)
     pair.now += pair.timeout
     actions = pair.ctx.expire(pair.now)
-    pair.perform(actions)
+    pair.perform(actions, pair.ctx)
     assert CancelIntent(P, CancelReason.TIMEOUT) in actions
     assert not _of(actions, Release) and not _of(actions, Quarantine)
     assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
@@ -490,7 +491,7 @@ def test_decided_cancel_releases_a_parent_that_already_settled() -> None:
     assert pair.ctx.parent_state(P) is ParentState.SETTLED
     assert pair.gens[0].parent_state(P) is ParentState.SETTLED
     for rank in pair.ranks():
-        pair.perform(rank.cancel(P, CancelReason.CLIENT, pair.now, from_round=True))
+        pair.perform(rank.cancel(P, CancelReason.CLIENT, pair.now, from_round=True), rank)
     assert pair.ctx.parent_state(P) is ParentState.RELEASED
     assert pair.gens[0].parent_state(P) is ParentState.RELEASED
     assert not _of(pair.actions, Quarantine)
@@ -507,7 +508,7 @@ def test_evidence_completes_only_a_release_the_round_decided() -> None:
         _to_prepared(pair, chunks=2)
         ticket = pair.tickets(P)[0]
         pair.decide(P)
-        pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now, from_round=decided_first))
+        pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now, from_round=decided_first), pair.ctx)
         assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
         pair.finish_chunk((ticket, 0))
         assert pair.ctx.pool.counts().leased == 2
@@ -518,7 +519,7 @@ def test_evidence_completes_only_a_release_the_round_decided() -> None:
         else:
             assert pair.ctx.parent_state(P) is ParentState.SETTLED  # drained, still leased
             assert pair.ctx.pool.counts().leased == 2
-            pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now, from_round=True))
+            pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now, from_round=True), pair.ctx)
             assert pair.ctx.parent_state(P) is ParentState.RELEASED
         assert pair.ctx.pool.counts().free == pair.ctx_blocks
 
@@ -532,7 +533,7 @@ def test_conservative_cancel_lets_the_decided_transfer_finish() -> None:
     ticket = pair.tickets(P)[0]
     pair.decide(P)
     actions = pair.ctx.cancel(P, CancelReason.PEER, pair.now)
-    pair.perform(actions)
+    pair.perform(actions, pair.ctx)
     assert _of(actions, CancelDeferred) == [CancelDeferred(P)]
     assert _of(actions, CancelIntent) and not _of(actions, Drain)
     assert pair.ctx.parent_state(P) is ParentState.FINISHING
@@ -541,7 +542,7 @@ def test_conservative_cancel_lets_the_decided_transfer_finish() -> None:
     assert pair.ctx.evidence(ticket).state is EdgeState.COMPLETED
     assert pair.ctx.parent_state(P) is ParentState.SETTLED
     assert _terminals(pair) == [TerminalKind.COMPLETED]
-    pair.perform(pair.ctx.cancel(P, CancelReason.PEER, pair.now, from_round=True))
+    pair.perform(pair.ctx.cancel(P, CancelReason.PEER, pair.now, from_round=True), pair.ctx)
     assert pair.ctx.parent_state(P) is ParentState.RELEASED
     pair.check_s1()
 
@@ -553,9 +554,9 @@ def test_conservative_transfer_past_its_deadline_drains() -> None:
     _to_prepared(pair, chunks=3)
     ticket = pair.tickets(P)[0]
     pair.decide(P)
-    pair.perform(pair.ctx.cancel(P, CancelReason.PEER, pair.now))
+    pair.perform(pair.ctx.cancel(P, CancelReason.PEER, pair.now), pair.ctx)
     pair.now += pair.timeout
-    pair.perform(pair.ctx.expire(pair.now))
+    pair.perform(pair.ctx.expire(pair.now), pair.ctx)
     assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
     pair.finish_chunk(next(iter(pair.in_flight)))
     assert pair.ctx.evidence(ticket).state is EdgeState.DRAINED
@@ -575,13 +576,13 @@ def test_quarantine_limit_stops_admission_and_asks_for_a_restart_when_idle() -> 
     assert not pair.ctx.admission_stopped()
     other = parent_key(2)
     pair.ctx.admit(other, 1, now=pair.now, lease_deadline=pair.now + 100)
-    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     pair.now += pair.timeout
-    pair.perform(pair.ctx.expire(pair.now))  # the drain never ends: UNKNOWN, quarantined
+    pair.perform(pair.ctx.expire(pair.now), pair.ctx)  # the drain never ends: UNKNOWN, quarantined
     assert pair.ctx.pool.counts().quarantined == 2
     assert pair.ctx.admission_stopped()
     assert not pair.ctx.wants_restart()  # req-2 is still live
-    pair.perform(pair.ctx.cancel(other, CancelReason.CLIENT, pair.now, from_round=True))
+    pair.perform(pair.ctx.cancel(other, CancelReason.CLIENT, pair.now, from_round=True), pair.ctx)
     assert pair.ctx.wants_restart()
     pair.finish_chunk((ticket, 0))
     pair.finish_chunk((ticket, 1))  # the proof after all: reclaimed, admission resumes
@@ -609,7 +610,7 @@ def test_peer_dead_proves_only_the_dead_writers_edges() -> None:
     for stranger in (other_rank, other_instance):
         assert gen.peer_dead(stranger, pair.now) == []
     assert gen.snapshot() == before
-    pair.perform(gen.peer_dead(writer, pair.now))
+    pair.perform(gen.peer_dead(writer, pair.now), gen)
     assert gen.parent_state(P) is ParentState.RELEASED
     assert gen.pool.counts().quarantined == 0 and gen.pool.counts().free == gen.pool.num_blocks
 

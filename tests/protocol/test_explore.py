@@ -39,7 +39,7 @@ def _open_waits_while_the_lease_runs_out() -> Pair:
     pair.admit(P, blocks=1, chunks=1)
     pair.install(P)
     gen = pair.gens[0]
-    pair.perform(gen.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(gen.cancel(P, CancelReason.CLIENT, pair.now), gen)
     pair.now += pair.timeout + 1
     pair.expire()
     return pair

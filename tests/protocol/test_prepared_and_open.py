@@ -113,7 +113,7 @@ def test_an_open_past_the_parents_edges_is_refused_and_changes_nothing() -> None
 def test_never_prepared_after_a_cancel() -> None:
     pair, opens = _resident(n_gen=2)
     assert _prepared(pair.ctx.receive_open(opens[0], pair.now)) == []
-    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     before = pair.ctx.snapshot()
     with pytest.raises(IllegalTransition):
         pair.ctx.receive_open(opens[1], pair.now)
@@ -126,7 +126,7 @@ def test_is_prepared_turns_false_when_a_prepared_parent_is_cancelled() -> None:
     """What an actor that performs `Prepared` after an await checks first."""
     pair, opens = _resident(n_gen=1)
     assert _prepared(pair.ctx.receive_open(opens[0], pair.now)) == [Prepared(P)]
-    pair.perform(pair.ctx.cancel(P, CancelReason.PEER, pair.now))
+    pair.perform(pair.ctx.cancel(P, CancelReason.PEER, pair.now), pair.ctx)
     assert not pair.ctx.is_prepared(P)
     assert not pair.ctx.is_prepared(parent_key(99))
 
@@ -265,7 +265,7 @@ def test_a_refused_open_ends_the_gen_side_as_not_started() -> None:
         pair.ctx.receive_open(bad, pair.now, **CHECKS)
     reject = reject_for(bad, refused.value, pair.ctx.our)
     assert reject is not None
-    pair.perform(pair.gens[0].receive(reject, pair.now))
+    pair.perform(pair.gens[0].receive(reject, pair.now), pair.gens[0])
     assert pair.gens[0].evidence(good.ticket).state is EdgeState.NOT_STARTED
 
 
@@ -320,7 +320,7 @@ def test_cancelled_outcomes() -> None:
     pair.prefill(P)
     pair.install(P)
     pair.deliver_all()
-    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     pair.deliver_all()
     assert pair.ctx.parent_state(P) is ParentState.SETTLED
     ctx_release = _one(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now, from_round=True), Release)
@@ -337,7 +337,7 @@ def test_quarantine_and_reclaim_outcomes() -> None:
     pair.install(P)
     pair.deliver_all()
     pair.decide(P)
-    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))  # draining
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)  # draining
     actions = pair.ctx.expire(pair.now + pair.timeout + 1)  # the drain never ends
     assert _one(actions, Quarantine).outcome is LocalOutcome.QUARANTINED
     release = _one(pair.ctx.reclaim(P, proof="writer's agent torn down"), Release)

@@ -593,7 +593,7 @@ def test_start_posting_after_a_cancel_is_a_no_op(post_on_decide: bool) -> None:
     pair.install(P)
     pair.deliver_all()
     pair.decide(P)
-    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     expected = ParentState.CANCELLING if post_on_decide else ParentState.SETTLED
     assert pair.ctx.parent_state(P) is expected
     posted = pair.ctx.evidence(pair.tickets(P)[0]).posted
@@ -613,14 +613,14 @@ def test_not_started_share_is_false_once_anything_was_posted() -> None:
     pair.install(P)
     pair.deliver_all()
     pair.decide(P)
-    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     ticket = pair.tickets(P)[0]
     assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
     assert not pair.ctx.local_not_started(P)
     with pytest.raises(LeaseError):
         pair.ctx.release_not_started(P)
     gen = pair.gens[0]
-    pair.perform(gen.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(gen.cancel(P, CancelReason.CLIENT, pair.now), gen)
     assert gen.local_not_started(P)  # no contrary evidence yet
     pair.pump()  # the posted chunk reports; TERMINAL(DRAINED) reaches GEN
     assert pair.ctx.evidence(ticket).state is EdgeState.DRAINED
@@ -641,7 +641,7 @@ def test_deadlines_are_inclusive() -> None:
     pair.expire()
     assert pair.ctx.parent_state(P) is ParentState.RESIDENT
     pair.now = 5.0
-    pair.perform(pair.ctx.expire(pair.now))
+    pair.perform(pair.ctx.expire(pair.now), pair.ctx)
     assert pair.ctx.is_cancelled(P) and pair.ctx.parent_state(P) is ParentState.SETTLED
 
     pair = Pair(chunk_window=1)
@@ -650,12 +650,12 @@ def test_deadlines_are_inclusive() -> None:
     pair.install(P)
     pair.deliver_all()
     pair.decide(P)
-    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     ticket = pair.tickets(P)[0]
     (drain,) = [a for a in pair.actions if isinstance(a, Drain)]
-    pair.perform(pair.ctx.expire(drain.deadline - 1e-9))
+    pair.perform(pair.ctx.expire(drain.deadline - 1e-9), pair.ctx)
     assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
-    pair.perform(pair.ctx.expire(drain.deadline))
+    pair.perform(pair.ctx.expire(drain.deadline), pair.ctx)
     assert pair.ctx.evidence(ticket).state is EdgeState.UNKNOWN
 
 
@@ -688,9 +688,9 @@ def test_bad_chunk_reports_and_proofless_reclaim_change_nothing() -> None:
     with pytest.raises(PoolError):
         pair.ctx.chunk_done(ticket, index, -1, pair.now)
     assert pair.ctx.snapshot() == before
-    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     pair.now += pair.timeout + 1
-    pair.perform(pair.ctx.expire(pair.now))  # drain deadline: UNKNOWN, quarantined
+    pair.perform(pair.ctx.expire(pair.now), pair.ctx)  # drain deadline: UNKNOWN, quarantined
     assert pair.ctx.parent_state(P) is ParentState.QUARANTINED
     before = pair.ctx.snapshot()
     with pytest.raises(LeaseError):
@@ -727,7 +727,7 @@ def test_a_failed_chunk_while_draining_waits_for_the_others() -> None:
     pair.install(P)
     pair.deliver_all()
     pair.decide(P)
-    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     ticket = pair.tickets(P)[0]
     first, second = sorted(pair.in_flight, key=lambda k: k[1])
     pair.finish_chunk(first, ok=False)

@@ -159,13 +159,13 @@ def s_posting_last() -> Pair:
 
 def s_draining() -> Pair:
     pair = _posting()
-    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     return pair
 
 
 def s_gen_cancelling() -> Pair:
     pair = _prepared()
-    pair.perform(pair.gens[0].cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(pair.gens[0].cancel(P, CancelReason.CLIENT, pair.now), pair.gens[0])
     return pair
 
 
@@ -177,7 +177,7 @@ def s_completed() -> Pair:
 
 def s_not_started() -> Pair:
     pair = _prepared()
-    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now))
+    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     pair.deliver_all()  # TERMINAL(NOT_STARTED) -> GEN
     return pair
 
@@ -191,7 +191,7 @@ def s_drained() -> Pair:
 def s_unknown() -> Pair:
     pair = s_draining()
     pair.now += pair.timeout + 1
-    pair.perform(pair.ctx.expire(pair.now))  # drain deadline: UNKNOWN, quarantine
+    pair.perform(pair.ctx.expire(pair.now), pair.ctx)  # drain deadline: UNKNOWN, quarantine
     pair.deliver_all()  # TERMINAL(UNKNOWN) -> GEN quarantines too
     return pair
 
@@ -232,7 +232,7 @@ def s_finishing() -> Pair:
     pair.deliver_all()
     pair.decide(P)
     pair.deliver_all()
-    pair.perform(pair.ctx.cancel(P, CancelReason.PEER, pair.now))  # deferred: FINISHING
+    pair.perform(pair.ctx.cancel(P, CancelReason.PEER, pair.now), pair.ctx)  # deferred: FINISHING
     return pair
 
 
@@ -254,9 +254,9 @@ def s_finishing_stuck() -> Pair:
 def s_consumer_expired() -> Pair:
     pair = _posting(chunks=1)
     pair.pump()
-    pair.perform(pair.gens[0].completed(P, pair.now))  # decode-ready, consumer deadline set
+    pair.perform(pair.gens[0].completed(P, pair.now), pair.gens[0])  # decode-ready, consumer deadline set
     pair.now += pair.gens[0].consume_timeout + 1
-    pair.perform(pair.gens[0].expire(pair.now))  # nobody freed it: returned
+    pair.perform(pair.gens[0].expire(pair.now), pair.gens[0])  # nobody freed it: returned
     return pair
 
 

@@ -153,7 +153,8 @@ class HandoffMachine(RuleBasedStateMachine):
                     "S3",
                     f"cancel({parent!r}) on {rank.our.ns}",
                     lambda: rank.cancel(parent, reason, self.pair.now),
-                )
+                ),
+                rank,
             )
 
     @rule(dt=st.sampled_from([0.5, 5.0, 10.0, 20.0]))

@@ -116,7 +116,7 @@ def test_asks_are_bounded_a_timeout_apart_doubling_and_prove_nothing_unanswered(
     for _ in range(200):  # far past the last ask
         before = len(pair.actions)
         pair.now += 1.0
-        pair.perform(gen.expire(pair.now))
+        pair.perform(gen.expire(pair.now), gen)
         times += [pair.now] * len(_asks(pair, before))
         pair.queue.clear()  # the writer is unreachable: every frame is lost
     assert len(times) == UNKNOWN_ASKS
@@ -126,7 +126,7 @@ def test_asks_are_bounded_a_timeout_apart_doubling_and_prove_nothing_unanswered(
     assert gen.pool.counts().quarantined == 2
     dead = pair.ctx.our
     pair.restart_ctx(notify=False)
-    pair.perform(gen.peer_dead(dead, pair.now))  # the writer's death still proves it
+    pair.perform(gen.peer_dead(dead, pair.now), gen)  # the writer's death still proves it
     assert gen.pool.counts().quarantined == 0
 
 

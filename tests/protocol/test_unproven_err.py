@@ -60,7 +60,7 @@ def test_the_restart_of_the_writer_proves_it_and_the_gen_reclaims() -> None:
     dead = pair.ctx.our
     pair.restart_ctx()  # the old incarnation is gone: nothing of it writes any more
     assert pair.gens[0].parent_state(P) is ParentState.QUARANTINED  # a restart notice is not proof
-    pair.perform(pair.gens[0].peer_dead(dead, pair.now))  # the directory confirmed the death
+    pair.perform(pair.gens[0].peer_dead(dead, pair.now), pair.gens[0])  # the directory confirmed the death
     pair.settle_everything()
     assert pair.gens[0].pool.counts().quarantined == 0
     pair.check_s4_and_ownership()

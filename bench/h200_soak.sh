@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Issue 22 (h) on the GPU host (one H200, 16 cores), in one device call (repo
+# root, .dev carried; see bench/h200.sh): the soak (`kvhandoff bench
+# --sections soak`, host memory, the embedded default) runs ~50x more
+# handoffs there than on the 2-core box, so its slope per handoff is that much
+# less noisy; then Ray's own floor for an actor that makes calls
+# (bench/ray_caller_floor.py). Writes under $OUT.
+set -uo pipefail
+out=${OUT:-out}; mkdir -p "$out"
+site=$(mktemp -d); for f in .dev/ray.txz .dev/rest.txz; do tar xJf "$f" -C "$site"; done
+tree=$(mktemp -d); mkdir -p "$tree/kvhandoff"
+ln -s "$PWD/pkg/__init__.py" "$tree/kvhandoff/__init__.py"
+for layer in protocol topology actors tools integrations; do ln -s "$PWD/$layer" "$tree/kvhandoff/$layer"; done
+export PYTHONPATH=$tree:$site:$PWD NIXL_LOG_LEVEL=WARN RAY_AUTH_MODE=token
+kvh() { python -c "import sys; from kvhandoff.actors.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
+nproc
+[ "${SOAK:-1}" = 1 ] && kvh bench --json --sections soak --soak-s ${SOAK_S:-400} --soak-warmup-s ${WARM_S:-150} \
+  --soak-clients ${CLIENTS:-8} > "$out/bench_soak.json" 2> "$out/bench_soak.err" || echo "soak failed: $?"
+tail -5 "$out/bench_soak.err"
+[ "${FLOOR:-1}" = 1 ] && python bench/ray_caller_floor.py ${CALLS:-2000000} ${FLOOR_S:-120} > "$out/ray_caller_floor.txt" 2>&1
+tail -2 "$out/ray_caller_floor.txt"
+ls -la "$out"
