@@ -14,9 +14,13 @@ for layer in protocol topology actors tools integrations; do ln -s "$PWD/$layer"
 export PYTHONPATH=$tree:$site:$PWD NIXL_LOG_LEVEL=WARN RAY_AUTH_MODE=token
 kvh() { python -c "import sys; from kvhandoff.actors.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
 nproc
-[ "${SOAK:-1}" = 1 ] && kvh bench --json --sections soak --soak-s ${SOAK_S:-400} --soak-warmup-s ${WARM_S:-150} \
-  --soak-clients ${CLIENTS:-8} > "$out/bench_soak.json" 2> "$out/bench_soak.err" || echo "soak failed: $?"
-tail -5 "$out/bench_soak.err"
-[ "${FLOOR:-1}" = 1 ] && python bench/ray_caller_floor.py ${CALLS:-2000000} ${FLOOR_S:-120} > "$out/ray_caller_floor.txt" 2>&1
-tail -2 "$out/ray_caller_floor.txt"
+if [ "${SOAK:-1}" = 1 ]; then
+  kvh bench --json --sections soak --soak-s ${SOAK_S:-400} --soak-warmup-s ${WARM_S:-150} \
+    --soak-clients ${CLIENTS:-8} > "$out/bench_soak.json" 2> "$out/bench_soak.err" || echo "soak failed: $?"
+  tail -5 "$out/bench_soak.err"
+fi
+if [ "${FLOOR:-1}" = 1 ]; then
+  python bench/ray_caller_floor.py ${CALLS:-2000000} ${FLOOR_S:-120} > "$out/ray_caller_floor.txt" 2>&1
+  tail -2 "$out/ray_caller_floor.txt"
+fi
 ls -la "$out"
