@@ -4,7 +4,8 @@
 # --sections soak`, host memory, the embedded default) runs ~50x more
 # handoffs there than on the 2-core box, so its slope per handoff is that much
 # less noisy; then Ray's own floor for an actor that makes calls
-# (bench/ray_caller_floor.py). Writes under $OUT.
+# (bench/ray_caller_floor.py), then NIXL's (bench/nixl_memory_floor.py).
+# SOAK=0, FLOOR=0 or NIXL=0 skips a part. Writes under $OUT.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 site=$(mktemp -d); for f in .dev/ray.txz .dev/rest.txz; do tar xJf "$f" -C "$site"; done
@@ -22,5 +23,9 @@ fi
 if [ "${FLOOR:-1}" = 1 ]; then
   python bench/ray_caller_floor.py ${CALLS:-2000000} ${FLOOR_S:-120} > "$out/ray_caller_floor.txt" 2>&1
   tail -2 "$out/ray_caller_floor.txt"
+fi
+if [ "${NIXL:-1}" = 1 ]; then
+  python bench/nixl_memory_floor.py ${NIXL_S:-120} > "$out/nixl_memory_floor.txt" 2>&1
+  tail -1 "$out/nixl_memory_floor.txt"
 fi
 ls -la "$out"
