@@ -69,7 +69,7 @@ MIN_CORES = 4
 NIXL_MARGIN = 0.5
 #: Round trips timed per carrier (after as many to warm up).
 PROBE_ROUNDS = 20
-#: The rank's default poll interval (actors/rank.py `RankConfig.poll_interval_s`).
+#: The rank's default poll interval (actors/rank/_config.py `RankConfig.poll_interval_s`).
 POLL_INTERVAL_S = 0.0005
 
 _CHOSEN: dict[str, CarrierChoice] = {}

@@ -50,7 +50,7 @@ _ENDED = ("released", "quarantined", "decode_ready", "settled", "completed", "ca
 
 
 # -- functions that run on a rank endpoint, inside its host actor, on the
-# endpoint's own loop (``__ray_call__`` + `on_endpoint_loop`: actors/rank.py) --
+# endpoint's own loop (``__ray_call__`` + `on_endpoint_loop`: actors/rank/_host.py) --
 
 
 def _hold(core: Any, request_id: str, role: str, rank: int) -> int:

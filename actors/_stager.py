@@ -37,7 +37,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -46,17 +46,29 @@ from kvhandoff.actors._dataplane import (
     Chunk,
     ChunkPlan,
     DataPlaneError,
+    KVMemory,
+    NixlTransport,
     Piece,
     XferState,
     edge_pieces,
 )
+from kvhandoff.actors._frames import NixlNotifChannel
+from kvhandoff.actors._names import agent_name
 from kvhandoff.actors._staged import StageMap, StagingArena, gather, scatter, stage_map, stage_unit
 from kvhandoff.protocol import (
+    Action,
+    BlockPool,
     ContextTicket,
+    CtxRank,
     EdgeState,
+    Endpoint,
+    GenRank,
     ParentKey,
     ParentState,
     ProtocolError,
+    RankNamespace,
+    RecentMemory,
+    Role,
     SlotError,
     SlotGuard,
     SlotRef,
@@ -65,14 +77,11 @@ from kvhandoff.protocol import (
     StagingSlots,
     encode_stage,
 )
-from kvhandoff.topology import memory_pieces
-
-if TYPE_CHECKING:
-    from kvhandoff.actors.rank import CtxRankCore, GenRankCore
+from kvhandoff.topology import ShardMap, TopologySpec, memory_pieces
 
 log = logging.getLogger("kvhandoff.staged")
 
-__all__ = ["DATA_MODES", "StagedWriter", "StagedReader", "staged_below", "STAGED_BELOW", "STAGING_SLOT_BYTES", "staging_slot_bytes", "STAGED_MIN_DESCRIPTORS", "staged_min_descriptors"]
+__all__ = ["DATA_MODES", "StagedWriter", "StagedReader", "StagerHost", "WriterHost", "ReaderHost", "StagingConfig", "staged_below", "STAGED_BELOW", "STAGING_SLOT_BYTES", "staging_slot_bytes", "STAGED_MIN_DESCRIPTORS", "staged_min_descriptors"]
 
 #: How a CTX rank moves an edge's chunks (`RankConfig.data_mode`).
 DATA_MODES = ("auto", "direct", "staged")
@@ -165,11 +174,103 @@ class _Peer:
     queue: collections.deque[tuple[ContextTicket, int, ChunkPlan]] = dataclasses.field(default_factory=collections.deque)
 
 
+# -- what the stager needs of the rank core that hosts it ------------------------------
+#
+# The stager is typed against these protocols, never against the rank
+# package, which depends on this module and not the other way round. The rank
+# cores satisfy them structurally: `CtxRankCore` is a `WriterHost`,
+# `GenRankCore` a `ReaderHost` (actors/rank/). Their methods are bound once,
+# when a writer or reader is built: a staged chunk calls them without a
+# lookup through the core.
+
+
+class StagingConfig(Protocol):
+    """What the stager reads of its rank's config (`RankConfig`)."""
+
+    @property
+    def deployment(self) -> str: ...
+    @property
+    def peer_spec(self) -> TopologySpec: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def chunk_bytes(self) -> int: ...
+    @property
+    def data_mode(self) -> str: ...
+    @property
+    def memory_kind(self) -> str: ...
+    @property
+    def peer_memory_kind(self) -> str | None: ...
+
+
+class StagerHost(Protocol):
+    """What a staged writer and a staged reader both read of their rank core."""
+
+    @property
+    def config(self) -> StagingConfig: ...
+    @property
+    def ns(self) -> RankNamespace: ...
+    @property
+    def buffer(self) -> KVMemory: ...
+
+
+class WriterHost(StagerHost, Protocol):
+    """A CTX rank core, as its `StagedWriter` sees it."""
+
+    @property
+    def side(self) -> CtxRank: ...
+    @property
+    def our(self) -> Endpoint: ...
+    @property
+    def transport(self) -> NixlTransport: ...
+    @property
+    def xfer(self) -> RecentMemory[ParentKey, list[float]]:
+        """The data phase per parent: [first post, last DONE, bytes]."""
+        ...
+
+    def edge_pieces(self, edge: tuple[int, int]) -> tuple[Piece, ...]:
+        """An edge's per-block pieces toward the default pair, at most one chunk each."""
+        ...
+
+    def chunk_plans(self, ticket: ContextTicket) -> list[ChunkPlan]:
+        """The WRITE chunks planned for `ticket`'s edge (at its OPEN)."""
+        ...
+
+    def perform(self, actions: list[Action]) -> list[Any]:
+        """Perform what the protocol produced (a reported chunk's actions)."""
+        ...
+
+    def ensure_polling(self) -> None:
+        """Make sure the poll loop runs (it polls what the writer posted)."""
+        ...
+
+
+class ReaderHost(StagerHost, Protocol):
+    """A GEN rank core, as its `StagedReader` sees it."""
+
+    @property
+    def side(self) -> GenRank: ...
+    @property
+    def pool(self) -> BlockPool: ...
+    @property
+    def shards(self) -> ShardMap: ...
+    @property
+    def channel(self) -> NixlNotifChannel:
+        """The rank's NIXL notification channel (ACKs go out on it)."""
+        ...
+
+
 class StagedWriter:
     """A CTX rank's staged chunks (module docstring)."""
 
-    def __init__(self, core: CtxRankCore, arena: StagingArena, window: int, below: int, least: int = 0) -> None:
+    def __init__(self, core: WriterHost, arena: StagingArena, window: int, below: int, least: int = 0) -> None:
         self.core = core
+        # The core's methods a staged chunk calls, bound once (`WriterHost`).
+        self._edge_pieces = core.edge_pieces
+        self._chunk_plans = core.chunk_plans
+        self._perform = core.perform
+        self._ensure_polling = core.ensure_polling
+        self._timing = core.xfer.get
         self.arena = arena
         self.window = window
         self.below = below
@@ -253,7 +354,7 @@ class StagedWriter:
         local = gen_rank * self.window + ref.slot
         remote = rank * p.window + ref.slot
         try:
-            pieces = core._edge_pieces(ticket.edge)
+            pieces = self._edge_pieces(ticket.edge)
             slot = self.arena.slot(local)
             w.gather_at = time.perf_counter()
             m = self._map(ticket, index, plan, pieces, slot.device)
@@ -284,7 +385,7 @@ class StagedWriter:
             w.gathered = torch.cuda.Event()
             w.gathered.record(torch.cuda.current_stream(slot.device))
             self._gathering.append((p, w))
-            core._ensure_polling()
+            self._ensure_polling()
             return
         self._send(p, w, now)
 
@@ -311,7 +412,7 @@ class StagedWriter:
         w.posted_at = time.perf_counter()
         self._writes[(p.agent, w.notice.slot, w.ref.generation)] = w
         self._posted.append(w)
-        self.core._ensure_polling()
+        self._ensure_polling()
 
     def _post_gathered(self, now: float) -> bool:
         """Post the WRITEs whose gathers finished (in launch order: one stream).
@@ -342,7 +443,7 @@ class StagedWriter:
         k = pair k // P, piece k % P): `plan_chunks` cuts consecutive rows."""
         starts = self._starts.get(ticket)
         if starts is None:
-            plans = self.core._chunks[ticket][0]
+            plans = self._chunk_plans(ticket)
             starts = np.concatenate(([0], np.cumsum([len(pl.local) for pl in plans])))
             self._starts[ticket] = starts
         return int(starts[index]), int(starts[index + 1])
@@ -352,7 +453,7 @@ class StagedWriter:
         is simple (built once per edge session), else built for the chunk."""
         full = self._maps.get(ticket)
         if full is None:
-            plans = self.core._chunks[ticket][0]
+            plans = self._chunk_plans(ticket)
             rows = np.concatenate([pl.local for pl in plans]) if plans else np.zeros(0, np.int64)
             full = stage_map(pieces, rows, 0, self.core.buffer, self._unit(pieces), device)
             self._maps[ticket] = full
@@ -367,19 +468,19 @@ class StagedWriter:
         starts with a gather, not with a map build (~1 ms per 16k rows).
         Only for an edge the mode would stage; never raises (the first post
         builds it then)."""
-        plans = self.core._chunks[ticket][0]
+        plans = self._chunk_plans(ticket)
         rows = sum(len(pl.local) for pl in plans)
         if ticket in self._maps or not _stages(self.core.config, self._edge_avg(ticket), self.below, rows, self.least):
             return
         try:
-            self._map(ticket, 0, self.core._chunks[ticket][0][0], self.core._edge_pieces(ticket.edge), self.arena.tensor.device)
+            self._map(ticket, 0, plans[0], self._edge_pieces(ticket.edge), self.arena.tensor.device)
             self.counters["maps_prepared"] += 1
         except Exception as exc:
             self.counters["map_prepare_failed"] += 1
             log.debug("rank %s: gather map not prepared: %r", self.core.ns, exc)
 
     def _edge_avg(self, ticket: ContextTicket) -> float:
-        pieces = self.core._edge_pieces(ticket.edge)
+        pieces = self._edge_pieces(ticket.edge)
         return sum(p[4] for p in pieces) / len(pieces) if pieces else 0.0
 
     def forget(self, ticket: ContextTicket) -> None:
@@ -413,7 +514,7 @@ class StagedWriter:
             return
         w.reported = True
         side = self.core.side
-        timing = self.core._xfer.get(w.ticket.parent)
+        timing = self._timing(w.ticket.parent)
         if ok and timing is not None:  # the data phase ends with the last scatter
             timing[1] = time.perf_counter()
             timing[2] += w.nbytes
@@ -422,7 +523,7 @@ class StagedWriter:
         except ProtocolError as exc:
             self.counters[f"report_{type(exc).__name__}"] += 1
             return
-        self.core._perform(actions)
+        self._perform(actions)
 
     def _posting(self, ticket: ContextTicket) -> bool:
         try:
@@ -564,8 +665,10 @@ class StagedWriter:
 class StagedReader:
     """A GEN rank's side of the staged chunks (module docstring)."""
 
-    def __init__(self, core: GenRankCore, arena: StagingArena, window: int) -> None:
+    def __init__(self, core: ReaderHost, arena: StagingArena, window: int) -> None:
         self.core = core
+        # The core's channel's send, bound once (`ReaderHost`): every notice is ACKed.
+        self._send_stage = core.channel.send_stage
         self.arena = arena
         self.window = window
         self.guard = SlotGuard()
@@ -630,7 +733,7 @@ class StagedReader:
         t0 = time.perf_counter()
         try:
             ack = encode_stage(StageAck(slot=msg.slot, generation=msg.generation, scattered=scattered))
-            if not self.core._channel.send_stage(sender, ack):
+            if not self._send_stage(sender, ack):
                 self.counters["ack_send_failed"] += 1
         except Exception as exc:
             self.counters["ack_send_failed"] += 1
@@ -660,9 +763,6 @@ class StagedReader:
         return len(self._pending)
 
     def _check_sender(self, sender: str, msg: StageWrite) -> None:
-        from kvhandoff.actors.rank import agent_name
-        from kvhandoff.protocol import RankNamespace, Role
-
         cfg = self.core.config
         if not msg.ctx_rank < cfg.peer_spec.tp:
             raise DataPlaneError(f"CTX rank {msg.ctx_rank} of a TP {cfg.peer_spec.tp} instance")

@@ -1,0 +1,137 @@
+"""A rank's configuration (`RankConfig`), what a rank knows of one peer
+instance (`_Pair`), and what every module of the rank package shares: its
+logger and `_loop_running`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+
+from kvhandoff.actors._dataplane import FaultPlan
+from kvhandoff.protocol import (
+    DEFAULT_QUARANTINE_LIMIT,
+    Endpoint,
+    Message,
+    NegotiationOutcome,
+    NotNegotiatedError,
+    RankDescriptorV1,
+    RankDescriptorV2,
+    Role,
+)
+from kvhandoff.topology import KVLayout, TopologySpec, shard_map, topology_digest
+
+log = logging.getLogger("kvhandoff.rank")
+
+
+class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything one rank actor needs; the same for every incarnation but `epoch`."""
+
+    deployment: str  # namespace of the named directory actor
+    spec: TopologySpec  # our instance
+    peer_spec: TopologySpec  # the other side's instance
+    layout: KVLayout
+    rank: int
+    pool_blocks: int
+    chunk_bytes: int = 1 << 20
+    lease_timeout_s: float = 30.0
+    poll_interval_s: float = 0.0005
+    device: str = "cpu"
+    fault_plan: FaultPlan | None = None
+    #: Outside the qualified scope (topology/_gate.py): a cancel never
+    #: interrupts a decided transfer; it waits for it to finish, then releases.
+    conservative: bool = False
+    #: Synthetic prefill and byte verification (S2). Benchmarks of the protocol
+    #: and data plane turn it off so they time the handoff, not the pattern.
+    synthetic: bool = True
+    #: CTX: post chunks from prepared NIXL descriptor lists (built once per edge
+    #: and peer epoch) rather than descriptors built per chunk. Same bytes.
+    prepared_descriptors: bool = True
+    #: GEN: seconds decode-ready KV stays leased for its consumer (free()); past
+    #: it the rank returns it (every edge COMPLETED: no writer is left).
+    consume_timeout_s: float = 30.0
+    #: Share of the pool quarantined at which this rank stops admitting and,
+    #: once it holds nothing else, asks its coordinator for a restart (a new
+    #: incarnation with a fresh, fully free pool). See docs/design.md.
+    quarantine_limit: float = DEFAULT_QUARANTINE_LIMIT
+    #: The protocol descriptor this rank advertises (None: `local_descriptor()`,
+    #: everything this build speaks). Every rank of both instances negotiates
+    #: from all of them (docs/design.md "Negotiation").
+    descriptor: RankDescriptorV1 | RankDescriptorV2 | None = None
+    #: How control frames travel to peer ranks: "ray" (a one-way actor call
+    #: per peer and event-loop turn) or "nixl" (a NIXL notification from our
+    #: agent, drained by the poll loop, which then polls every
+    #: `poll_interval_s` while a request is live; a peer whose agent we do
+    #: not know yet gets the Ray call). docs/benchmarks.md measures both.
+    frames: str = "ray"
+    #: Whether the coordinator may replace this rank with a new incarnation
+    #: (past the quarantine limit). A rank hosted by an engine's own actor is
+    #: not ours to restart: it stops admitting instead, and its quarantined
+    #: blocks come back only through a proof of quiescence (reclaim).
+    restartable: bool = True
+    #: Where this rank's KV lives (topology/_memory.py): "blocked", "paged",
+    #: "paged_hnd" or "split"; `peer_memory_kind` is the other instance's
+    #: (None: the same). The CTX plans its pieces from both.
+    memory_kind: str = "blocked"
+    peer_memory_kind: str | None = None
+    #: How the CTX moves an edge's chunks (docs/design.md "Staged data
+    #: plane"): "direct" (one descriptor per piece, straight into the GEN
+    #: blocks), "staged" (gather into a slot, one WRITE per slot, the GEN
+    #: scatters it) or "auto" (staged for an edge whose pieces average under
+    #: `staged_below` bytes, the measured crossover; 0: the device's default).
+    #: Any mode but "direct" gives the rank a staging arena of
+    #: `staging_window` slots of `staging_slot_bytes` per peer rank,
+    #: registered once.
+    data_mode: str = "auto"
+    staging_window: int = 4
+    staged_below: int = 0
+    #: Bytes of one staging slot, which is the size of one staged chunk (a
+    #: staged edge's chunks are planned at this size, a direct edge's at
+    #: `chunk_bytes`). Every staged chunk costs a gather, a WRITE, a notice,
+    #: a scatter and an ACK whatever its size, so on a GPU small slots leave
+    #: the link idle (docs/benchmarks.md). 0: `staging_slot_default(device,
+    #: chunk_bytes)`.
+    staging_slot_bytes: int = 0
+    #: "auto" stages an edge only from this many descriptors (pieces x
+    #: blocks) on; 0: the device's measured default (`STAGED_MIN_DESCRIPTORS`).
+    staged_min_descriptors: int = 0
+    #: The actor name of this instance's coordinator ("": the pair
+    #: deployment's `<deployment>.coord.<role>`).
+    coordinator: str = ""
+    #: A fleet (docs/design.md "Fleet"): besides `peer_spec`, the rank pairs
+    #: with every instance of the other role in the directory's instance
+    #: table (read on `connect`, told by `peer_joined` / `peer_left`).
+    fleet: bool = False
+
+
+class _Pair:
+    """What a rank knows of one peer instance (docs/design.md "Fleet"): its
+    spec, the pair's digests and shard map, the memory kind of its ranks, and
+    the protocol the two instances negotiated (from the descriptors of every
+    rank of both; redone when a peer incarnation re-registers)."""
+
+    def __init__(self, ours: TopologySpec, peer: TopologySpec, layout: KVLayout, peer_kind: str) -> None:
+        self.spec = peer
+        self.instance = peer.instance_id
+        ctx_spec, gen_spec = (ours, peer) if ours.role is Role.CTX else (peer, ours)
+        self.ctx_digest = topology_digest(ctx_spec)
+        self.gen_digest = topology_digest(gen_spec)
+        self.peer_digest = topology_digest(peer)
+        self.shards = shard_map(layout, ctx_spec.tp, gen_spec.tp)
+        self.peer_kind = peer_kind
+        self.negotiation: NegotiationOutcome = NotNegotiatedError(0, ours.tp + peer.tp)
+        self.seq = [0, 0]  # [queries started, newest answer applied]
+        self.negotiating = False  # an owned renegotiation runs (`_renegotiate`)
+        self.again = False
+        self.unsent: list[tuple[Endpoint, Message]] = []  # sends waiting for the answer
+        self.left = False  # the instance left the fleet: nothing new with it
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

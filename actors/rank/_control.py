@@ -1,0 +1,446 @@
+"""`RankCore`'s control plane: reports to the coordinator, the rounds' vote
+and apply, control frames in (decoded, gated by the agreement, parked
+until their admission is applied, handed to the protocol) and the
+protocol's actions out (`_perform`; frames grouped per peer and turn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from kvhandoff.actors._member import VoteNews
+from kvhandoff.actors._names import agent_name
+from kvhandoff.actors._trace import TraceEvent, rank_actor_name
+from kvhandoff.actors.rank._config import _loop_running, log
+from kvhandoff.actors.rank._state import _RankState
+from kvhandoff.protocol import (
+    Action,
+    AdmissionStop,
+    CancelDeferred,
+    CancelIntent,
+    CleanupSkipped,
+    ContextTicket,
+    Drain,
+    Endpoint,
+    LocalOutcome,
+    Message,
+    Negotiated,
+    NotNegotiatedError,
+    Open,
+    ParentKey,
+    ParentSettled,
+    ParentState,
+    PoolError,
+    ProtocolError,
+    Quarantine,
+    Release,
+    Role,
+    RoundDecision,
+    RoundProposal,
+    SendMessage,
+    Step,
+    StopPosting,
+    apply_step,
+    decision_steps,
+    decode_frame,
+    refusal_kind,
+    reject_for,
+)
+from kvhandoff.topology import blocks_for_tokens
+
+#: Parents whose frames a rank keeps while their admission is not applied
+#: here yet (`RankCore._park`); a frame past it is handed to the protocol.
+MAX_PARKED = 4096
+
+
+class _ControlPlane(_RankState):
+    """Reports, rounds, frames and actions (a concern of `RankCore`)."""
+
+    # -- reports to the coordinator, owned calls ----------------------------------------
+
+    def _nudge(self) -> None:
+        """Push our news to the coordinator (one way: ranks never await rounds).
+
+        Coalesced: every intent recorded in this turn of the event loop goes
+        out in one `RankReport`, sent when the turn ends."""
+        if self._report_due:
+            return
+        self._report_due = True
+        if _loop_running():
+            asyncio.get_running_loop().call_soon(self._push_report)
+        else:
+            self._push_report()
+
+    def _push_report(self) -> None:
+        self._report_due = False
+        if not self._find_coordinator():
+            return  # not up yet: the next vote carries the news anyway
+        self.counters["reports_sent"] += 1
+        self._own(self._coordinator.report.remote(self.member.report()))
+
+    def _own(self, awaitable: Any) -> None:
+        """Keep a reference to a fire-and-forget call; log if it fails."""
+
+        async def watch() -> None:
+            try:
+                await awaitable
+            except Exception as exc:  # delivery failure: the protocol's timeouts handle it
+                self.counters["send_failures"] += 1
+                log.warning("rank %s: call failed: %r", self.ns, exc)
+
+        task = asyncio.get_running_loop().create_task(watch()) if _loop_running() else None
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    # -- rounds -------------------------------------------------------------------
+
+    def _vote(self, proposal: RoundProposal) -> VoteNews:
+        now = time.monotonic()
+        deadline = now + self.config.lease_timeout_s
+        ok = []
+        stopped = self.side.admission_stopped()
+        for request in proposal.admissions:
+            if stopped:
+                self.counters["admit_refused_stopped"] += 1
+                continue
+            peer = request.peer_instance or ("" if self.config.fleet else self._default_peer)
+            pair = self._pairs.get(peer) if peer else None
+            if (pair is None and (peer or not self.admits_unpaired)) or (pair is not None and pair.left):
+                # An instance we do not pair with (unknown, or it left): refused.
+                self.counters["refused_unknown_instance"] += 1
+                continue
+            # No agreed protocol with that instance: admit nothing (refused
+            # before any lease or DMA). An unpaired admission (a published
+            # engine ticket) is checked against its pair at its first OPEN.
+            if pair is not None and not isinstance(pair.negotiation, Negotiated):
+                refusal = refusal_kind(pair.negotiation)
+                if refusal == "pending":
+                    self._renegotiate(pair)
+                self.counters[f"refused_negotiation_{refusal}"] += 1
+                continue
+            try:
+                n = blocks_for_tokens(self.config.layout, request.num_tokens)
+                self._admit(request, n, now, deadline, pair)
+            except PoolError:
+                self.counters["admit_refused"] += 1
+                continue
+            except Exception as exc:
+                # Whatever one admission carries (a size no layout accepts, ...),
+                # it refuses that admission only; it never breaks the rank.
+                self.counters[f"admit_refused_{type(exc).__name__}"] += 1
+                log.warning("rank %s: admission of %s refused: %r", self.ns, request.parent, exc)
+                continue
+            self._tokens[request.parent] = request.num_tokens
+            if peer:
+                self._pair_of[request.parent] = peer
+            ok.append(request.parent)
+        return VoteNews(admit_ok=tuple(ok))
+
+    def _apply(self, decision: RoundDecision) -> None:
+        now = time.monotonic()
+        parents = self.side.parents()
+        for step, parent in decision_steps(decision, parents):
+            # What each step means is the protocol's (`apply_step`); here only
+            # what the shell adds: the role's work after an admission, the
+            # CTX's decide, and what it counts and remembers.
+            if step is Step.ADMITTED:
+                self._admitted(parent, now)
+                continue
+            if step is Step.DECIDED:
+                self._decided(parent, now)
+                continue
+            if step is Step.WITHDRAW:
+                # Leased tentatively in our vote, not admitted (another rank
+                # refused, or the round timed out): nothing was exposed.
+                self._outcome.remember(parent, LocalOutcome.REJECTED, now)
+            elif step is Step.CANCELLED:
+                self.metrics.cancelled(parents[parent].value)
+            self._perform(apply_step(self.side, step, parent, now))
+        alive = self.side.parents()
+        self.member.follower.forget(alive.__contains__)
+        self._replay_parked()
+        self._wake.set()
+
+    # -- the control plane ------------------------------------------------------------
+
+    async def receive_frames(self, frames: list[bytes]) -> int:
+        """Control frames from one peer rank, in the order it produced them
+        (one one-way call per peer and event-loop turn). Each is handled as
+        `receive_frame` handles it; returns how many were accepted."""
+        accepted = 0
+        for frame in frames:
+            accepted += bool(await self.receive_frame(frame))
+        return accepted
+
+    async def receive_frame(self, frame: bytes) -> bool:
+        """A control frame from a peer rank. Returns whether it was accepted."""
+        return await self._receive_frame(frame, "call")
+
+    async def _receive_frame(self, frame: bytes, carrier: str) -> bool:
+        message = None
+        try:
+            # Any version this build reads; the pair's agreed one is checked
+            # once the ticket says which pair the frame belongs to.
+            message = decode_frame(frame)
+            if self.trace.every:
+                self._trace_frame(message, carrier)
+            pair = self._pair_for(message)
+            if self._gate_waiting or not isinstance(pair.negotiation, Negotiated):
+                await self._await_agreement(pair)
+            self._check_agreed(pair, message, frame[4])
+        except ProtocolError as exc:
+            self._refused(message, exc, frame[4])
+            return False
+        if self._park(message, frame[4]):
+            return True
+        return await self._deliver(message, frame[4])
+
+    async def _deliver(self, message: Message, version: int) -> bool:
+        """Hand an agreed frame to the protocol and perform what it produced."""
+        try:
+            actions = self._receive(message, time.monotonic())
+        except ProtocolError as exc:
+            self._refused(message, exc, version)
+            return False
+        await self._accept(message, actions)
+        return True
+
+    def _refused(self, message: Message | None, exc: ProtocolError, version: int) -> None:
+        """A frame refused: nothing changed (S3), counted. Late RECEIPTs for
+        released parents land here too."""
+        self.counters[f"refused_{type(exc).__name__}"] += 1
+        if isinstance(message, Open):  # a refused proposal addressed to us gets a typed REJECT
+            reject = reject_for(message, exc, self.our)
+            encoded = None if reject is None else self._encode(reject, answering=version)
+            if encoded is not None:  # written in the OPEN's version when none is agreed
+                self.counters["frames_reject"] += 1
+                self._send(message.ticket.gen, encoded, message.ticket.request_id)
+            else:
+                self.counters["refused_open_not_ours"] += 1
+
+    def _park(self, message: Message, version: int) -> bool:
+        """Keep a frame of a parent we leased in our vote but whose admission
+        we have not applied yet; whether it was kept. The peer instance's
+        coordinator hears our round's decision before we apply it, so the
+        peer's OPEN can come first: it waits here, in arrival order with
+        any frame after it, until the apply (or the lease's end) moves the
+        parent on. Bounded: past `MAX_PARKED` parents a frame is not kept
+        (the protocol refuses it as before)."""
+        ticket = getattr(message, "ticket", None)
+        if not isinstance(ticket, ContextTicket):
+            return False
+        parent = ticket.parent
+        queue = self._parked.get(parent)
+        if queue is None:
+            if len(self._parked) >= MAX_PARKED or not self._leased_unapplied(parent):
+                return False
+            queue = self._parked[parent] = []
+        queue.append((message, version))
+        self.counters["frames_parked"] += 1
+        return True
+
+    def _leased_unapplied(self, parent: ParentKey) -> bool:
+        """Whether `parent` is leased in our vote and its admission not applied."""
+        return self.side.live_state(parent) is ParentState.ADMITTED
+
+    def _replay_parked(self) -> None:
+        """Parents that left the leased-in-vote state get their parked frames
+        (one task at a time, so frames keep their order)."""
+        if self._parked and not self._replaying and _loop_running():
+            self._replaying = True
+            self._own(self._replay())
+
+    async def _replay(self) -> None:
+        try:
+            while True:
+                ready = [p for p in self._parked if not self._leased_unapplied(p)]
+                if not ready:
+                    return
+                for parent in ready:
+                    queue = self._parked[parent]
+                    while queue:  # a frame that comes meanwhile joins the queue
+                        message, version = queue.pop(0)
+                        await self._deliver(message, version)
+                    del self._parked[parent]
+        finally:
+            self._replaying = False
+
+    def _trace_frame(self, message: Message, carrier: str) -> None:
+        ticket = getattr(message, "ticket", None)
+        if isinstance(ticket, ContextTicket):
+            sender = ticket.gen.ns if self.role is Role.CTX else ticket.ctx.ns
+            what = f"frame:{type(message).__name__}"
+            self.trace.record(ticket.request_id, what, carrier, rank_actor_name(sender))
+
+    async def set_trace(self, every: int) -> None:
+        """Trace one request in `every` from now on (0: off); actors/_trace.py."""
+        self.trace.set_every(every)
+
+    async def trace_events(self, request_id: str) -> list[TraceEvent]:
+        """This rank's events of a traced request (forgotten here once taken)."""
+        return self.trace.take(request_id)
+
+    async def phase(self, parent: ParentKey) -> dict[str, Any]:
+        """The parent's local state and its edges' states (for tests and the demo)."""
+        state = self.side.live_state(parent)
+        edges = self.side.edges(parent) if state is not None else {}
+        return {
+            "state": state.value if state is not None else self._outcome.get(parent),
+            "edges": sorted(e.state.value for e in edges.values()),
+            "posted": sum(e.posted for e in edges.values()),
+            "in_flight": sum(len(e.in_flight) for e in edges.values()),
+        }
+
+    # -- performing actions --------------------------------------------------------------
+
+    def _perform(self, actions: list[Action]) -> list[Any]:
+        refs: list[Any] = []
+        now = time.monotonic()
+        for action in actions:
+            match action:
+                case SendMessage(to=to, message=message):
+                    refs.append(self._send(to, message))
+                case StopPosting() | Drain():
+                    self._wake.set()  # the poll loop drains what is posted
+                case Release(parent=parent, blocks=blocks, reclaimed=reclaimed):
+                    self._releasing(parent, blocks)
+                    if reclaimed:
+                        self.counters["reclaimed"] += 1
+                        self.counters["reclaimed_blocks"] += len(blocks)
+                        log.info("rank %s reclaimed %d quarantined blocks of %s", self.ns, len(blocks), parent)
+                    else:
+                        self.counters["released"] += 1
+                    self._finish(parent, action.outcome)
+                    for future in self._returns.pop(parent, ()):
+                        if not future.done():
+                            future.set_result(True)
+                case Quarantine(parent=parent, reason=reason):
+                    self.counters["quarantined"] += 1
+                    log.warning("rank %s quarantined %s: %s", self.ns, parent, reason)
+                    self._finish(parent, action.outcome)
+                case AdmissionStop(parent=parent, reason=reason):
+                    self.counters["admission_stop"] += 1
+                    self.member.record_failure(parent)
+                    self._nudge()
+                case CancelIntent(parent=parent):
+                    self.member.record_cancel(parent)
+                    self._nudge()
+                case ParentSettled(parent=parent, cancelled=cancelled, evidence=evidence):
+                    self._settled(parent, cancelled, evidence)
+                case CleanupSkipped():
+                    self.counters["cleanup_skipped"] += 1
+                case CancelDeferred():
+                    self.counters["cancel_deferred"] += 1
+                case _:  # PostChunk and Prepared (CTX), DecodeReady (GEN)
+                    refs += self._perform_role(action, now)
+        self._maybe_request_restart()
+        return [r for r in refs if r is not None]
+
+    #: `_perform` under the name the staged data plane calls it by
+    #: (actors/_stager.py `WriterHost`).
+    perform = _perform
+
+    def _maybe_request_restart(self) -> None:
+        """Past the quarantine limit, with nothing but quarantined requests left:
+        ask the coordinator for a restart, once per incarnation. The new
+        incarnation has a new process, buffer and NIXL registration (a fresh,
+        fully free pool); the old one's quarantined memory dies with it. A
+        request the coordinator does not grant (it is recovering) is asked
+        again later: the poll loop performs `expire` every 50 ms."""
+        if self._restart_requested or not self.config.restartable or not self.side.wants_restart():
+            return  # live requests first finish (admission is stopped meanwhile)
+        if self._coordinator is None and not self._find_coordinator():
+            return
+        self._restart_requested = True
+        quarantined = self.pool.counts().quarantined
+        self.counters["restart_requested"] += 1
+        log.warning("rank %s: %d blocks quarantined, asking for a restart", self.ns, quarantined)
+        request = self._coordinator.request_restart.remote(self.config.rank, self.our.epoch, quarantined)
+
+        async def ask() -> None:
+            try:
+                granted = await request
+            except Exception as exc:
+                log.warning("rank %s: restart request failed: %r", self.ns, exc)
+                granted = False
+            if not granted:
+                self._restart_requested = False
+
+        self._own(ask())
+
+    def _send(self, to: Endpoint, frame: bytes | Message, request_id: str = "") -> Any:
+        if not isinstance(frame, bytes):  # a message: encode it in the pair's agreed version
+            pair = self._pairs.get(to.ns.instance_id)
+            if pair is not None and (isinstance(pair.negotiation, NotNegotiatedError) or pair.unsent):
+                pair.unsent.append((to, frame))  # sent, in order, once negotiated
+                self._renegotiate(pair)
+                return None
+            request_id = frame.ticket.request_id
+            self.counters[f"frames_{type(frame).__name__.lower()}"] += 1
+            encoded = self._encode(frame)
+            if encoded is None:
+                return None
+            frame = encoded
+        if self._held:
+            held = self._held.get((request_id, to.ns.role.value, to.ns.rank))
+            if held is not None:  # fault injection: the frame is delayed, in order
+                held.append((to, frame))
+                return None
+        self.counters["frames_sent"] += 1
+        if self._notif is not None:
+            agent = agent_name(self.config.deployment, to.ns, to.epoch)
+            if agent in self.transport.peers and self._notif.send(agent, frame):
+                self.counters["frames_nixl"] += 1
+                return None
+        cached = self._peer_handles.get((to.ns.instance_id, to.ns.rank))
+        if cached is not None and cached[0] == to:
+            # Group the frames of this event-loop turn per peer: one one-way
+            # call carries them all, in the order they were produced.
+            box = self._outbox.get(to)
+            if box is None:
+                box = self._outbox[to] = (cached[1], [])
+                if _loop_running():
+                    if not self._flush_due:
+                        self._flush_due = True
+                        asyncio.get_running_loop().call_soon(self._flush)
+                    box[1].append(frame)
+                    return None
+            box[1].append(frame)
+            if not _loop_running():
+                self._flush()
+            return None
+        # Unknown or restarted peer: resolve it, then send (a stale endpoint is dropped).
+        async def resolve_and_send() -> None:
+            handle = await self._peer(to)
+            if handle is None:
+                self.counters["dropped_stale_sends"] += 1
+                return
+            await handle.receive_frames.remote([frame])
+
+        self._own(resolve_and_send())
+        return None
+
+    def _flush(self) -> None:
+        """Send every peer's grouped frames: one one-way call per peer."""
+        self._flush_due = False
+        boxes, self._outbox = self._outbox, {}
+        for handle, frames in boxes.values():
+            self.counters["frame_calls"] += 1
+            self._own(handle.receive_frames.remote(frames))
+
+    def _settled(self, parent: ParentKey, cancelled: bool, evidence: Any) -> None:
+        """Every local edge of `parent` is terminal. A cancelled parent is released
+        by the protocol once its cancel is decided; a success feeds the completion
+        round (GEN verifies every byte first: S2, `_bytes_ok`)."""
+        if cancelled:
+            self._outcome.setdefault(parent, LocalOutcome.CANCELLED, time.monotonic())
+            return
+        if not self._bytes_ok(parent):
+            self.member.record_failure(parent)
+            self._outcome.remember(parent, LocalOutcome.FAILED, time.monotonic())
+        else:
+            self.member.record_completion(parent)
+        self._nudge()

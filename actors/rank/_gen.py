@@ -1,0 +1,305 @@
+"""`GenRankCore`: the core of a GEN (decode) rank (see its class docstring)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvhandoff.actors._pattern import POISON
+from kvhandoff.actors._stager import StagedReader, staged_below, staged_min_descriptors
+from kvhandoff.actors.rank._config import RankConfig, _loop_running, _Pair, log
+from kvhandoff.actors.rank._core import RankCore
+from kvhandoff.protocol import (
+    Action,
+    AdmissionRequest,
+    BlockDescriptor,
+    BlockRefs,
+    BufferInfo,
+    Capability,
+    ContextTicket,
+    DecodeReady,
+    Endpoint,
+    GenEdgeSpec,
+    GenRank,
+    MemoryKind,
+    Negotiated,
+    ParentKey,
+    ParentState,
+    ProtocolError,
+    Role,
+    StageWrite,
+    active_cancel,
+    pack_blocks,
+)
+from kvhandoff.topology import TopologySpec
+
+
+class GenRankCore(RankCore):
+    """A GEN (decode) rank: it leases with a deadline on admission and, once
+    both instances admitted, installs the parent and sends an OPEN on each of
+    its edges; it verifies every byte of a settled parent before voting it
+    complete (S2), returns decode-ready KV on `free` (or at once, when the
+    submission asked for it), and poisons every block it releases
+    (`GenRankActor` is this class as a Ray actor)."""
+
+    role = Role.GEN
+    peer_role = Role.CTX
+    side: GenRank
+
+    def __init__(self, config: RankConfig, epoch: int, *, tensors: Sequence[torch.Tensor] | None = None) -> None:
+        # Fault injection like `_held` (set through Ray's __ray_call__): installs
+        # of these request ids wait here (`_open`).
+        self._defer_open: dict[str, list[ParentKey]] = {}
+        # Admitted parents whose blocks go back once decode-ready and verified.
+        self._release_when_ready: set[ParentKey] = set()
+        # Bytes verified per parent, until it is released (`free` answers them).
+        self._verified: dict[ParentKey, int] = {}
+        self._reader: StagedReader | None = None
+        super().__init__(config, epoch, tensors=tensors)  # last: it registers this rank
+        if self.arena is not None:
+            self._reader = StagedReader(self, self.arena, config.staging_window)
+
+    def _stage_notice(self, sender: str, notice: Any, now: float) -> None:
+        if self._reader is None or not isinstance(notice, StageWrite):
+            self.counters["staged_misdirected"] += 1
+            return
+        self._reader.on_write(sender, notice, now)
+
+    def _stage_polling(self) -> bool:
+        # A WRITE may land while a parent is installed, cancelling or
+        # quarantined: the target's worker progresses meanwhile.
+        return (
+            super()._stage_polling()
+            or (self._reader is not None and self._reader.pending() > 0)
+            or self.side.any_live(_TARGET_STATES)
+        )
+
+    def _poll_chunks(self, now: float) -> bool:
+        # GPU scatters that ran are ACKed here (the writer's credits).
+        return self._reader is not None and self._reader.poll()
+
+    def _chunks_in_flight(self) -> int:
+        return self._reader.pending() if self._reader is not None else 0
+
+    def _staging_stats(self) -> dict[str, Any]:
+        out = super()._staging_stats()
+        if self._reader is not None:
+            out.update(self._reader.stats())
+        return out
+
+    # -- the role's hooks ---------------------------------------------------------------
+
+    def _ctx_and_gen(self) -> tuple[TopologySpec, TopologySpec]:
+        return self.config.peer_spec, self.config.spec
+
+    def _make_side(self, transfer_timeout: float) -> GenRank:
+        return GenRank(
+            self.our, self.digest, self.pool, transfer_timeout=transfer_timeout,
+            consume_timeout=self.config.consume_timeout_s, quarantine_limit=self.config.quarantine_limit,
+        )
+
+    def _admit(self, request: AdmissionRequest, blocks: int, now: float, deadline: float, pair: _Pair) -> None:
+        self.side.admit(request.parent, blocks, now=now, deadline=deadline, blocks=request.blocks)
+        if request.release_when_ready:
+            self._release_when_ready.add(request.parent)
+
+    def _admitted(self, parent: ParentKey, now: float) -> None:
+        # Admitted by both instances (the CTX ranks applied theirs before this
+        # decision was made): install and send OPENs now. No READY can come
+        # before every GEN rank did: a CTX rank is prepared only with an OPEN
+        # from each of its edges' GEN ranks.
+        self._open(parent, now)
+        if _loop_running():
+            self._ensure_polling()  # WRITEs will come: progress the worker
+
+    def _conservative(self) -> bool:
+        return self.config.conservative or not active_cancel(self._negotiation)
+
+    def _perform_role(self, action: Action, now: float) -> list[Any]:
+        match action:
+            case DecodeReady(parent=parent):
+                release = parent in self._release_when_ready
+                if self.pool.holds(parent):  # the bytes that landed here (metrics)
+                    self.counters["bytes_received"] += len(self.pool.lease_of(parent)) * self.block_bytes
+                self._outcome.remember(parent, action.outcome, now)
+                self._finish(parent, action.outcome)
+                if release:
+                    # Nobody consumes it (the submission said so): verified,
+                    # return it, once the decision's apply has answered.
+                    self._later(self._free_unconsumed, parent)
+        return []
+
+    def _later(self, fn: Any, *args: Any) -> None:
+        if _loop_running():
+            asyncio.get_running_loop().call_soon(fn, *args)
+        else:
+            fn(*args)
+
+    def _free_unconsumed(self, parent: ParentKey) -> None:
+        """Return a decode-ready request nobody consumes (release_when_ready)."""
+        try:
+            actions = self.side.free(parent)
+        except ProtocolError:
+            return  # freed meanwhile (a client free, the consumer deadline)
+        self._perform(actions)
+
+    def _releasing(self, parent: ParentKey, blocks: tuple[Any, ...]) -> None:
+        if self._reader is not None:
+            self._reader.settle()  # no scatter of ours may still write these blocks
+        if self.config.synthetic:
+            # A late write to a freed block shows on the next verify. Only where
+            # bytes are verified: filling a 1 GiB request costs ~0.5 s of host
+            # memory bandwidth.
+            self.buffer.fill_blocks([ref.block for ref in blocks], POISON)
+        self._verified.pop(parent, None)
+
+    def _bytes_ok(self, parent: ParentKey) -> bool:
+        return not self.config.synthetic or self._verify(parent)
+
+    def _forget(self, parent: ParentKey) -> None:
+        self._release_when_ready.discard(parent)
+        if self._reader is not None:
+            self._reader.forget(parent)
+
+    def _tracking(self) -> int:
+        return len(self._release_when_ready) + len(self._verified)
+
+    # -- verification (S2) --------------------------------------------------------------
+
+    def _verify(self, parent: ParentKey) -> bool:
+        lease = self.pool.lease_of(parent)
+        expected = self._pattern(parent, self.config.rank, len(lease)).to(self.buffer.tensor.device)
+        got = self.buffer.read_blocks(lease.block_list())
+        for j, ref in enumerate(lease):
+            if not torch.equal(got[j], expected[j]):
+                self.violations.append(f"S2: {parent} block {ref.block} holds foreign bytes")
+                return False
+        self._verified[parent] = len(lease) * self.block_bytes
+        self.counters["bytes_verified"] += len(lease) * self.block_bytes
+        return True
+
+    # -- opening on admission --------------------------------------------------------------
+
+    def _ctx_endpoints(self, pair: _Pair) -> list[Endpoint] | None:
+        """GEN: the current endpoint of every rank of `pair`'s CTX instance, or
+        None if one is unknown."""
+        found = [self._peer_handles.get((pair.instance, r)) for r in range(pair.spec.tp)]
+        if any(f is None for f in found):
+            return None
+        return [f[0] for f in found if f is not None]
+
+    def _describe(self, lease: BlockRefs, pair: _Pair) -> list[BlockDescriptor] | bytes:
+        """An OPEN's block list for `lease`: packed (arrays, no per-block
+        object) where `pair` negotiated it, else one descriptor per block."""
+        addrs = self.buffer.block_addrs(lease.blocks)
+        outcome = pair.negotiation
+        if isinstance(outcome, Negotiated) and outcome.supports(Capability.PACKED_BLOCKS):
+            self.counters["opens_packed"] += 1
+            lengths = np.full(len(lease), self.block_bytes, dtype=np.uint32)
+            return pack_blocks(lease.blocks, lengths, lease.generations, addrs)
+        self.counters["opens_listed"] += 1
+        return [
+            BlockDescriptor(b, g, a, self.block_bytes)
+            for b, g, a in zip(lease.block_list(), lease.generations.tolist(), addrs.tolist())
+        ]
+
+    def _open(self, parent: ParentKey, now: float) -> None:
+        """GEN: install `parent`'s session and send OPEN on each of our edges
+        (await-free: called while applying the admission). A CTX endpoint we
+        do not know yet (a CTX rank restarted) is looked up first."""
+        if self.side.live_state(parent) is not ParentState.ADMITTED:
+            return  # cancelled (and released) meanwhile: nothing to open
+        if self._defer_open:
+            deferred = self._defer_open.get(parent.request_id)
+            if deferred is not None:
+                deferred.append(parent)
+                return
+        pair = self._pairs.get(self._pair_of.get(parent, self._default_peer))
+        if pair is None:  # its CTX instance left: the parent cannot proceed here
+            self.counters["open_no_pair"] += 1
+            self.member.record_failure(parent)
+            self._nudge()
+            return
+        endpoints = self._ctx_endpoints(pair)
+        if endpoints is None:
+            self._own(self._open_later(parent, pair))
+            return
+        lease = self.pool.lease_of(parent)
+        blocks = self._describe(lease, pair)
+        buffer = BufferInfo(
+            agent_name=self.transport.name,
+            endpoint_epoch=self.our.epoch,
+            memory=MemoryKind(self.buffer.mem_kind),
+            device=self.buffer.device_id,
+            blocks=blocks,
+        )
+        specs = []
+        for edge in pair.shards.edges_for_gen_rank(self.config.rank):
+            ticket = ContextTicket(
+                request_id=parent.request_id,
+                ctx_attempt=parent.ctx_attempt,
+                gen_attempt=parent.gen_attempt,
+                ctx=endpoints[edge[0]],
+                gen=self.our,
+                ctx_digest=pair.ctx_digest,
+                gen_digest=pair.gen_digest,
+            )
+            expected = pair.shards.edge_bytes_per_block(edge) * len(lease)
+            specs.append(
+                GenEdgeSpec(ticket=ticket, buffer=buffer, num_tokens=self._tokens.get(parent, 0), expected_bytes=expected)
+            )
+        try:
+            actions = self.side.install(parent, specs, now)
+        except ProtocolError as exc:
+            self.counters[f"refused_{type(exc).__name__}"] += 1
+            return
+        if self._reader is not None:  # scatter maps before the OPENs go out (off the data phase)
+            self._reader.prepare(
+                parent,
+                staged_below(self.buffer.device, self.config.staged_below),
+                staged_min_descriptors(self.buffer.device, self.config.staged_min_descriptors),
+            )
+        self._perform(actions)
+
+    async def _open_later(self, parent: ParentKey, pair: _Pair) -> None:
+        try:
+            if pair.instance == self._default_peer:
+                await self.connect()
+            else:  # learn that instance's ranks (and their agents) on first use
+                for (endpoint, name, metadata, geometry), handle in await self._directory().all_of.remote(pair.instance):
+                    self._peer_handles[(endpoint.ns.instance_id, endpoint.ns.rank)] = (endpoint, handle)
+                    self._learn_agent(name, metadata, geometry)
+        except Exception as exc:
+            log.warning("rank %s: cannot learn the CTX endpoints: %r", self.ns, exc)
+        if self._ctx_endpoints(pair) is None:
+            # No CTX rank to open to: the parent cannot proceed here.
+            self.counters["open_no_endpoint"] += 1
+            self.member.record_failure(parent)
+            self._nudge()
+            return
+        self._open(parent, time.monotonic())
+        self._ensure_polling()
+
+    # -- the consumer -------------------------------------------------------------------
+
+    async def free(self, parent: ParentKey) -> int:
+        """GEN: the client is done with a decode-ready request's KV. Returns the
+        bytes this rank verified for it (0 if it was not decode-ready here)."""
+        try:
+            actions = self.side.free(parent)
+        except ProtocolError:
+            return 0
+        # Read before performing: the Release drops the bookkeeping. A late free
+        # (the consumer deadline returned the KV already) finds none: 0 bytes.
+        verified = self._verified.get(parent, 0)
+        self._perform(actions)
+        return verified
+
+
+#: GEN parent states in which a CTX WRITE may be in flight toward this rank.
+_TARGET_STATES = (ParentState.INSTALLED, ParentState.CANCELLING, ParentState.QUARANTINED)

@@ -1,0 +1,151 @@
+"""The host of a rank endpoint: `EndpointHost` (a mixin for a Ray actor class
+that holds a rank core and forwards `ENDPOINT_METHODS` to it on the
+endpoint's own event loop), `endpoint_actor`, `on_endpoint_loop`, and
+kvhandoff's own rank actor classes (`CtxRankActor`, `GenRankActor`,
+`rank_actor_class`, `RankActor`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any
+
+import ray
+
+from kvhandoff.actors.rank._config import RankConfig
+from kvhandoff.actors.rank._core import RankCore
+from kvhandoff.actors.rank._ctx import CtxRankCore
+from kvhandoff.actors.rank._gen import GenRankCore
+from kvhandoff.protocol import Role
+
+
+def _remote_methods() -> tuple[str, ...]:
+    names: set[str] = set()
+    for cls in (CtxRankCore, GenRankCore):
+        for name, _member in inspect.getmembers(cls, inspect.iscoroutinefunction):
+            if not name.startswith("_"):
+                names.add(name)
+    return tuple(sorted(names))
+
+
+#: The methods an `EndpointHost` forwards to its endpoint (what peers,
+#: coordinators, the directory and clients call on a rank's actor handle).
+ENDPOINT_METHODS = _remote_methods()
+
+
+#: The Ray concurrency group an endpoint's methods run in: its own event loop
+#: (its own thread), whatever the host actor does on its default loop.
+ENDPOINT_GROUP = "kvhandoff"
+#: At most this many endpoint calls run at once (Ray's default for an async actor).
+ENDPOINT_CONCURRENCY = 1000
+
+
+class EndpointHost:
+    """Mixin for a Ray actor class that hosts a rank endpoint in ``self.kvhandoff``.
+
+    The host constructs the endpoint in its ``__init__`` (which registers it
+    with the deployment's directory, naming this actor as its handle) and
+    keeps it for the actor's lifetime. Every name in `ENDPOINT_METHODS` is an
+    async method of the host that forwards to the endpoint, in the Ray
+    concurrency group `ENDPOINT_GROUP`: the endpoint lives on that group's
+    event loop. The host must still never block its own default loop: run
+    a forward pass or an engine step on a thread (Ray stops dispatching to
+    every group of an async actor once a call queues behind a blocked loop
+    that a call just returned from; docs/design.md). Make the class an
+    actor with `endpoint_actor` (or declare the group in ``ray.remote``'s
+    ``concurrency_groups`` yourself)."""
+
+    kvhandoff: RankCore
+
+
+def _forwarder(name: str) -> Any:
+    async def forward(self: EndpointHost, *args: Any, **kwargs: Any) -> Any:
+        endpoint = self.kvhandoff
+        endpoint._home = asyncio.get_running_loop()  # where its state lives (the harness needs it)
+        return await getattr(endpoint, name)(*args, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = name
+    forward.__doc__ = f"Forwarded to the hosted endpoint's `{name}`."
+    return ray.method(concurrency_group=ENDPOINT_GROUP)(forward)
+
+
+for _name in ENDPOINT_METHODS:
+    setattr(EndpointHost, _name, _forwarder(_name))
+
+
+def endpoint_actor(cls: Any = None, /, **options: Any) -> Any:
+    """`ray.remote` for a class that mixes in `EndpointHost`: the same
+    options, plus the endpoint's concurrency group. Use as ``@endpoint_actor``
+    or ``@endpoint_actor(num_gpus=1)``."""
+
+    def make(klass: Any) -> Any:
+        if not issubclass(klass, EndpointHost):
+            raise TypeError(f"{klass.__name__} does not mix in EndpointHost")
+        groups = {**options.get("concurrency_groups", {}), ENDPOINT_GROUP: ENDPOINT_CONCURRENCY}
+        return ray.remote(**{**options, "concurrency_groups": groups})(klass)
+
+    return make(cls) if cls is not None else make
+
+
+def on_endpoint_loop(host: Any, fn: Any, *args: Any) -> Any:
+    """Run ``fn(endpoint, *args)`` on the loop the hosted endpoint lives on
+    (for code that reaches an endpoint's internals through Ray's
+    ``__ray_call__``, which runs on the host's default loop: the test
+    harness). Waits for the answer."""
+    endpoint = getattr(host, "kvhandoff", host)
+    home = getattr(endpoint, "_home", None)
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if home is None or home is here or not home.is_running():
+        return fn(endpoint, *args)
+
+    async def call() -> Any:
+        return fn(endpoint, *args)
+
+    return asyncio.run_coroutine_threadsafe(call(), home).result()
+
+
+class _CtxRankHost(EndpointHost):
+    """kvhandoff's own CTX rank actor: a host of a `CtxRankCore` over memory
+    it allocates (the synthetic path)."""
+
+    def __init__(self, config: RankConfig, epoch: int) -> None:
+        self.kvhandoff = CtxRankCore(config, epoch)
+
+
+class _GenRankHost(EndpointHost):
+    """kvhandoff's own GEN rank actor: a host of a `GenRankCore`."""
+
+    def __init__(self, config: RankConfig, epoch: int) -> None:
+        self.kvhandoff = GenRankCore(config, epoch)
+
+
+CtxRankActor = endpoint_actor(num_cpus=0)(_CtxRankHost)
+GenRankActor = endpoint_actor(num_cpus=0)(_GenRankHost)
+_ACTOR_CLASSES = {Role.CTX: CtxRankActor, Role.GEN: GenRankActor}
+
+
+def rank_actor_class(role: Role) -> Any:
+    """The Ray actor class of a rank of `role`."""
+    return _ACTOR_CLASSES[role]
+
+
+class _RankActor:
+    """`RankActor.options(**options).remote(config, epoch)`: a rank actor of
+    the class `config.spec.role` names, created like any Ray actor class."""
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        self._options = dict(options or {})
+
+    def options(self, **options: Any) -> _RankActor:
+        return _RankActor({**self._options, **options})
+
+    def remote(self, config: RankConfig, epoch: int) -> Any:
+        return rank_actor_class(config.spec.role).options(**self._options).remote(config, epoch)
+
+
+RankActor = _RankActor()
+
