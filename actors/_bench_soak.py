@@ -32,7 +32,9 @@ import contextlib
 import ctypes
 import gc
 import random
+import sys
 import time
+import tracemalloc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,19 +77,87 @@ def _settled_resident(_: Any = None) -> int | None:
     return resident_bytes()
 
 
-async def _resident(dep: Deployment) -> dict[str, int | None]:
-    """Settled resident bytes of every rank and coordinator, and of this driver."""
-    coords = {f"coordinator-{role.value}": dep.coordinator(role) for role in (Role.CTX, Role.GEN)}
-    ranks = {f"{role.value}{i}": h for role in (Role.CTX, Role.GEN) for i, h in enumerate(await dep.ranks(role))}
-    named = {**coords, **ranks}
-    found = await asyncio.gather(
-        *(h.__ray_call__.remote(_settled_resident) for h in named.values()), return_exceptions=True
-    )
-    out: dict[str, int | None] = {
-        name: value if isinstance(value, int) else None for name, value in zip(named, found)
-    }
-    out["driver"] = _settled_resident()
+# --soak-trace: a diagnosis of what a process keeps, run in each process
+# through `__ray_call__` (the state lives in this module of that process).
+_TRACE_FRAMES = 6
+_trace_base: dict[str, Any] = {}
+
+
+def _trace_start(_: Any = None) -> bool:
+    """Start tracing Python allocations in this process."""
+    if not tracemalloc.is_tracing():
+        tracemalloc.start(_TRACE_FRAMES)
+    return True
+
+
+def _census() -> collections.Counter[str]:
+    return collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+
+
+def _trace_sample(_: Any = None) -> dict[str, int]:
+    """Python bytes traced now, and what the tracing itself costs."""
+    if not tracemalloc.is_tracing():
+        return {}
+    return {"traced": tracemalloc.get_traced_memory()[0], "overhead": tracemalloc.get_tracemalloc_memory()}
+
+
+def _trace_mark(_: Any = None) -> bool:
+    """Remember this moment (the end of the warm-up) to diff against later."""
+    gc.collect()
+    _trace_base["snapshot"] = tracemalloc.take_snapshot() if tracemalloc.is_tracing() else None
+    _trace_base["census"] = _census()
+    return True
+
+
+_TRACE_TOP = 25
+
+
+def _trace_diff(_: Any = None) -> dict[str, Any]:
+    """What grew since `_trace_mark`: allocation sites (by line, and by the
+    traceback of the largest), and object counts by type."""
+    gc.collect()
+    out: dict[str, Any] = {}
+    base = _trace_base.get("snapshot")
+    if base is not None and tracemalloc.is_tracing():
+        now = tracemalloc.take_snapshot().filter_traces(
+            (tracemalloc.Filter(False, tracemalloc.__file__),)
+        )
+        base = base.filter_traces((tracemalloc.Filter(False, tracemalloc.__file__),))
+        out["by_line"] = [
+            f"{d.size_diff:+d} B {d.count_diff:+d} blocks: {d.traceback[0].filename}:{d.traceback[0].lineno}"
+            for d in now.compare_to(base, "lineno")[:_TRACE_TOP]
+        ]
+        out["by_traceback"] = [
+            {"size_diff": d.size_diff, "count_diff": d.count_diff, "traceback": d.traceback.format()}
+            for d in now.compare_to(base, "traceback")[: _TRACE_TOP // 3]
+        ]
+    census = _trace_base.get("census")
+    if census is not None:
+        grown = _census()
+        grown.subtract(census)
+        out["objects"] = [f"{n:+d} {name}" for name, n in grown.most_common(_TRACE_TOP) if n > 0]
+    out["modules"] = len(sys.modules)
     return out
+
+
+def _named(dep: Deployment, ranks: dict[Role, list[Any]]) -> dict[str, Any]:
+    coords = {f"coordinator-{role.value}": dep.coordinator(role) for role in (Role.CTX, Role.GEN)}
+    return {**coords, **{f"{role.value}{i}": h for role, hs in ranks.items() for i, h in enumerate(hs)}}
+
+
+async def _everywhere(named: dict[str, Any], fn: Callable[..., Any]) -> dict[str, Any]:
+    """`fn` run in every named actor and in this driver: name -> result (None
+    where the actor did not answer)."""
+    found = await asyncio.gather(*(h.__ray_call__.remote(fn) for h in named.values()), return_exceptions=True)
+    out: dict[str, Any] = {name: None if isinstance(value, BaseException) else value for name, value in zip(named, found)}
+    out["driver"] = fn()
+    return out
+
+
+async def _resident(named: dict[str, Any]) -> dict[str, int | None]:
+    """Settled resident bytes of every rank and coordinator, and of this driver."""
+    found = await _everywhere(named, _settled_resident)
+    return {name: value if isinstance(value, int) else None for name, value in found.items()}
 
 
 async def soak(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str], str]) -> dict[str, Any]:
@@ -99,6 +169,11 @@ async def soak(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str]
     rng = random.Random(a.seed)
     outcomes: collections.Counter[str] = collections.Counter()
     samples: list[dict[str, Any]] = []
+    named = _named(dep, {role: await dep.ranks(role) for role in (Role.CTX, Role.GEN)})
+    trace = bool(getattr(a, "soak_trace", False))
+    marked = False
+    if trace:
+        await _everywhere(named, _trace_start)
     start = time.perf_counter()
     deadline = start + a.soak_s
 
@@ -115,19 +190,29 @@ async def soak(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str]
                 outcomes[f"raised:{type(exc).__name__}"] += 1
 
     async def sampler() -> None:
+        nonlocal marked
         every = a.soak_s / _SAMPLES
         while True:
             t = time.perf_counter() - start
-            samples.append({"t_s": t, "handoffs": sum(outcomes.values()), "resident_bytes": await _resident(dep)})
+            sample: dict[str, Any] = {"t_s": t, "handoffs": sum(outcomes.values()), "resident_bytes": await _resident(named)}
+            if trace:
+                sample["traced"] = await _everywhere(named, _trace_sample)
+                if not marked and t >= a.soak_warmup_s and sample["handoffs"] >= CLOSED_SESSION_MEMORY:
+                    await _everywhere(named, _trace_mark)
+                    marked = True
+            samples.append(sample)
             if t >= a.soak_s:
                 return
             if len(samples) % 10 == 1:
                 reporter.line(f"soak: {t:.0f}/{a.soak_s:.0f} s, {sum(outcomes.values())} handoffs")
             await asyncio.sleep(max(0.0, min(every, deadline - time.perf_counter())))
 
+    diagnosis: dict[str, Any] | None = None
     try:
         await asyncio.gather(sampler(), *(client() for _ in range(a.soak_clients)))
         stats = await dep.stats()
+        if trace:
+            diagnosis = await _everywhere(named, _trace_diff)
     finally:
         await dep.shutdown()
     warm = [s for s in samples if s["t_s"] >= a.soak_warmup_s and s["handoffs"] >= CLOSED_SESSION_MEMORY]
@@ -136,9 +221,16 @@ async def soak(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str]
     # half, flagged, rather than no number.
     after = warm if warmed else samples[len(samples) // 2 :]
     growth: dict[str, float] = {}
+    traced: dict[str, dict[str, float]] = {}
     for name in samples[0]["resident_bytes"]:
         points = [(s["handoffs"], s["resident_bytes"][name]) for s in after if s["resident_bytes"][name] is not None]
         growth[name] = slope([p[0] for p in points], [p[1] for p in points])
+        if trace:
+            rows = [(s["handoffs"], (s["traced"] or {}).get(name) or {}) for s in after]
+            traced[name] = {
+                key: slope([h for h, r in rows if key in r], [r[key] for h, r in rows if key in r])
+                for key in ("traced", "overhead")
+            }
     served = [g for name, g in growth.items() if name != "driver"]
     return {
         "seconds": a.soak_s,
@@ -158,6 +250,7 @@ async def soak(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str]
             **{f"{s.get('role')}{s.get('rank')}": s.get("memory") for s in stats["ranks"]},
         },
         "leaked_blocks": sum(s.get("leased", 0) + s.get("quarantined", 0) for s in stats["ranks"]),
+        **({"trace": {"growth_bytes_per_handoff": traced, "grew": diagnosis}} if trace else {}),
     }
 
 

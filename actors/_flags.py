@@ -343,6 +343,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--soak-warmup-s", type=non_negative_float, default=180.0, help="soak section: seconds before the memory growth is measured (the bounded memories fill: 120 s retention)")
     add("--soak-clients", type=positive_int, default=4, help="soak section: concurrent clients")
     add("--soak-cancel", type=rate, default=0.3, help="soak section: fraction of handoffs cancelled after a random delay")
+    add("--soak-trace", action="store_true", help="soak section: also trace Python allocations (tracemalloc) and object counts in every process, and report what grew after the warm-up (slower; a diagnosis, not a measurement)")
     add("--frames-n", type=positive_int, default=2000, help="ping-pong round trips per frame size (frames)")
     add("--frames-burst", type=positive_int, default=10000, help="frames per one-way burst (frames)")
     add("--frames-bytes", type=positive_ints, default="200,2048", help="frame sizes in bytes (frames)")

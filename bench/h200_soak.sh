@@ -5,7 +5,8 @@
 # handoffs there than on the 2-core box, so its slope per handoff is that much
 # less noisy; then Ray's own floor for an actor that makes calls
 # (bench/ray_caller_floor.py), then NIXL's (bench/nixl_memory_floor.py).
-# SOAK=0, FLOOR=0 or NIXL=0 skips a part. Writes under $OUT.
+# SOAK=0, FLOOR=0 or NIXL=0 skips a part; TRACE=1 adds --soak-trace (what
+# each process's Python heap and object counts grew after the warm-up). Writes under $OUT.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 site=$(mktemp -d); for f in .dev/ray.txz .dev/rest.txz; do tar xJf "$f" -C "$site"; done
@@ -17,7 +18,7 @@ kvh() { python -c "import sys; from kvhandoff.actors.cli import main; sys.exit(m
 nproc
 if [ "${SOAK:-1}" = 1 ]; then
   kvh bench --json --sections soak --soak-s ${SOAK_S:-400} --soak-warmup-s ${WARM_S:-150} \
-    --soak-clients ${CLIENTS:-8} > "$out/bench_soak.json" 2> "$out/bench_soak.err" || echo "soak failed: $?"
+    --soak-clients ${CLIENTS:-8} ${TRACE:+--soak-trace} > "$out/bench_soak.json" 2> "$out/bench_soak.err" || echo "soak failed: $?"
   tail -5 "$out/bench_soak.err"
 fi
 if [ "${FLOOR:-1}" = 1 ]; then
