@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
+import msgspec
 import numpy as np
 
 from ._errors import ProtocolError, StaleError, UnknownSessionError
@@ -47,6 +48,9 @@ __all__ = [
 
 #: How many closed sessions a registry remembers for stale classification.
 CLOSED_SESSION_MEMORY = 8192
+#: Distinct endpoints and digests a registry shares among the closed sessions
+#: it remembers (a handful per peer incarnation); past this the table starts over.
+_SHARED_PARTS = 1024
 
 V = TypeVar("V")
 
@@ -122,8 +126,14 @@ class SessionRegistry(Generic[V]):
         self._live_by_request: dict[str, set[ContextTicket]] = {}
         # ticket -> how it ended ("released", "quarantined", ...), oldest first.
         self._closed: collections.OrderedDict[ContextTicket, str] = collections.OrderedDict()
-        self._closed_by_request: dict[str, set[ContextTicket]] = {}
+        # request id -> its remembered closed tickets (one per edge, a few at most:
+        # a tuple costs a quarter of a set).
+        self._closed_by_request: dict[str, tuple[ContextTicket, ...]] = {}
         self._closed_memory = closed_memory
+        # What closed tickets share (their endpoints and digests), stored once:
+        # a ticket decoded from a frame brings its own copies of them, which
+        # made each remembered session cost ~1.1 KB instead of ~0.4 KB.
+        self._shared: dict[Any, Any] = {}
 
     def __len__(self) -> int:
         return len(self._live)
@@ -183,14 +193,29 @@ class SessionRegistry(Generic[V]):
         peers.discard(ticket)
         if not peers:
             del self._live_by_request[ticket.request_id]
+        ticket = self._compact(ticket)
         self._closed[ticket] = how
-        self._closed_by_request.setdefault(ticket.request_id, set()).add(ticket)
+        self._closed_by_request[ticket.request_id] = (*self._closed_by_request.get(ticket.request_id, ()), ticket)
         while len(self._closed) > self._closed_memory:
             old, _ = self._closed.popitem(last=False)
-            group = self._closed_by_request[old.request_id]
-            group.discard(old)
-            if not group:
+            group = tuple(t for t in self._closed_by_request[old.request_id] if t != old)
+            if group:
+                self._closed_by_request[old.request_id] = group
+            else:
                 del self._closed_by_request[old.request_id]
+
+    def _compact(self, ticket: ContextTicket) -> ContextTicket:
+        """An equal ticket whose endpoints and digests are the shared copies."""
+        if len(self._shared) > _SHARED_PARTS:
+            self._shared.clear()
+        share = self._shared.setdefault
+        return msgspec.structs.replace(
+            ticket,
+            ctx=share(ticket.ctx, ticket.ctx),
+            gen=share(ticket.gen, ticket.gen),
+            ctx_digest=share(ticket.ctx_digest, ticket.ctx_digest),
+            gen_digest=share(ticket.gen_digest, ticket.gen_digest),
+        )
 
     def closed_how(self, ticket: ContextTicket) -> str | None:
         """How a remembered closed session ended, or None."""

@@ -83,3 +83,42 @@ def test_descriptor_generation_must_be_current() -> None:
     pool.release("a")
     with pytest.raises(StaleError):
         check_descriptor(pool, BlockDescriptor(ref.block, ref.generation, 0, 1))
+
+
+def test_a_remembered_closed_session_costs_a_few_hundred_bytes() -> None:
+    """Issue 22 (h): what a rank remembers of a closed session is its ticket,
+    and tickets decoded from frames each bring their own endpoints and
+    digests; the registry keeps one shared copy of those, so a full memory
+    of closed sessions costs ~0.35 KB each (it cost ~1.1 KB: 9 MiB per
+    registry at the default bound). Measured as a full turnover of the
+    memory, so only what it holds at steady state counts."""
+    import gc
+    import tracemalloc
+
+    def decoded(i: int) -> object:
+        t = r(T, request_id=f"soak-{i:08d}-abcdefgh")
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(t), type=type(T))
+
+    n = 2048
+    reg: SessionRegistry[int] = SessionRegistry(closed_memory=n)
+    for i in range(n):
+        t = decoded(i)
+        reg.install(t, i)  # type: ignore[arg-type]
+        reg.close(t, "released")  # type: ignore[arg-type]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(n, 2 * n):
+            t = decoded(i)
+            reg.install(t, i)  # type: ignore[arg-type]
+            reg.close(t, "released")  # type: ignore[arg-type]
+        del t
+        gc.collect()
+        per_session = (tracemalloc.get_traced_memory()[0] - before) / n
+    finally:
+        tracemalloc.stop()
+    assert per_session <= 512, per_session
+    # Still exact: the remembered ticket is classified as closed, not unknown.
+    with pytest.raises(StaleError, match="closed"):
+        reg.get(decoded(2 * n - 1))  # type: ignore[arg-type]
