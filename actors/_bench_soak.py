@@ -17,7 +17,10 @@ Memory is allowed to rise while the bounded memories fill: the first
 or coordinator remembers about finished requests) and at least
 `CLOSED_SESSION_MEMORY` handoffs (the largest of the protocol's small
 count-bounded memories of closed sessions, parents and leases, which fill by
-traffic, not by time). After that, the growth is the least-squares slope of resident bytes against
+traffic, not by time), and until every bounded memory of every rank and
+coordinator that holds anything has begun to forget (by age or by bytes:
+it is at its steady state; an observable condition, not a guess of how long
+filling takes on this machine). After that, the growth is the least-squares slope of resident bytes against
 handoffs done, per process, in bytes per handoff; the target is the largest of
 them (docs/design.md "What a rank remembers"). A slope is robust to the
 allocator's steps: one sample's jump moves it little.
@@ -154,6 +157,23 @@ async def _everywhere(named: dict[str, Any], fn: Callable[..., Any]) -> dict[str
     return out
 
 
+def _warm(sample: dict[str, Any], warmup_s: float) -> bool:
+    """Whether `sample` was taken after the warm-up (module docstring)."""
+    return sample["t_s"] >= warmup_s and sample["handoffs"] >= CLOSED_SESSION_MEMORY and sample["memories_full"]
+
+
+def memories_full(stats: dict[str, Any]) -> bool:
+    """Whether every bounded memory (`stats()["memory"]` of each coordinator
+    and rank) that holds anything has begun to forget: it is at its steady
+    state, and what the process keeps for it grows no more."""
+    found = [c.get("memory") for c in stats["coordinators"].values()] + [r.get("memory") for r in stats["ranks"]]
+    for memory in found:
+        for m in (memory or {}).values():
+            if isinstance(m, dict) and m.get("entries") and not (m.get("dropped_by_age") or m.get("dropped_by_bytes")):
+                return False
+    return True
+
+
 async def _resident(named: dict[str, Any]) -> dict[str, int | None]:
     """Settled resident bytes of every rank and coordinator, and of this driver."""
     found = await _everywhere(named, _settled_resident)
@@ -172,6 +192,7 @@ async def soak(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str]
     named = _named(dep, {role: await dep.ranks(role) for role in (Role.CTX, Role.GEN)})
     trace = bool(getattr(a, "soak_trace", False))
     marked = False
+    full = [False]  # every bounded memory forgets already (it stays so)
     if trace:
         await _everywhere(named, _trace_start)
     start = time.perf_counter()
@@ -195,9 +216,10 @@ async def soak(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str]
         while True:
             t = time.perf_counter() - start
             sample: dict[str, Any] = {"t_s": t, "handoffs": sum(outcomes.values()), "resident_bytes": await _resident(named)}
+            sample["memories_full"] = full[0] = full[0] or memories_full(await dep.stats())
             if trace:
                 sample["traced"] = await _everywhere(named, _trace_sample)
-                if not marked and t >= a.soak_warmup_s and sample["handoffs"] >= CLOSED_SESSION_MEMORY:
+                if not marked and _warm(sample, a.soak_warmup_s):
                     await _everywhere(named, _trace_mark)
                     marked = True
             samples.append(sample)
@@ -215,7 +237,7 @@ async def soak(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str]
             diagnosis = await _everywhere(named, _trace_diff)
     finally:
         await dep.shutdown()
-    warm = [s for s in samples if s["t_s"] >= a.soak_warmup_s and s["handoffs"] >= CLOSED_SESSION_MEMORY]
+    warm = [s for s in samples if _warm(s, a.soak_warmup_s)]
     warmed = bool(warm) and len(warm) >= 3
     # Not warmed up within the run (a slow machine): the growth over its second
     # half, flagged, rather than no number.

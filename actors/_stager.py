@@ -60,11 +60,9 @@ from kvhandoff.protocol import (
     BlockPool,
     ContextTicket,
     CtxRank,
-    EdgeState,
     Endpoint,
     GenRank,
     ParentKey,
-    ParentState,
     ProtocolError,
     RankNamespace,
     RecentMemory,
@@ -492,11 +490,7 @@ class StagedWriter:
         whose edge stopped posting (cancelled) is reported failed, unposted."""
         while p.queue:
             ticket, index, plan = p.queue[0]
-            try:
-                posting = self.core.side.evidence(ticket).state is EdgeState.POSTING
-            except ProtocolError:
-                posting = False
-            if not posting:
+            if not self.core.side.may_post(ticket):
                 p.queue.popleft()
                 self.counters["staged_unposted"] += 1
                 self._report(_Write(ticket, index, 0, 0, SlotRef(0, 0)), False, now)
@@ -526,10 +520,7 @@ class StagedWriter:
         self._perform(actions)
 
     def _posting(self, ticket: ContextTicket) -> bool:
-        try:
-            return self.core.side.evidence(ticket).state is EdgeState.POSTING
-        except ProtocolError:
-            return False
+        return self.core.side.may_post(ticket)
 
     def poll(self, now: float) -> bool:
         """Poll our posted WRITEs; report what is due; quarantine overdue slots."""
@@ -781,7 +772,7 @@ class StagedReader:
         where it ran already)."""
         core = self.core
         parent = ParentKey(request_id=msg.request_id, ctx_attempt=msg.ctx_attempt, gen_attempt=msg.gen_attempt)
-        if core.side.live_state(parent) is not ParentState.INSTALLED or not core.pool.holds(parent):
+        if not core.side.may_scatter(parent):
             return False, None  # cancelled, released or quarantined: never write an ended lease
         edge = (msg.ctx_rank, core.config.rank)
         pieces = self._edge_pieces(edge, msg.max_piece)

@@ -10,19 +10,42 @@ written once and what the model proves is what the actor runs.
 Only `Step.ADMITTED` is left to the caller: what follows an admission is the
 role's own work (CTX: the engine's prefill, then `prefilled`; GEN: install the
 edges and send the OPENs), done by the shell when it can.
+
+The rank's other two verdicts live here too, so the shell only performs
+them: `admission_verdict` (how a rank votes on one proposed admission) and
+`report_of` (what an action tells the rank's round follower, and the local
+outcome it fixes).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Container
+from collections.abc import Callable, Container
+from dataclasses import dataclass
 
 from ._messages import CancelReason
-from ._rounds import RoundDecision
-from ._session import Action, CtxRank, GenRank
+from ._negotiation import Negotiated, NegotiationOutcome, refusal_kind
+from ._rounds import News, RoundDecision
+from ._session import (
+    Action,
+    AdmissionStop,
+    CancelIntent,
+    CtxRank,
+    GenRank,
+    LocalOutcome,
+    ParentSettled,
+)
 from ._ticket import ParentKey
 
-__all__ = ["Step", "decision_steps", "apply_step"]
+__all__ = [
+    "Step",
+    "decision_steps",
+    "apply_step",
+    "Admission",
+    "admission_verdict",
+    "Report",
+    "report_of",
+]
 
 
 class Step(enum.Enum):
@@ -78,3 +101,96 @@ def apply_step(side: CtxRank | GenRank, step: Step, parent: ParentKey, now: floa
         case Step.COMPLETED:
             return side.completed(parent, now)
     raise AssertionError(f"unknown step {step!r}")
+
+
+# -- the vote on one proposed admission ------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """How a rank votes on one proposed admission. `admit`: lease its blocks
+    tentatively (the pool may still refuse). Otherwise `refusal` names why
+    (the rank's stats counter), and `renegotiate` asks the shell to query
+    the pair's protocol again (no agreement yet)."""
+
+    admit: bool
+    refusal: str = ""
+    renegotiate: bool = False
+
+
+ADMIT = Admission(True)
+
+
+def admission_verdict(
+    *,
+    stopped: bool,
+    peer: str,
+    paired: bool,
+    left: bool = False,
+    admits_unpaired: bool = False,
+    negotiation: NegotiationOutcome | None = None,
+) -> Admission:
+    """The vote on one admission, before any lease or DMA.
+
+    - `stopped`: this rank's admission is stopped (`admission_stopped`);
+    - `peer`: the instance the admission names ("" for none: a published
+      engine ticket, claimed later by its first OPEN), `paired` whether this
+      rank pairs with it, `left` whether that instance left the fleet;
+    - `admits_unpaired`: this rank accepts admissions that name no instance;
+    - `negotiation`: the pair's protocol outcome (None when unpaired).
+
+    An instance we do not pair with, or one that left, is refused; so is a
+    pair without an agreed protocol (asked again while it is pending)."""
+    if stopped:
+        return Admission(False, "admit_refused_stopped")
+    if (not paired and (peer or not admits_unpaired)) or (paired and left):
+        return Admission(False, "refused_unknown_instance")
+    if paired and not isinstance(negotiation, Negotiated):
+        if negotiation is None:
+            return Admission(False, "refused_negotiation_pending", renegotiate=True)
+        kind = refusal_kind(negotiation)
+        return Admission(False, f"refused_negotiation_{kind}", renegotiate=kind == "pending")
+    return ADMIT
+
+
+# -- what an action tells the round follower ---------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What one action means for the rank's rounds and its waiters: the
+    `news` its round follower records (None: none), and the local `outcome`
+    the rank remembers now (None: none yet). An outcome that `overrides`
+    replaces one recorded before (bytes that fail verification beat the
+    protocol's cancel of the decided failure); otherwise the first wins."""
+
+    parent: ParentKey
+    news: News | None
+    outcome: LocalOutcome | None = None
+    overrides: bool = False
+
+
+def report_of(action: Action, verified: Callable[[ParentKey], bool]) -> Report | None:
+    """The `Report` of `action`, None for an action that tells the rounds
+    nothing. `verified(parent)` checks the bytes of a parent that settled
+    without a cancel (GEN: every byte checked, S2; CTX: always true); it is
+    asked only then.
+
+    - a cancel intent: news CANCEL (a union: one rank's report suffices);
+    - an admission stop: news FAILURE;
+    - a parent settled by a cancel: no news (its cancel is decided already),
+      local outcome CANCELLED unless one was recorded first;
+    - a parent settled otherwise: news COMPLETION if its bytes verify, else
+      news FAILURE and local outcome FAILED, overriding."""
+    match action:
+        case CancelIntent(parent=parent):
+            return Report(parent, News.CANCEL)
+        case AdmissionStop(parent=parent):
+            return Report(parent, News.FAILURE)
+        case ParentSettled(parent=parent, cancelled=True):
+            return Report(parent, None, LocalOutcome.CANCELLED)
+        case ParentSettled(parent=parent):
+            if verified(parent):
+                return Report(parent, News.COMPLETION)
+            return Report(parent, News.FAILURE, LocalOutcome.FAILED, overrides=True)
+    return None

@@ -163,6 +163,10 @@ class SessionRegistry(Generic[V]):
             return session
         raise self.classify(ticket)
 
+    def find(self, ticket: ContextTicket) -> V | None:
+        """The session installed under exactly `ticket`, or None (no error built)."""
+        return self._live.get(ticket)
+
     def classify(self, ticket: ContextTicket) -> ProtocolError:
         """The error a lookup of a non-installed `ticket` raises (returned, not raised)."""
         if ticket in self._live:

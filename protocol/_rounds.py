@@ -86,6 +86,7 @@ __all__ = [
     "RoundOrderError",
     "RoundPhaseError",
     "RoundPhase",
+    "News",
     "RoundLeader",
     "RoundFollower",
 ]
@@ -286,6 +287,14 @@ class RoundOrderError(RoundError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.rank, self.what, self.got, self.expected))
+
+
+class News(enum.Enum):
+    """What a rank tells its round follower about one parent between rounds."""
+
+    CANCEL = "cancel"  # a cancel intent (a union)
+    FAILURE = "failure"  # the parent failed here (a union)
+    COMPLETION = "completion"  # every local edge completed and verified (an intersection)
 
 
 class RoundPhase(enum.Enum):
@@ -743,6 +752,17 @@ class RoundFollower:
         """Report ``parent`` complete here until a decision settles it (an
         intersection: every rank must report it in the same round)."""
         self._completions.add(parent)
+
+    def record(self, news: News, parent: ParentKey) -> None:
+        """Record one piece of `news` about `parent` (protocol/_decision.py
+        `report_of` says which an action carries)."""
+        match news:
+            case News.CANCEL:
+                self.record_cancel(parent)
+            case News.FAILURE:
+                self.record_failure(parent)
+            case News.COMPLETION:
+                self.record_completion(parent)
 
     def record_prepared(self, parent: ParentKey) -> None:
         """Report every local edge of ``parent`` prepared until a decision

@@ -314,6 +314,10 @@ class Transition:
 
 
 _PS, _ES, _PE, _EE, _FX = ParentState, EdgeState, ParentEvent, EdgeEvent, Effect
+#: Parent states in which a rank's local outcome cannot change any more.
+_AT_REST = frozenset((_PS.RELEASED, _PS.QUARANTINED, _PS.DECODE_READY))
+#: GEN parent states in which a CTX WRITE may be in flight toward the rank.
+_WRITE_TARGET = frozenset((_PS.INSTALLED, _PS.CANCELLING, _PS.QUARANTINED))
 
 
 def _t(next_state: enum.Enum, *effects: Effect) -> Transition:
@@ -985,6 +989,50 @@ class _Rank:
             record.state is _PS.QUARANTINED for record in self._parents.values()
         )
 
+    def is_live(self, parent: ParentKey) -> bool:
+        """Whether `parent` is live here (admitted and not yet released)."""
+        return parent in self._parents
+
+    def is_admitted(self, parent: ParentKey) -> bool:
+        """Whether `parent` is live and ADMITTED: leased (by our vote, or an
+        applied admission) and nothing else has happened to it yet. A GEN
+        opens only such a parent (one cancelled meanwhile opens nothing);
+        frames for such a parent may wait for its admission to apply."""
+        record = self._parents.get(parent)
+        return record is not None and record.state is _PS.ADMITTED
+
+    def at_rest(self, parent: ParentKey) -> bool:
+        """Whether `parent`'s local outcome can no longer change here: it is
+        not live, or live only as RELEASED, QUARANTINED or DECODE_READY."""
+        record = self._parents.get(parent)
+        return record is None or record.state in _AT_REST
+
+    def quarantined_parents(self) -> list[ParentKey]:
+        """The live parents whose blocks are quarantined here."""
+        return [key for key, record in self._parents.items() if record.state is _PS.QUARANTINED]
+
+    def phase(self, parent: ParentKey) -> dict[str, Any] | None:
+        """`parent`'s state and its edges' (for tests, the demo and traces),
+        None if it is not live."""
+        record = self._parents.get(parent)
+        if record is None:
+            return None
+        edges = [e.evidence() for e in record.edges.values()]
+        return {
+            "state": record.state.value,
+            "edges": sorted(e.state.value for e in edges),
+            "posted": sum(e.posted for e in edges),
+            "in_flight": sum(len(e.in_flight) for e in edges),
+        }
+
+    def may_post(self, ticket: ContextTicket) -> bool:
+        """Whether a chunk of `ticket`'s edge may start now: the edge is
+        POSTING (False for an edge that stopped posting, ended, or is not
+        known here). The staged data plane asks before it starts a queued
+        chunk; one it may not start is reported failed, unposted."""
+        edge = self._sessions.find(ticket)
+        return edge is not None and edge.state is _ES.POSTING
+
     def is_cancelled(self, parent: ParentKey) -> bool:
         record = self._parents.get(parent)
         return record is not None and record.cancel_reason is not None
@@ -1428,6 +1476,17 @@ class CtxRank(_Rank):
         if record.edges or record.state not in (_PS.ADMITTED, _PS.RESIDENT):
             raise LeaseError(f"{parent!r}: its edges are bound already (state {record.state.value})")
         record.expected_edges = edges
+
+    def unbind_unopened(self, parent: ParentKey) -> bool:
+        """Undo `bind_edges` after the OPEN that bound `parent` was refused:
+        True (its pair is unbound; the next OPEN may bind it) if no edge of
+        it is recorded here, False (it stays bound) otherwise, or if it is
+        not live."""
+        record = self._parents.get(parent)
+        if record is None or record.edges:
+            return False
+        record.expected_edges = 0
+        return True
 
     def prefilled(self, parent: ParentKey) -> list[Action]:
         """Prefill finished: the KV is resident and OPENs may be prepared."""
@@ -1934,6 +1993,19 @@ class GenRank(_Rank):
         if self._dead_writers:  # an edge toward a writer already confirmed dead
             actions += self._dead_proof(record, now)
         return actions
+
+    def may_be_written(self) -> bool:
+        """Whether a CTX WRITE may be in flight toward this rank: a live parent
+        is INSTALLED, CANCELLING or QUARANTINED (the staged data plane keeps
+        polling meanwhile)."""
+        return any(record.state in _WRITE_TARGET for record in self._parents.values())
+
+    def may_scatter(self, parent: ParentKey) -> bool:
+        """Whether bytes staged for `parent` may be copied into its lease now:
+        it is live, INSTALLED (not cancelled, decode-ready, released or
+        quarantined) and its lease is held. Never write an ended lease (S1)."""
+        record = self._parents.get(parent)
+        return record is not None and record.state is _PS.INSTALLED and self.pool.holds(parent)
 
     def receive_ready(self, message: Ready, now: float) -> list[Action]:
         """READY for an exact session: the CTX topology decided; DMA may happen."""

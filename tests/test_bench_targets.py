@@ -163,3 +163,20 @@ def test_the_soak_target_is_the_largest_served_slope_after_the_warm_up() -> None
     assert missed["met"] is False and "NOT warmed up" in missed["note"]
     headers, rows = soak_table(soak)
     assert [r[0] for r in rows] == ["gen0", "driver"] and rows[0][2] == 4000 / (1 << 20)
+
+
+def test_the_soak_warm_up_lasts_until_every_bounded_memory_forgets() -> None:
+    from kvhandoff.actors._bench_soak import memories_full
+
+    def memory(entries: int, by_age: int = 0, by_bytes: int = 0) -> dict[str, int]:
+        return {"entries": entries, "bytes": 100 * entries, "dropped_by_age": by_age, "dropped_by_bytes": by_bytes}
+
+    stats = {
+        "coordinators": {"ctx": {"memory": {"resident_bytes": 1, "outcomes": memory(7, by_age=3), "peers": memory(0)}}},
+        "ranks": [{"memory": {"outcomes": memory(7, by_bytes=1), "transfer_timings": memory(2)}}],
+    }
+    # The rank's timings still fill (nothing dropped yet): not warm.
+    assert not memories_full(stats)
+    stats["ranks"][0]["memory"]["transfer_timings"] = memory(2, by_age=1)
+    # An empty memory (no peers in a one-pair deployment) never fills: not waited for.
+    assert memories_full(stats)

@@ -48,3 +48,35 @@ def test_the_stager_does_not_import_the_rank_package() -> None:
     code = "import sys, kvhandoff.actors._stager; print(sorted(m for m in sys.modules if m.startswith('kvhandoff.actors.rank')))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+#: What a module that branches on session state names: the states themselves
+#: and the queries that return them. The actors ask the protocol's verdicts
+#: instead (`admission_verdict`, `report_of`, `decision_steps`, `may_post`,
+#: `may_scatter`, `is_admitted`, `at_rest`, ...: protocol/_decision.py,
+#: protocol/_session.py).
+SESSION_STATE_NAMES = frozenset({"ParentState", "EdgeState", "TerminalKind", "live_state", "parent_state", "evidence"})
+
+
+def _names_in(path: Path) -> set[str]:
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Name) and node.id in SESSION_STATE_NAMES:
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute) and node.attr in SESSION_STATE_NAMES:
+            found.add(node.attr)
+        elif isinstance(node, ast.alias) and node.name in SESSION_STATE_NAMES:
+            found.add(node.name)
+    return found
+
+
+def test_no_actor_module_branches_on_session_state() -> None:
+    """Issue 22's review by grep, made a test: no module of actors/ or
+    integrations/ names a session state or asks for one. Every protocol
+    decision the shell performs is a verdict the protocol returns."""
+    modules = [*sorted((ROOT / "actors").rglob("*.py")), *sorted((ROOT / "integrations").rglob("*.py"))]
+    assert len(modules) > 20
+    found = {str(p.relative_to(ROOT)): sorted(names) for p in modules if (names := _names_in(p))}
+    assert found == {}

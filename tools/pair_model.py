@@ -76,6 +76,7 @@ from kvhandoff.protocol import (
     decode_frame,
     encode_frame,
     reject_for,
+    report_of,
 )
 
 __all__ = [
@@ -610,16 +611,15 @@ class Pair:
         follower (an old incarnation's is void, as its reports are refused)."""
         for action in actions:
             self.actions.append(action)
-            if isinstance(action, (CancelIntent, AdmissionStop, ParentSettled)):
+            # The rank's verdict on what the action tells its rounds is the
+            # protocol's (`report_of`, as the actor's `_report`); the model's
+            # bytes always verify (the writes it plays carry no payload).
+            report = report_of(action, lambda _parent: True)
+            if report is not None and report.news is not None:
                 assert by is not None, f"harness: {action!r} performed without the rank that produced it"
                 follower = self._follower(by)
                 if follower is not None:
-                    if isinstance(action, CancelIntent):
-                        follower.record_cancel(action.parent)
-                    elif isinstance(action, AdmissionStop):
-                        follower.record_failure(action.parent)
-                    elif not action.cancelled:
-                        follower.record_completion(action.parent)
+                    follower.record(report.news, report.parent)
             match action:
                 case SendMessage(to=to, message=message):
                     rank = to.ns.rank

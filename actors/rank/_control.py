@@ -31,22 +31,23 @@ from kvhandoff.protocol import (
     Open,
     ParentKey,
     ParentSettled,
-    ParentState,
     PoolError,
     ProtocolError,
     Quarantine,
     Release,
+    Report,
     Role,
     RoundDecision,
     RoundProposal,
     SendMessage,
     Step,
     StopPosting,
+    admission_verdict,
     apply_step,
     decision_steps,
     decode_frame,
-    refusal_kind,
     reject_for,
+    report_of,
 )
 from kvhandoff.topology import blocks_for_tokens
 
@@ -103,23 +104,22 @@ class _ControlPlane(_RankState):
         ok = []
         stopped = self.side.admission_stopped()
         for request in proposal.admissions:
-            if stopped:
-                self.counters["admit_refused_stopped"] += 1
-                continue
             peer = request.peer_instance or ("" if self.config.fleet else self._default_peer)
             pair = self._pairs.get(peer) if peer else None
-            if (pair is None and (peer or not self.admits_unpaired)) or (pair is not None and pair.left):
-                # An instance we do not pair with (unknown, or it left): refused.
-                self.counters["refused_unknown_instance"] += 1
-                continue
-            # No agreed protocol with that instance: admit nothing (refused
-            # before any lease or DMA). An unpaired admission (a published
-            # engine ticket) is checked against its pair at its first OPEN.
-            if pair is not None and not isinstance(pair.negotiation, Negotiated):
-                refusal = refusal_kind(pair.negotiation)
-                if refusal == "pending":
+            verdict = admission_verdict(
+                stopped=stopped,
+                peer=peer,
+                paired=pair is not None,
+                left=pair is not None and pair.left,
+                admits_unpaired=self.admits_unpaired,
+                negotiation=pair.negotiation if pair is not None else None,
+            )
+            if not verdict.admit:
+                # Refused before any lease or DMA (an unpaired admission, a
+                # published engine ticket, is checked at its first OPEN).
+                self.counters[verdict.refusal] += 1
+                if verdict.renegotiate and pair is not None:
                     self._renegotiate(pair)
-                self.counters[f"refused_negotiation_{refusal}"] += 1
                 continue
             try:
                 n = blocks_for_tokens(self.config.layout, request.num_tokens)
@@ -244,7 +244,7 @@ class _ControlPlane(_RankState):
 
     def _leased_unapplied(self, parent: ParentKey) -> bool:
         """Whether `parent` is leased in our vote and its admission not applied."""
-        return self.side.live_state(parent) is ParentState.ADMITTED
+        return self.side.is_admitted(parent)
 
     def _replay_parked(self) -> None:
         """Parents that left the leased-in-vote state get their parked frames
@@ -285,14 +285,10 @@ class _ControlPlane(_RankState):
 
     async def phase(self, parent: ParentKey) -> dict[str, Any]:
         """The parent's local state and its edges' states (for tests and the demo)."""
-        state = self.side.live_state(parent)
-        edges = self.side.edges(parent) if state is not None else {}
-        return {
-            "state": state.value if state is not None else self._outcome.get(parent),
-            "edges": sorted(e.state.value for e in edges.values()),
-            "posted": sum(e.posted for e in edges.values()),
-            "in_flight": sum(len(e.in_flight) for e in edges.values()),
-        }
+        phase = self.side.phase(parent)
+        if phase is None:  # not live here: its outcome, if it has one
+            return {"state": self._outcome.get(parent), "edges": [], "posted": 0, "in_flight": 0}
+        return phase
 
     # -- performing actions --------------------------------------------------------------
 
@@ -321,15 +317,10 @@ class _ControlPlane(_RankState):
                     self.counters["quarantined"] += 1
                     log.warning("rank %s quarantined %s: %s", self.ns, parent, reason)
                     self._finish(parent, action.outcome)
-                case AdmissionStop(parent=parent, reason=reason):
-                    self.counters["admission_stop"] += 1
-                    self.member.record_failure(parent)
-                    self._nudge()
-                case CancelIntent(parent=parent):
-                    self.member.record_cancel(parent)
-                    self._nudge()
-                case ParentSettled(parent=parent, cancelled=cancelled, evidence=evidence):
-                    self._settled(parent, cancelled, evidence)
+                case AdmissionStop() | CancelIntent() | ParentSettled():
+                    if isinstance(action, AdmissionStop):
+                        self.counters["admission_stop"] += 1
+                    self._report(report_of(action, self._bytes_ok))
                 case CleanupSkipped():
                     self.counters["cleanup_skipped"] += 1
                 case CancelDeferred():
@@ -431,16 +422,18 @@ class _ControlPlane(_RankState):
             self.counters["frame_calls"] += 1
             self._own(handle.receive_frames.remote(frames))
 
-    def _settled(self, parent: ParentKey, cancelled: bool, evidence: Any) -> None:
-        """Every local edge of `parent` is terminal. A cancelled parent is released
-        by the protocol once its cancel is decided; a success feeds the completion
-        round (GEN verifies every byte first: S2, `_bytes_ok`)."""
-        if cancelled:
-            self._outcome.setdefault(parent, LocalOutcome.CANCELLED, time.monotonic())
+    def _report(self, report: Report | None) -> None:
+        """Perform a `Report` (protocol `report_of`): the news for this rank's
+        round follower, and the local outcome it fixes. A cancelled parent is
+        released by the protocol once its cancel is decided; a success feeds
+        the completion round (GEN verifies every byte first: S2, `_bytes_ok`)."""
+        if report is None:
             return
-        if not self._bytes_ok(parent):
-            self.member.record_failure(parent)
-            self._outcome.remember(parent, LocalOutcome.FAILED, time.monotonic())
-        else:
-            self.member.record_completion(parent)
-        self._nudge()
+        if report.outcome is not None:
+            if report.overrides:
+                self._outcome.remember(report.parent, report.outcome, time.monotonic())
+            else:
+                self._outcome.setdefault(report.parent, report.outcome, time.monotonic())
+        if report.news is not None:
+            self.member.follower.record(report.news, report.parent)
+            self._nudge()

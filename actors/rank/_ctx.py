@@ -182,7 +182,7 @@ class CtxRankCore(RankCore):
         try:
             return self._receive_open(message, pair, now)
         except ProtocolError:
-            if binding and not self.side.edges(parent):
+            if binding and self.side.unbind_unopened(parent):
                 self._pair_of.pop(parent, None)
             raise
 

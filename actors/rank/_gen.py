@@ -29,7 +29,6 @@ from kvhandoff.protocol import (
     MemoryKind,
     Negotiated,
     ParentKey,
-    ParentState,
     ProtocolError,
     Role,
     StageWrite,
@@ -76,7 +75,7 @@ class GenRankCore(RankCore):
         return (
             super()._stage_polling()
             or (self._reader is not None and self._reader.pending() > 0)
-            or self.side.any_live(_TARGET_STATES)
+            or self.side.may_be_written()
         )
 
     def _poll_chunks(self, now: float) -> bool:
@@ -212,7 +211,7 @@ class GenRankCore(RankCore):
         """GEN: install `parent`'s session and send OPEN on each of our edges
         (await-free: called while applying the admission). A CTX endpoint we
         do not know yet (a CTX rank restarted) is looked up first."""
-        if self.side.live_state(parent) is not ParentState.ADMITTED:
+        if not self.side.is_admitted(parent):
             return  # cancelled (and released) meanwhile: nothing to open
         if self._defer_open:
             deferred = self._defer_open.get(parent.request_id)
@@ -300,6 +299,3 @@ class GenRankCore(RankCore):
         self._perform(actions)
         return verified
 
-
-#: GEN parent states in which a CTX WRITE may be in flight toward this rank.
-_TARGET_STATES = (ParentState.INSTALLED, ParentState.CANCELLING, ParentState.QUARANTINED)

@@ -20,7 +20,7 @@ from kvhandoff.actors._metrics import resident_bytes
 from kvhandoff.actors._pattern import expected_blocks, request_seed
 from kvhandoff.actors.rank._config import log
 from kvhandoff.actors.rank._state import _RankState
-from kvhandoff.protocol import DecodeError, LocalOutcome, ParentKey, ParentState, decode_stage
+from kvhandoff.protocol import DecodeError, LocalOutcome, ParentKey, decode_stage
 from kvhandoff.protocol import summary as negotiation_summary
 
 
@@ -170,12 +170,9 @@ class _Polling(_RankState):
         that ended it was applied here) passes `absent`: the answer for a
         parent this rank never held."""
         self._ensure_polling()
-        state = self.side.live_state(parent)
-        if absent is not None and state is None and parent not in self._outcome:
+        if absent is not None and not self.side.is_live(parent) and parent not in self._outcome:
             return absent
-        if parent in self._outcome and (
-            state is None or state in (ParentState.RELEASED, ParentState.QUARANTINED, ParentState.DECODE_READY)
-        ):
+        if parent in self._outcome and self.side.at_rest(parent):
             return self._outcome[parent]
         future: asyncio.Future[LocalOutcome] = asyncio.get_running_loop().create_future()
         self._waiters[parent].append(future)
@@ -256,9 +253,7 @@ class _Polling(_RankState):
         instance each pairs with and every edge's evidence, so a report
         says whose proof is still missing."""
         out: list[dict[str, Any]] = []
-        for parent, state in self.side.parents().items():
-            if state is not ParentState.QUARANTINED:
-                continue
+        for parent in self.side.quarantined_parents():
             if len(out) == limit:
                 break
             edges = [
