@@ -2,13 +2,16 @@
 
 The explorer drives the real protocol objects (`CtxRank`, `GenRank`, their
 block pools and session registries) through the pair model
-(`tools/pair_model.py`: encoded frames on the wire, a model of the DMA
-chunks in flight, the agreement rounds as the coordinators decide them). It
-enumerates, breadth first, every sequence of events a world can take:
+(`tools/pair_model.py`: a CTX instance of one or two ranks and a GEN
+instance of one or two, wired by the shard map; encoded frames on the wire,
+a model of the DMA chunks in flight, the agreement rounds as the
+coordinators' real round leaders decide them). It enumerates, breadth
+first, every sequence of events a world can take:
 
-- per request: admission (both instances lease), prefill, each GEN rank's
-  install (its OPEN), the CTX decision once every edge is prepared, the
-  consumer's free once decode-ready;
+- per request: admission (both instances lease), each CTX rank's prefill,
+  each GEN rank's install (its OPENs), the decision once every edge is
+  prepared (a one-rank CTX instance decides alone; with two CTX ranks the
+  CTX round decides, in `rounds`), the consumer's free once decode-ready;
 - the wire: any queued frame delivered next (reordering), or lost, or
   delivered twice;
 - the data plane: any posted chunk ends DONE or ERR, or fails part-way (an
@@ -17,7 +20,7 @@ enumerates, breadth first, every sequence of events a world can take:
 - a round (cancels, NOT_STARTED verdicts, completions);
 - time passing every deadline (the timers fire);
 - a rank death: a GEN or CTX rank restarts with a new epoch, and the
-  directory later confirms the old GEN incarnation dead.
+  directory later confirms the old incarnation dead.
 
 Loss, duplication, ERRs, partial failures, cancels, timer firings and deaths
 each have a budget per world, so the space is finite. States are hashed (a
@@ -34,9 +37,10 @@ every timer) and checks L1 (every request ended) and L2 (no lease left:
 free + quarantined = pool, and a quarantine only where a write may still
 land). A violation is reported with its shortest trace, as readable steps.
 
-The bounds are named worlds (`CONFIGS`): `default` is CI's (every pair of
-fault kinds, each world explored to completion, ~183,000 states in about
-three minutes on a 2-core box), `large` runs on demand.
+The bounds are named worlds (`CONFIGS`): `default` is CI's (pairs of fault
+kinds on TP 1 -> 1, 1 -> 2, 2 -> 1 and 2 -> 2, each world explored to
+completion, ~265,000 states in about two and a half minutes on a 2-core
+box), `large` runs on demand.
 ``--planted tests/mutation/mutants.toml`` runs the explorer once per
 protocol mutant listed in `PLANTED` (in a scratch copy of the source, as
 tests/mutation/run.py does) and counts those it finds.
@@ -57,13 +61,13 @@ import sys
 import tempfile
 import time
 import tomllib
-from functools import partial
 from typing import Any
 
 from kvhandoff.protocol import (
     Cancel,
     CancelReason,
-    Endpoint,
+    CtxRank,
+    GenRank,
     Open,
     ParentKey,
     ParentState,
@@ -85,7 +89,8 @@ class Config:
     """The bounds of one exploration."""
 
     name: str
-    gen_ranks: int = 1  # GEN instance TP (the CTX instance has one rank)
+    gen_ranks: int = 1  # GEN instance TP
+    ctx_ranks: int = 1  # CTX instance TP (several: its round decides a prepared parent)
     requests: int = 1
     chunks: int = 2  # chunks per edge
     window: int = 1  # chunks a CTX edge keeps posted at once
@@ -108,8 +113,8 @@ class Config:
 
 
 #: Named bounds. `default` is CI's (a bounded run on a 2-core box); `large`
-#: runs on demand. The topology is a CTX instance of one rank and a GEN
-#: instance of `gen_ranks` (the pair model's shape).
+#: runs on demand. The topology is a CTX instance of `ctx_ranks` and a GEN
+#: instance of `gen_ranks`, wired by the shard map's edges.
 def _world(name: str, **bounds: int) -> Config:
     """A world with only the faults named (a budget is at most: a world
     holds every path with fewer of them too)."""
@@ -117,21 +122,29 @@ def _world(name: str, **bounds: int) -> Config:
     return Config(name, **{**none, **bounds})
 
 
-#: The default worlds: every pair of fault kinds (restart, cancel, deadline,
-#: duplicate, reordering, ERR and partial failure) on a TP 1 -> 1 handoff of
-#: two chunks, pairs on TP 1 -> 2, and two concurrent handoffs. Each runs to
-#: completion (every interleaving, to the end): ~224,000 states, about three
-#: minutes on a 2-core box (two worlds at a time).
+#: The default worlds: pairs of fault kinds (restart, cancel, deadline,
+#: duplicate, reordering, ERR and partial failure) on TP 1 -> 1 handoffs of
+#: two chunks, on TP 1 -> 2, TP 2 -> 1 and TP 2 -> 2 (where a CTX round
+#: decides what every CTX rank reported prepared), and two concurrent
+#: handoffs. Each runs to completion (every interleaving, to the end):
+#: ~270,000 states, a little over two minutes on a 2-core box (two worlds at
+#: a time).
 _DEFAULT = [  # largest first: two workers finish about together
-    _world("tp2-err-dup", gen_ranks=2, chunks=1, errs=1, partials=1, dups=1),
-    _world("tp2-restart-reorder", gen_ranks=2, chunks=1, restarts=1, reorders=1),
-    _world("tp2-cancel-deadline", gen_ranks=2, chunks=1, cancels=1, expiries=1),
-    _world("tp1x2-requests-reorder", requests=2, chunks=1, reorders=1),
+    _world("ctx2-gen1-cancel-deadline", ctx_ranks=2, chunks=1, cancels=1, expiries=1),
     _world("tp1-err-dup-cancel-deadline", chunks=2, window=2, errs=1, partials=1, dups=1, cancels=1, expiries=1),
-    _world("tp1-restart-dup-cancel", chunks=2, restarts=1, dups=1, cancels=1),
+    _world("tp2-restart-reorder", gen_ranks=2, chunks=1, restarts=1, reorders=1),
+    _world("tp2-err-dup", gen_ranks=2, chunks=1, errs=1, partials=1, dups=1),
+    _world("ctx2-gen1-restart-err", ctx_ranks=2, chunks=1, restarts=1, errs=1, partials=1),
+    _world("ctx2-gen2-err-dup", ctx_ranks=2, gen_ranks=2, chunks=1, errs=1, partials=1, dups=1),
+    _world("tp1x2-requests-reorder", requests=2, chunks=1, reorders=1),
     _world("tp1-restart-cancel-deadline", chunks=2, window=2, restarts=1, cancels=1, expiries=1),
+    _world("tp1-restart-dup-cancel", chunks=2, restarts=1, dups=1, cancels=1),
+    _world("ctx2-gen2-restart", ctx_ranks=2, gen_ranks=2, chunks=1, restarts=1),
+    _world("ctx2-gen1-reorder-cancel", ctx_ranks=2, chunks=1, reorders=1, cancels=1),
     _world("tp1-restart-err-cancel", chunks=2, restarts=1, errs=1, partials=1, cancels=1),
+    _world("ctx2-gen2-cancel", ctx_ranks=2, gen_ranks=2, chunks=1, cancels=1),
     _world("tp1-reorder-cancel-deadline", chunks=2, reorders=1, cancels=1, expiries=1),
+    _world("ctx2-gen1-dup-reorder", ctx_ranks=2, chunks=1, dups=1, reorders=1),
 ]
 
 #: Named bounds. `default` is CI's; `quick` is what each planted bug is
@@ -143,6 +156,9 @@ CONFIGS: dict[str, list[Config]] = {
     "large": [
         _world("tp1-everything", chunks=2, window=2, restarts=1, errs=1, partials=1, dups=1, cancels=2, expiries=1),
         _world("tp2-everything", gen_ranks=2, chunks=1, restarts=1, errs=1, partials=1, dups=1, cancels=1, expiries=1),
+        _world("tp2-cancel-deadline", gen_ranks=2, chunks=1, cancels=1, expiries=1),
+        _world("ctx2-gen1-restart-cancel", ctx_ranks=2, chunks=1, restarts=1, cancels=1),
+        _world("ctx2-gen2-cancel-deadline", ctx_ranks=2, gen_ranks=2, chunks=1, cancels=1, expiries=1),
         _world("tp1x2-cancel-deadline-reorder", requests=2, chunks=1, cancels=1, expiries=1, reorders=1),
     ],
     # Frames lost between live ranks: outside the carriers' fault model (a Ray
@@ -155,6 +171,7 @@ CONFIGS: dict[str, list[Config]] = {
         _world("tp1-loss-cancel-deadline", chunks=2, drops=1, cancels=1, expiries=1),
         _world("tp1-loss-err-dup", chunks=2, window=2, drops=1, errs=1, partials=1, dups=1),
         _world("tp2-loss-cancel", gen_ranks=2, chunks=1, drops=1, cancels=1),
+        _world("ctx2-loss-cancel", ctx_ranks=2, chunks=1, drops=1, cancels=1),
         _world("tp1x2-loss-reorder", requests=2, chunks=1, drops=1, reorders=1),
     ],
 }
@@ -175,6 +192,7 @@ PLANTED = (
     "prepared-early",
     "table-unknown-not-absorbing",
     "cancel-decided-not-recorded",
+    "rounds-prepared-first-rank",
 )
 
 
@@ -224,6 +242,7 @@ class World(Pair):
     def __init__(self, config: Config) -> None:
         super().__init__(
             n_gen=config.gen_ranks,
+            n_ctx=config.ctx_ranks,
             ctx_blocks=config.requests,
             gen_blocks=config.requests,
             chunk_window=config.window,
@@ -244,24 +263,24 @@ class World(Pair):
         self.requests = [parent_key(n) for n in range(1, config.requests + 1)]
         self.admitted: set[ParentKey] = set()
         self.restarted_gens: list[tuple[int, int]] = []  # (rank, old epoch) not yet confirmed dead
-        self.restarted_ctx: list[int] = []  # old CTX epochs not yet confirmed dead
+        self.restarted_ctx: list[tuple[int, int]] = []  # (rank, old epoch) not yet confirmed dead
 
     # ---- the events --------------------------------------------------
 
     def events(self) -> list[Event]:
         """Every event enabled now (duplicates of one frame listed once)."""
         out: list[Event] = []
-        ctx_parents = self.ctx.parents()
         for p in self.requests:
             if p not in self.admitted:
                 out.append(("admit", p))
                 continue
-            if ctx_parents.get(p) is ParentState.ADMITTED:
-                out.append(("prefill", p))
+            for c, ctx in enumerate(self.ctxs):
+                if ctx.parents().get(p) is ParentState.ADMITTED:
+                    out.append(("prefill", p, c))
             for g, gen in enumerate(self.gens):
                 if gen.parents().get(p) is ParentState.ADMITTED:
                     out.append(("install", p, g))
-            if p in ctx_parents and self.all_prepared(p):
+            if self.all_prepared(p):  # a one-rank CTX instance decides alone
                 out.append(("decide", p))
             if p in self.decode_ready:
                 out.append(("free", p))
@@ -290,7 +309,7 @@ class World(Pair):
             if self.budget["dup"]:
                 out.append(("dup", i))
         for key, write in self.in_flight.items():
-            if write.ctx_epoch != self.ctx.our.epoch:
+            if not self.polled(write):
                 continue  # nobody polls it any more
             out.append(("done", key))
             if self.budget["err"]:
@@ -304,11 +323,12 @@ class World(Pair):
         if self.budget["restart"]:
             for g in range(len(self.gens)):
                 out.append(("restart_gen", g))
-            out.append(("restart_ctx",))
+            for c in range(len(self.ctxs)):
+                out.append(("restart_ctx", c))
         for gen_rank, epoch in self.restarted_gens:
             out.append(("confirm_dead", gen_rank, epoch))
-        for epoch in self.restarted_ctx:
-            out.append(("confirm_ctx_dead", epoch))
+        for ctx_rank, epoch in self.restarted_ctx:
+            out.append(("confirm_ctx_dead", ctx_rank, epoch))
         return out
 
     def apply(self, event: Event) -> object:
@@ -339,8 +359,8 @@ class World(Pair):
             self.admit(p, blocks=1, chunks=self.config.chunks, lease=5.0)
             return f"both instances admit {p.request_id} (each rank leases)"
         if kind == "prefill":
-            self.prefill(event[1])
-            return f"CTX prefills {event[1].request_id}"
+            self.prefill(event[1], event[2])
+            return f"CTX rank {event[2]} prefills {event[1].request_id}"
         if kind == "install":
             p, g = event[1], event[2]
             self._install_one(p, g)
@@ -360,7 +380,7 @@ class World(Pair):
                 protocol_call("S3", f"cancel({p!r})", lambda: rank.cancel(p, CancelReason.CLIENT, self.now)),
                 rank,
             )
-            return f"{_who(r)} cancels {p.request_id}"
+            return f"{self._who(r)} cancels {p.request_id}"
         if kind in ("deliver", "drop", "dup"):
             i = event[1]
             env = self.queue[i]
@@ -375,11 +395,14 @@ class World(Pair):
             parent, channel = _frame_info(env)
             if any(_frame_info(e) == (parent, channel) for e in self.queue[:i]):
                 self.budget["reorder"] -= 1  # it overtakes an earlier frame of its channel
-            before = [x.snapshot() for x in self.ranks()]
+            # S3: a refused frame changes nothing on the rank it is delivered to
+            # (the only rank the delivery calls).
+            receiver = self._receiver(env)
+            before = receiver.snapshot() if receiver is not None else None
             queued = len(self.queue) - 1
             error = self.deliver(i)
             if error is not None:
-                after = [x.snapshot() for x in self.ranks()]
+                after = receiver.snapshot() if receiver is not None else None
                 if after != before:
                     raise Violation("S3", f"refused {_FrameLabel('', env)} ({error!r}) changed state")
                 suffix = f": refused ({type(error).__name__})" + (
@@ -390,7 +413,7 @@ class World(Pair):
         if kind in ("done", "err", "partial"):
             key = event[1]
             ticket, index = key
-            what = f"chunk {index} of {ticket.request_id} -> gen{ticket.gen.ns.rank}"
+            what = f"chunk {index} of {ticket.request_id} ctx{ticket.ctx.ns.rank} -> gen{ticket.gen.ns.rank}"
             if kind == "partial":
                 self.budget["partial"] -= 1
                 self.fail_chunk_partially(key)
@@ -415,25 +438,23 @@ class World(Pair):
             self.restarted_gens.append((g, old))
             return f"GEN rank {g} dies; epoch {old + 1} replaces it"
         if kind == "restart_ctx":
+            c = event[1]
             self.budget["restart"] -= 1
-            old = self.ctx.our.epoch
-            self.restart_ctx(notify=True)
-            self.restarted_ctx.append(old)
-            return f"the CTX rank dies; epoch {old + 1} replaces it"
+            old = self.ctxs[c].our.epoch
+            self.restart_ctx(c, notify=True)
+            self.restarted_ctx.append((c, old))
+            return f"CTX rank {c} dies; epoch {old + 1} replaces it"
         if kind == "confirm_dead":
             g, epoch = event[1], event[2]
             self.restarted_gens.remove((g, epoch))
             self.confirm_gen_dead(g, epoch)
             return f"the directory confirms GEN rank {g} epoch {epoch} dead"
         if kind == "confirm_ctx_dead":
-            epoch = event[1]
-            self.restarted_ctx.remove(epoch)
-            dead = Endpoint(ns=self.ctx.our.ns, epoch=epoch)
+            c, epoch = event[1], event[2]
+            self.restarted_ctx.remove((c, epoch))
             # Its process is gone and confirmed so: its writes land nowhere now.
-            self.in_flight = {k: w for k, w in self.in_flight.items() if w.ctx_epoch != epoch}
-            for g, gen in enumerate(self.gens):
-                self._act("S1", f"gen{g} peer_dead", partial(gen.peer_dead, dead, self.now), gen)
-            return f"the directory confirms CTX epoch {epoch} dead"
+            self.confirm_ctx_dead(c, epoch)
+            return f"the directory confirms CTX rank {c} epoch {epoch} dead"
         raise ValueError(f"unknown event {event!r}")
 
     def _rounds_due(self) -> bool:
@@ -445,26 +466,22 @@ class World(Pair):
         """The rank actor keeps a frame of a parent its rank leased but whose
         admission it has not applied (ADMITTED) until the parent moves on
         (`RankCore._park`): such a frame cannot be delivered yet."""
-        if env.to_role is Role.CTX:
-            rank: Any = self.ctx
-        elif 0 <= env.to_rank < len(self.gens):
-            rank = self.gens[env.to_rank]
-        else:
-            return False
-        return rank.parents().get(_frame_info(env)[0]) is ParentState.ADMITTED
+        rank = self._receiver(env)
+        return rank is not None and rank.parents().get(_frame_info(env)[0]) is ParentState.ADMITTED
+
+    def _receiver(self, env: Envelope) -> CtxRank | GenRank | None:
+        """The rank `env` is addressed to (None: no such rank)."""
+        ranks: list[Any] = self.ctxs if env.to_role is Role.CTX else self.gens
+        return ranks[env.to_rank] if 0 <= env.to_rank < len(ranks) else None
 
     def _install_one(self, parent: ParentKey, g: int) -> None:
-        from kvhandoff.protocol import GenEdgeSpec
-        from kvhandoff.tools.pair_model import CHUNK_BYTES, buffer_for, make_ticket
+        self.install(parent, g)
 
-        gen = self.gens[g]
-        spec = GenEdgeSpec(
-            ticket=make_ticket(parent, self.ctx.our, gen.our),
-            buffer=buffer_for(gen.lease(parent), gen.our.epoch),
-            num_tokens=16,
-            expected_bytes=self.chunks[parent] * CHUNK_BYTES,
-        )
-        self._act("S3", f"install({parent!r}) on gen{g}", lambda: gen.install(parent, [spec], self.now), gen)
+    def _who(self, r: int) -> str:
+        """The label of `ranks()[r]`."""
+        if r < len(self.ctxs):
+            return f"CTX rank {r}"
+        return f"GEN rank {r - len(self.ctxs)}"
 
     # ---- canonical form, quiescence, the end ----------------------------
 
@@ -482,10 +499,11 @@ class World(Pair):
         self.prepared = set(sorted(self.prepared, key=repr))
         self.admitted = set(sorted(self.admitted, key=repr))
         self.dead_gens = set(sorted(self.dead_gens))
+        self.dead_ctxs = set(sorted(self.dead_ctxs))
         return pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
 
     def quiescent(self) -> bool:
-        return not self.queue and not any(w.ctx_epoch == self.ctx.our.epoch for w in self.in_flight.values())
+        return not self.queue and not any(self.polled(w) for w in self.in_flight.values())
 
     def check_end(self) -> None:
         """L1 and L2 once everything settles: the directory confirms every
@@ -494,8 +512,8 @@ class World(Pair):
             # The directory confirms every dead incarnation in the end (fair).
             for gen_rank, epoch in list(self.restarted_gens):
                 self._apply(("confirm_dead", gen_rank, epoch))
-            for epoch in list(self.restarted_ctx):
-                self._apply(("confirm_ctx_dead", epoch))
+            for ctx_rank, epoch in list(self.restarted_ctx):
+                self._apply(("confirm_ctx_dead", ctx_rank, epoch))
             self.settle_everything()
             for _ in range(3):  # whatever settling sent (a REJECT, a CANCEL) lands too
                 self.pump()
@@ -509,7 +527,7 @@ class World(Pair):
             raise
         except Exception as exc:
             raise Violation(_invariant_of(exc), str(exc)) from exc
-        strays = {w.ticket.parent for w in self.strays if w.ctx_epoch == self.ctx.our.epoch}
+        strays = {w.ticket.parent for w in self.strays if self.polled(w)}
         for rank in self.ranks():
             for p, state in rank.parents().items():
                 if state is not ParentState.QUARANTINED:
@@ -534,10 +552,6 @@ class _FrameLabel:
     def __str__(self) -> str:
         env = self.env
         return f"{self.prefix}{_frame(env)} -> {env.to_role.value}{env.to_rank}{self.suffix}"
-
-
-def _who(r: int) -> str:
-    return "the CTX rank" if r == 0 else f"GEN rank {r - 1}"
 
 
 def _frame(env: Envelope) -> str:
@@ -670,7 +684,7 @@ def _describe(event: Event) -> str:
         if isinstance(x, ParentKey):
             parts.append(x.request_id)
         elif isinstance(x, tuple) and x and hasattr(x[0], "request_id"):
-            parts.append(f"chunk {x[1]} of {x[0].request_id} -> gen{x[0].gen.ns.rank}")
+            parts.append(f"chunk {x[1]} of {x[0].request_id} ctx{x[0].ctx.ns.rank} -> gen{x[0].gen.ns.rank}")
         else:
             parts.append(str(x))
     return " ".join(parts)

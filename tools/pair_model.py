@@ -1,4 +1,5 @@
-"""A pair model (h11's ConnectionPair): one CtxRank and N GenRanks wired together.
+"""A pair model (h11's ConnectionPair): a CTX instance of M CtxRanks and a GEN
+instance of N GenRanks wired together by the shard map's edges.
 
 The protocol tests (tests/protocol) and the interleaving explorer
 (`kvhandoff explore`, tools/explore.py) drive the real protocol objects
@@ -11,8 +12,10 @@ incarnations each may still touch, for S1), and runs the agreement rounds of
 each instance with the real `RoundLeader` and one `RoundFollower` per rank.
 Ranks apply decisions through the protocol's `decision_steps`/`apply_step`,
 as the rank actor does; news (cancel intents, failures, completions) reaches
-the leader as the actor's does, in rank reports. The one CTX rank decides a
-prepared parent alone, as a one-rank CTX instance does. Tests can hold messages in the queues to reorder, duplicate or drop
+the leader as the actor's does, in rank reports. A one-rank CTX instance
+decides a prepared parent alone (`decide`), as its rank actor does; with
+several CTX ranks each reports the parent prepared and the CTX round decides
+it once every rank has (the leader's intersection). Tests can hold messages in the queues to reorder, duplicate or drop
 them, restart a rank with a new epoch, and move time.
 
 When the protocol misbehaves, the harness reports the broken contract as an
@@ -78,6 +81,7 @@ from kvhandoff.protocol import (
     reject_for,
     report_of,
 )
+from kvhandoff.topology import KVLayout, shard_map
 
 __all__ = [
     "CHUNK_BYTES",
@@ -169,12 +173,22 @@ def buffer_for(refs: Iterable[BlockRef], epoch: int) -> BufferInfo:
     )
 
 
+def model_edges(n_ctx: int, n_gen: int) -> tuple[tuple[int, int], ...]:
+    """The (CTX rank, GEN rank) edges of a TP `n_ctx` -> `n_gen` handoff: the
+    runtime's shard map (`topology.shard_map`) over a layout whose KV heads
+    both TPs divide."""
+    heads = n_ctx * n_gen
+    layout = KVLayout(num_layers=1, num_kv_heads=heads, head_dim=1, dtype="float16", tokens_per_block=1)
+    return shard_map(layout, n_ctx, n_gen).edges
+
+
 @dataclasses.dataclass(frozen=True)
 class Write:
     """One posted chunk: which block incarnations it may still touch."""
 
     ticket: ContextTicket
     index: int
+    ctx_rank: int
     ctx_epoch: int
     gen_epoch: int
     gen_rank: int
@@ -190,7 +204,9 @@ class Envelope:
 
 
 class Pair:
-    """One CTX rank and `n_gen` GEN ranks; every parent has one edge per GEN rank."""
+    """`n_ctx` CTX ranks and `n_gen` GEN ranks; every parent has one edge per
+    edge of the shard map (TP 1 -> N: the CTX rank to each GEN rank; M -> 1:
+    each CTX rank to the GEN rank; N -> N: rank to rank)."""
 
     def __init__(
         self,
@@ -198,6 +214,7 @@ class Pair:
         ctx_blocks: int = 16,
         gen_blocks: int = 16,
         n_gen: int = 1,
+        n_ctx: int = 1,
         chunk_window: int = 2,
         timeout: float = TIMEOUT,
         conservative: bool = False,
@@ -217,15 +234,17 @@ class Pair:
         self.ctx_blocks = ctx_blocks
         self.gen_blocks = gen_blocks
         self.n_gen = n_gen
-        self.ctx = self._new_ctx(1)
+        self.n_ctx = n_ctx
+        self.edges = model_edges(n_ctx, n_gen)
+        self.ctxs = [self._new_ctx(1, c) for c in range(n_ctx)]
         self.gens = [self._new_gen(1, r) for r in range(n_gen)]
         # One round leader per instance and one follower per rank, as the
         # coordinators and the rank actors hold them.
         self.leaders: dict[Role, RoundLeader] = {
-            Role.CTX: RoundLeader(1, epochs={0: 1}),
+            Role.CTX: RoundLeader(n_ctx, epochs=dict.fromkeys(range(n_ctx), 1)),
             Role.GEN: RoundLeader(n_gen, epochs=dict.fromkeys(range(n_gen), 1)),
         }
-        self.ctx_follower = RoundFollower(0, 1)
+        self.ctx_followers = [RoundFollower(c, 1) for c in range(n_ctx)]
         self.gen_followers = [RoundFollower(r, 1) for r in range(n_gen)]
         # What a coordinator adds to its next proposal: failures of a
         # restarted rank's in-flight parents, cancels undoing an admission
@@ -236,23 +255,46 @@ class Pair:
         self.in_flight: dict[tuple[ContextTicket, int], Write] = {}
         self.strays: list[Write] = []  # writes of ERR chunks that may still land
         self.dead_gens: set[tuple[int, int]] = set()  # (rank, epoch) confirmed dead
+        self.dead_ctxs: set[tuple[int, int]] = set()  # (rank, epoch) confirmed dead
         self.chunks: dict[ParentKey, int] = {}  # chunks per edge
         self.actions: list[Action] = []
         self.errors: list[ProtocolError] = []
         self.admission_stopped = False
         self.decode_ready: set[ParentKey] = set()
-        # (CTX epoch, parent) for every Prepared the CTX reported: the round's
-        # `prepared` channel. A parent is decided only once it is here.
-        self.prepared: set[tuple[int, ParentKey]] = set()
+        # (CTX rank, its epoch, parent) for every Prepared a CTX rank
+        # reported: the round's `prepared` channel. A parent is decided only
+        # once it is here (a one-rank CTX instance: `decide`).
+        self.prepared: set[tuple[int, int, ParentKey]] = set()
 
     # ---- construction --------------------------------------------------
 
-    def _new_ctx(self, epoch: int) -> CtxRank:
+    @property
+    def ctx(self) -> CtxRank:
+        """CTX rank 0 (the only one of a one-rank CTX instance)."""
+        return self.ctxs[0]
+
+    @ctx.setter
+    def ctx(self, rank: CtxRank) -> None:
+        self.ctxs[0] = rank
+
+    @property
+    def ctx_follower(self) -> RoundFollower:
+        return self.ctx_followers[0]
+
+    def gens_of(self, ctx_rank: int) -> list[int]:
+        """The GEN ranks CTX rank `ctx_rank` writes (its edges)."""
+        return [g for c, g in self.edges if c == ctx_rank]
+
+    def ctxs_of(self, gen_rank: int) -> list[int]:
+        """The CTX ranks that write GEN rank `gen_rank`."""
+        return [c for c, g in self.edges if g == gen_rank]
+
+    def _new_ctx(self, epoch: int, rank: int = 0) -> CtxRank:
         return CtxRank(
-            ctx_endpoint(epoch),
+            ctx_endpoint(epoch, rank),
             CTX_DIGEST,
             BlockPool(self.ctx_blocks),
-            edges_per_parent=self.n_gen,
+            edges_per_parent=len(self.gens_of(rank)),
             transfer_timeout=self.timeout,
             chunk_window=self.chunk_window,
             conservative=self.conservative,
@@ -268,10 +310,26 @@ class Pair:
         )
 
     def ranks(self) -> list[CtxRank | GenRank]:
-        return [self.ctx, *self.gens]
+        return [*self.ctxs, *self.gens]
 
     def tickets(self, parent: ParentKey) -> list[ContextTicket]:
-        return [make_ticket(parent, self.ctx.our, g.our) for g in self.gens]
+        """One ticket per edge, in the shard map's order."""
+        return [make_ticket(parent, self.ctxs[c].our, self.gens[g].our) for c, g in self.edges]
+
+    def gen_specs(self, parent: ParentKey, gen_rank: int) -> list[GenEdgeSpec]:
+        """What GEN rank `gen_rank` installs for `parent`: one edge per CTX
+        rank that writes it, each over the rank's whole lease."""
+        gen = self.gens[gen_rank]
+        buffer = buffer_for(gen.lease(parent), gen.our.epoch)
+        return [
+            GenEdgeSpec(
+                ticket=make_ticket(parent, self.ctxs[c].our, gen.our),
+                buffer=buffer,
+                num_tokens=16,
+                expected_bytes=self.chunks[parent] * CHUNK_BYTES,
+            )
+            for c in self.ctxs_of(gen_rank)
+        ]
 
     # ---- lifecycle steps (what the actors and rounds would call) -------
 
@@ -289,37 +347,39 @@ class Pair:
         if parent in ctx.admitted and parent not in gen.admitted:
             self.cancels_pending[Role.CTX].add(parent)
 
-    def prefill(self, parent: ParentKey) -> None:
-        self._act("S3", f"prefilled({parent!r})", lambda: self.ctx.prefilled(parent), self.ctx)
+    def prefill(self, parent: ParentKey, ctx_rank: int | None = None) -> None:
+        """CTX rank `ctx_rank` (every CTX rank: None) finished its prefill."""
+        for c in range(self.n_ctx) if ctx_rank is None else (ctx_rank,):
+            ctx = self.ctxs[c]
+            self._act("S3", f"prefilled({parent!r}) on {ctx.our.ns}", partial(ctx.prefilled, parent), ctx)
 
-    def install(self, parent: ParentKey) -> None:
-        chunks = self.chunks[parent]
-        for gen in self.gens:
-            ticket = make_ticket(parent, self.ctx.our, gen.our)
-            spec = GenEdgeSpec(
-                ticket=ticket,
-                buffer=buffer_for(gen.lease(parent), gen.our.epoch),
-                num_tokens=16,
-                expected_bytes=chunks * CHUNK_BYTES,
-            )
+    def install(self, parent: ParentKey, gen_rank: int | None = None) -> None:
+        """GEN rank `gen_rank` (every GEN rank: None) installs its edges of
+        `parent` (one OPEN per edge)."""
+        for g in range(self.n_gen) if gen_rank is None else (gen_rank,):
+            gen = self.gens[g]
             self._act(
                 "S3",
                 f"install({parent!r}) on {gen.our.ns}",
-                partial(gen.install, parent, [spec], self.now),
+                partial(gen.install, parent, self.gen_specs(parent, g), self.now),
                 gen,
             )
 
     def decide(self, parent: ParentKey) -> None:
-        """CTX decision round: only when every edge is prepared (the round's rule)."""
+        """A one-rank CTX instance decides a prepared parent alone (its rank
+        actor does, `decided_alone`); with several ranks the CTX round
+        decides it (`run_rounds`)."""
+        assert self.n_ctx == 1, "harness: a CTX instance of several ranks decides in its round"
         self._act("S3", f"decided({parent!r})", lambda: self.ctx.decided(parent, self.now), self.ctx)
 
     def all_prepared(self, parent: ParentKey) -> bool:
-        """The CTX reported the parent `Prepared` and it is still RESIDENT (the
-        round decides only prepared parents that nobody cancelled)."""
+        """A one-rank CTX instance reported the parent `Prepared` and it is
+        still RESIDENT (only prepared parents nobody cancelled are decided)."""
         return (
-            self.ctx.our.epoch,
-            parent,
-        ) in self.prepared and self.ctx.parent_state(parent) is ParentState.RESIDENT
+            self.n_ctx == 1
+            and (0, self.ctx.our.epoch, parent) in self.prepared
+            and self.ctx.parent_state(parent) is ParentState.RESIDENT
+        )
 
     def run_rounds(self) -> None:
         """A round in each instance that has something to decide (news its
@@ -330,17 +390,9 @@ class Pair:
                 self._round(role)
         if not self.not_started_verdict:
             return
-        # The CTX rank (the only writer) proved NOT_STARTED, and no GEN rank
-        # has contrary evidence.
-        for parent in sorted({p for g in self.gens for p in g.parents()}, key=repr):
-            holders = [g for g in self.gens if parent in g.parents()]
-            if (
-                parent in self.ctx.parents()
-                and self.ctx.local_not_started(parent)
-                and all(g.local_not_started(parent) for g in holders)
-            ):
-                members: list[CtxRank | GenRank] = [self.ctx, *holders]
-                for member in members:
+        for parent in self._not_started():
+            for member in self.ranks():
+                if parent in member.parents():
                     self._act(
                         "S1",
                         f"NOT_STARTED verdict for {parent!r}",
@@ -348,20 +400,21 @@ class Pair:
                         member,
                     )
 
+    def _not_started(self) -> list[ParentKey]:
+        """The parents the topology-wide NOT_STARTED verdict releases: every
+        CTX rank (the writers) holds the parent and proved NOT_STARTED, and
+        no GEN rank that holds it has contrary evidence."""
+        out = []
+        for parent in sorted({p for g in self.gens for p in g.parents()}, key=repr):
+            if all(
+                parent in ctx.parents() and ctx.local_not_started(parent) for ctx in self.ctxs
+            ) and all(g.local_not_started(parent) for g in self.gens if parent in g.parents()):
+                out.append(parent)
+        return out
+
     def verdict_due(self) -> bool:
         """Whether the NOT_STARTED verdict (when modelled) would release a parent."""
-        if not self.not_started_verdict:
-            return False
-        ctx_parents = self.ctx.parents()
-        for gen in self.gens:
-            for parent in gen.parents():
-                if (
-                    parent in ctx_parents
-                    and self.ctx.local_not_started(parent)
-                    and all(g.local_not_started(parent) for g in self.gens if parent in g.parents())
-                ):
-                    return True
-        return False
+        return self.not_started_verdict and bool(self._not_started())
 
     def round_due(self, role: Role) -> bool:
         """Would a round of `role`'s instance decide anything now (the
@@ -406,16 +459,15 @@ class Pair:
 
     def _instance(self, role: Role) -> list[tuple[CtxRank | GenRank, RoundFollower]]:
         if role is Role.CTX:
-            return [(self.ctx, self.ctx_follower)]
+            return list(zip(self.ctxs, self.ctx_followers, strict=True))
         return list(zip(self.gens, self.gen_followers, strict=True))
 
     def _follower(self, rank: CtxRank | GenRank) -> RoundFollower | None:
         """The follower of `rank`'s current incarnation; None for an old one."""
-        if rank is self.ctx:
-            return self.ctx_follower
-        for gen, follower in zip(self.gens, self.gen_followers, strict=True):
-            if rank is gen:
-                return follower
+        for role in (Role.CTX, Role.GEN):
+            for current, follower in self._instance(role):
+                if rank is current:
+                    return follower
         return None
 
     def _push_reports(self, role: Role) -> None:
@@ -499,22 +551,27 @@ class Pair:
 
     # ---- the data plane model ------------------------------------------
 
+    def polled(self, write: Write) -> bool:
+        """Whether the CTX incarnation that posted `write` still polls it."""
+        return write.ctx_epoch == self.ctxs[write.ctx_rank].our.epoch
+
     def finish_chunk(self, key: tuple[ContextTicket, int], *, ok: bool = True) -> None:
         """A posted chunk reports DONE (ok) or ERR; only its own CTX incarnation hears it."""
         assert key in self.in_flight, f"harness: chunk {key[1]} of {key[0].edge} was never posted"
         write = self.in_flight.pop(key)
-        if write.ctx_epoch != self.ctx.our.epoch:
+        if not self.polled(write):
             return  # the incarnation that posted it is gone: nobody polls it
         ticket, index = key
+        ctx = self.ctxs[write.ctx_rank]
         what = f"chunk_{'done' if ok else 'failed'}({ticket.request_id} {ticket.edge} #{index})"
         try:
             if ok:
                 actions = protocol_call(
-                    "S1", what, lambda: self.ctx.chunk_done(ticket, index, CHUNK_BYTES, self.now)
+                    "S1", what, lambda: ctx.chunk_done(ticket, index, CHUNK_BYTES, self.now)
                 )
             else:
                 actions = protocol_call(
-                    "S1", what, lambda: self.ctx.chunk_failed(ticket, index, self.now)
+                    "S1", what, lambda: ctx.chunk_failed(ticket, index, self.now)
                 )
         except ProtocolError as exc:
             # The CTX posted this chunk itself: it must hear its completion, or the
@@ -522,17 +579,18 @@ class Pair:
             raise AssertionError(
                 f"S1: the CTX refused {what} of a chunk it posted: {exc!r}"
             ) from exc
-        self.perform(actions, self.ctx)
+        self.perform(actions, ctx)
 
     def fail_chunk_partially(self, key: tuple[ContextTicket, int], descriptors: int = 2) -> None:
         """A posted chunk of several descriptors reports ERR while others of
         its writes still run: the write stays in flight (it may still land)."""
         assert key in self.in_flight, f"harness: chunk {key[1]} of {key[0].edge} was never posted"
         ticket, index = key
+        ctx = self.ctxs[self.in_flight[key].ctx_rank]
         what = f"chunk_failed({ticket.request_id} {ticket.edge} #{index}, descriptors={descriptors})"
         self.perform(
-            protocol_call("S1", what, lambda: self.ctx.chunk_failed(ticket, index, self.now, descriptors)),
-            self.ctx,
+            protocol_call("S1", what, lambda: ctx.chunk_failed(ticket, index, self.now, descriptors)),
+            ctx,
         )
         # The CTX never hears of it again (ERR is terminal for NIXL), but its
         # writes may still land: a stray, checked by `check_s1` until the
@@ -547,12 +605,14 @@ class Pair:
         self.gens[rank] = self._new_gen(old.our.epoch + 1, rank)
         self.gen_followers[rank] = self._rejoin(Role.GEN, rank, old.our.epoch + 1)
         if notify:
-            self._act(
-                "S1",
-                "CTX peer_restarted",
-                lambda: self.ctx.peer_restarted(self.gens[rank].our, self.now),
-                self.ctx,
-            )
+            for c in self.ctxs_of(rank):
+                ctx = self.ctxs[c]
+                self._act(
+                    "S1",
+                    f"{ctx.our.ns} peer_restarted",
+                    partial(ctx.peer_restarted, self.gens[rank].our, self.now),
+                    ctx,
+                )
 
     def _rejoin(self, role: Role, rank: int, epoch: int) -> RoundFollower:
         """What the coordinator does when it replaces a rank: the leader takes
@@ -568,30 +628,37 @@ class Pair:
 
     def confirm_gen_dead(self, rank: int, epoch: int) -> None:
         """The directory confirmed GEN incarnation (`rank`, `epoch`) dead and
-        tells the CTX (`peer_dead`). A write toward it lands nowhere that
-        matters any more: it only reads the CTX's blocks."""
+        tells every CTX rank that wrote it (`peer_dead`). A write toward it
+        lands nowhere that matters any more: it only reads the CTX's blocks."""
         self.dead_gens.add((rank, epoch))
-        ns = self.gens[rank].our.ns
-        self._act(
-            "S1",
-            "CTX peer_dead",
-            lambda: self.ctx.peer_dead(Endpoint(ns=ns, epoch=epoch), self.now),
-            self.ctx,
-        )
+        dead = Endpoint(ns=self.gens[rank].our.ns, epoch=epoch)
+        for c in self.ctxs_of(rank):
+            ctx = self.ctxs[c]
+            self._act("S1", f"{ctx.our.ns} peer_dead", partial(ctx.peer_dead, dead, self.now), ctx)
 
-    def restart_ctx(self, *, notify: bool = True) -> None:
-        old = self.ctx
-        self.ctx = self._new_ctx(old.our.epoch + 1)
-        self.ctx_follower = self._rejoin(Role.CTX, 0, old.our.epoch + 1)
-        self.strays = [w for w in self.strays if w.ctx_epoch != old.our.epoch]  # its process is gone
+    def restart_ctx(self, rank: int = 0, *, notify: bool = True) -> None:
+        """CTX rank `rank` restarts with a new epoch: fresh pool, no sessions."""
+        old = self.ctxs[rank]
+        self.ctxs[rank] = new = self._new_ctx(old.our.epoch + 1, rank)
+        self.ctx_followers[rank] = self._rejoin(Role.CTX, rank, old.our.epoch + 1)
+        # Its process is gone: its strays land nowhere any more.
+        self.strays = [w for w in self.strays if (w.ctx_rank, w.ctx_epoch) != (rank, old.our.epoch)]
         if notify:
-            for gen in self.gens:
+            for g in self.gens_of(rank):
+                gen = self.gens[g]
                 self._act(
-                    "S1",
-                    "GEN peer_restarted",
-                    partial(gen.peer_restarted, self.ctx.our, self.now),
-                    gen,
+                    "S1", f"{gen.our.ns} peer_restarted", partial(gen.peer_restarted, new.our, self.now), gen
                 )
+
+    def confirm_ctx_dead(self, rank: int, epoch: int) -> None:
+        """The directory confirmed CTX incarnation (`rank`, `epoch`) dead and
+        tells every GEN rank it wrote (`peer_dead`): its writes land nowhere now."""
+        self.dead_ctxs.add((rank, epoch))
+        self.in_flight = {k: w for k, w in self.in_flight.items() if (w.ctx_rank, w.ctx_epoch) != (rank, epoch)}
+        dead = Endpoint(ns=self.ctxs[rank].our.ns, epoch=epoch)
+        for g in self.gens_of(rank):
+            gen = self.gens[g]
+            self._act("S1", f"{gen.our.ns} peer_dead", partial(gen.peer_dead, dead, self.now), gen)
 
     # ---- actions and messages ------------------------------------------
 
@@ -625,7 +692,9 @@ class Pair:
                     rank = to.ns.rank
                     self.queue.append(Envelope(to.ns.role, rank, encode_frame(message)))
                 case PostChunk(ticket=ticket, index=index):
-                    assert self.ctx.pool.holds(ticket.parent), (
+                    # The poster: the rank that returned it (a test may perform it for the ticket's).
+                    poster = by if isinstance(by, CtxRank) else self.ctxs[ticket.ctx.ns.rank]
+                    assert poster.pool.holds(ticket.parent), (
                         f"S1: PostChunk {index} of {ticket.edge} for {ticket.parent!r},"
                         " whose lease the CTX no longer holds: the DMA would read freed blocks"
                     )
@@ -633,16 +702,17 @@ class Pair:
                         f"S1: chunk {index} of {ticket.edge} posted again while in flight"
                     )
                     gen_refs: tuple[BlockRef, ...] = ()
-                    edge_open = self._open_for(ticket)
+                    edge_open = self._open_for(poster, ticket)
                     if edge_open is not None:
                         gen_refs = tuple(_ref_of(d) for d in edge_open.buffer.blocks)
                     self.in_flight[(ticket, index)] = Write(
                         ticket=ticket,
                         index=index,
+                        ctx_rank=ticket.ctx.ns.rank,
                         ctx_epoch=ticket.ctx.epoch,
                         gen_epoch=ticket.gen.epoch,
                         gen_rank=ticket.gen.ns.rank,
-                        ctx_refs=tuple(self.ctx.pool.lease_of(ticket.parent)),
+                        ctx_refs=tuple(poster.pool.lease_of(ticket.parent)),
                         gen_refs=gen_refs,
                     )
                 case AdmissionStop():
@@ -650,22 +720,28 @@ class Pair:
                 case DecodeReady(parent=parent):
                     self.decode_ready.add(parent)
                 case Prepared(parent=parent):
-                    key = (self.ctx.our.epoch, parent)
+                    assert isinstance(by, CtxRank), f"harness: {action!r} from {by!r}"
+                    key = (by.our.ns.rank, by.our.epoch, parent)
                     assert key not in self.prepared, f"Prepared({parent!r}) reported twice"
-                    edges = self.ctx.edges(parent)
-                    assert len(edges) == len(self.gens) and all(
+                    edges = by.edges(parent)
+                    assert len(edges) == len(self.gens_of(by.our.ns.rank)) and all(
                         e.state is EdgeState.PREPARED for e in edges.values()
                     ), f"Prepared({parent!r}) with edges {[e.state for e in edges.values()]}"
                     self.prepared.add(key)
+                    follower = self._follower(by)
+                    if self.n_ctx > 1 and follower is not None:
+                        # The rank votes it prepared; the CTX round decides.
+                        follower.record_prepared(parent)
                 case Release() | Quarantine() | ParentSettled() | CancelIntent():
                     pass
                 case _:
                     pass
 
-    def _open_for(self, ticket: ContextTicket) -> Open | None:
+    @staticmethod
+    def _open_for(ctx: CtxRank, ticket: ContextTicket) -> Open | None:
         # The CTX recorded the OPEN; its descriptors say which GEN blocks a chunk writes.
         try:
-            return self.ctx.session_open(ticket)
+            return ctx.session_open(ticket)
         except ProtocolError:
             return None
 
@@ -687,9 +763,10 @@ class Pair:
             receiver: CtxRank | GenRank
             if role is Role.CTX:
                 num_chunks = self.chunks.get(message.ticket.parent, 1)
-                receiver = self.ctx
+                assert 0 <= rank < len(self.ctxs), f"S3: {what}: no CTX rank {rank} exists"
+                ctx = receiver = self.ctxs[rank]
                 actions = protocol_call(
-                    "S3", what, lambda: self.ctx.receive(message, self.now, num_chunks=num_chunks)
+                    "S3", what, lambda: ctx.receive(message, self.now, num_chunks=num_chunks)
                 )
             else:
                 assert 0 <= rank < len(self.gens), f"S3: {what}: no GEN rank {rank} exists"
@@ -699,7 +776,7 @@ class Pair:
             self.errors.append(error)
             if role is Role.CTX and isinstance(message, Open):
                 # The actor answers a refused OPEN with a REJECT (to the ticket's GEN).
-                reject: Reject | None = reject_for(message, error, self.ctx.our)
+                reject: Reject | None = reject_for(message, error, self.ctxs[rank].our)
                 if reject is not None:  # an OPEN not addressed to us is dropped silently
                     self.queue.append(
                         Envelope(Role.GEN, message.ticket.gen.ns.rank, encode_frame(reject))
@@ -720,10 +797,8 @@ class Pair:
         for _ in range(limit):
             if self.queue:
                 self.deliver_all()
-            elif any(w.ctx_epoch == self.ctx.our.epoch for w in self.in_flight.values()):
-                key = next(
-                    k for k, w in self.in_flight.items() if w.ctx_epoch == self.ctx.our.epoch
-                )
+            elif any(self.polled(w) for w in self.in_flight.values()):
+                key = next(k for k, w in self.in_flight.items() if self.polled(w))
                 self.finish_chunk(key)
             else:
                 return
@@ -737,8 +812,11 @@ class Pair:
         self.prefill(parent)
         self.install(parent)
         self.deliver_all()
-        assert self.all_prepared(parent)
-        self.decide(parent)
+        if self.n_ctx == 1:
+            assert self.all_prepared(parent)
+            self.decide(parent)
+        else:
+            self.run_rounds()  # every CTX rank reported it prepared: the round decides
         self.pump()
         self.run_rounds()
 
@@ -760,10 +838,12 @@ class Pair:
         """No block a chunk may still touch is FREE or re-leased (same incarnation)."""
         for write in [*self.in_flight.values(), *self.strays]:
             target_dead = any(r == write.gen_rank and e >= write.gen_epoch for r, e in self.dead_gens)
-            if write.ctx_epoch == self.ctx.our.epoch and not target_dead:
+            assert 0 <= write.ctx_rank < len(self.ctxs), f"S1: {write} comes from no CTX rank"
+            ctx = self.ctxs[write.ctx_rank]
+            if write.ctx_epoch == ctx.our.epoch and not target_dead:
                 for ref in write.ctx_refs:
-                    assert self.ctx.pool.is_current(ref), (
-                        f"S1: CTX block {ref} reused under {write}"
+                    assert ctx.pool.is_current(ref), (
+                        f"S1: CTX block {ref} of {ctx.our.ns} reused under {write}"
                     )
             assert 0 <= write.gen_rank < len(self.gens), f"S1: {write} targets no GEN rank"
             gen = self.gens[write.gen_rank]

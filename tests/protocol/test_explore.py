@@ -97,6 +97,21 @@ def test_the_default_bounds_hold_every_invariant() -> None:
     assert [w["config"]["name"] for w in worlds if not w["complete"]] == []  # every interleaving, to the end
 
 
+def test_the_default_bounds_cover_every_topology_the_issue_names() -> None:
+    """TP 1 -> 1, 1 -> 2, 2 -> 1 and 2 -> 2 (the CTX round deciding what every
+    CTX rank reported prepared), each with cancels, deaths, deadlines and
+    frame faults; two concurrent requests."""
+    default = ex.CONFIGS["default"]
+    shapes = {(w.ctx_ranks, w.gen_ranks) for w in default}
+    assert shapes == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    for shape in ((2, 1), (2, 2)):
+        worlds = [w for w in default if (w.ctx_ranks, w.gen_ranks) == shape]
+        for fault in ("cancels", "restarts", "errs", "partials", "dups"):
+            assert any(getattr(w, fault) for w in worlds), (shape, fault)
+    assert any(w.ctx_ranks == 2 and w.expiries and w.cancels for w in default)
+    assert any(w.requests == 2 for w in default)
+
+
 def test_a_planted_bug_is_found_with_a_shortest_trace(monkeypatch: pytest.MonkeyPatch) -> None:
     """Undo the fix above in the GEN edge table: the explorer finds the
     quarantine that never ends, by the shortest trace there is."""
@@ -172,11 +187,13 @@ def test_the_runtime_needs_no_topology_wide_not_started_verdict(monkeypatch: pyt
 
     monkeypatch.setattr(session._Rank, "release_not_started", counted)
     assert all(w.verdict == 0 for w in ex.CONFIGS["default"])
-    world = next(w for w in ex.CONFIGS["default"] if w.name == "tp1-reorder-cancel-deadline")
-    without = ex.explore(world)
-    with_verdict = ex.explore(dataclasses.replace(world, verdict=1))
-    assert without.violations == [] == with_verdict.violations
-    assert without.complete and without.states == with_verdict.states > 1_000
+    # One CTX rank, and two (the verdict then needs every CTX rank's proof).
+    for name in ("tp1-reorder-cancel-deadline", "ctx2-gen2-cancel"):
+        world = next(w for w in ex.CONFIGS["default"] if w.name == name)
+        without = ex.explore(world)
+        with_verdict = ex.explore(dataclasses.replace(world, verdict=1))
+        assert without.violations == [] == with_verdict.violations
+        assert without.complete and without.states == with_verdict.states > 1_000
     assert calls == []
 
 

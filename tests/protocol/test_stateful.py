@@ -1,4 +1,4 @@
-"""Stateful exploration: one CTX rank and two GEN ranks under random interleavings.
+"""Stateful exploration: TP 1 -> 2 and TP 2 -> 2 handoffs under random interleavings.
 
 A Hypothesis RuleBasedStateMachine drives the pair harness (encoded frames on
 the wire) through admit, prefill, install/OPEN, prepare, decide/READY, chunk
@@ -55,25 +55,28 @@ from kvhandoff.protocol import (
 from .harness import Envelope, Pair, gen_endpoint, parent_key, protocol_call
 
 N_GEN = 2
+#: Rule arguments that pick a rank draw from this range (taken modulo the
+#: ranks there are), so that the TP 2 -> 2 machine shares the rules.
+ANY_RANK = st.integers(0, 7)
 
 
 class HandoffMachine(RuleBasedStateMachine):
+    """One CTX rank and two GEN ranks (the CTX rank decides alone)."""
+
     parents = Bundle("parents")
+    N_CTX = 1
 
     @initialize(window=st.integers(1, 3))
     def setup(self, window: int) -> None:
         self.pair = Pair(
-            n_gen=N_GEN, ctx_blocks=12, gen_blocks=12, chunk_window=window, timeout=10.0
+            n_ctx=self.N_CTX, n_gen=N_GEN, ctx_blocks=12, gen_blocks=12, chunk_window=window, timeout=10.0
         )
         self.next_id = 0
 
     # ---- lifecycle -----------------------------------------------------
 
     @precondition(
-        lambda self: (
-            self.pair.ctx.pool.counts().free >= 2
-            and all(g.pool.counts().free >= 2 for g in self.pair.gens)
-        )
+        lambda self: all(r.pool.counts().free >= 2 for r in self.pair.ranks())
     )
     @rule(target=parents, chunks=st.integers(1, 3))
     def admit(self, chunks: int) -> ParentKey:
@@ -82,10 +85,11 @@ class HandoffMachine(RuleBasedStateMachine):
         self.pair.admit(parent, blocks=2, chunks=chunks, lease=15.0)
         return parent
 
-    @rule(parent=parents)
-    def prefill(self, parent: ParentKey) -> None:
-        if self._ctx_state(parent) is ParentState.ADMITTED:
-            self.pair.prefill(parent)
+    @rule(parent=parents, rank=ANY_RANK)
+    def prefill(self, parent: ParentKey, rank: int) -> None:
+        c = rank % self.N_CTX
+        if self._ctx_state(parent, c) is ParentState.ADMITTED:
+            self.pair.prefill(parent, c)
 
     @rule(parent=parents)
     def install(self, parent: ParentKey) -> None:
@@ -94,23 +98,26 @@ class HandoffMachine(RuleBasedStateMachine):
 
     @rule(parent=parents)
     def decide(self, parent: ParentKey) -> None:
-        # The CTX round decides only a parent with every edge prepared.
-        if parent in self.pair.ctx.parents() and self.pair.all_prepared(parent):
+        # A one-rank CTX instance decides a parent with every edge prepared
+        # (several CTX ranks: their round does, in `rounds`).
+        if self.pair.all_prepared(parent):
             self.pair.decide(parent)
 
     @rule(parent=parents)
     def advance(self, parent: ParentKey) -> None:
         """One lifecycle step for `parent` (keeps random runs reaching the DMA)."""
-        ctx_state = self._ctx_state(parent)
-        if ctx_state is ParentState.ADMITTED:
-            self.pair.prefill(parent)
+        admitted = [c for c in range(self.N_CTX) if self._ctx_state(parent, c) is ParentState.ADMITTED]
+        if admitted:
+            self.pair.prefill(parent, admitted[0])
         elif all(self._gen_state(g, parent) is ParentState.ADMITTED for g in range(N_GEN)):
             self.pair.install(parent)
         elif any(self._is_open_for(env, parent) for env in self.pair.queue):
             i = next(i for i, env in enumerate(self.pair.queue) if self._is_open_for(env, parent))
             self._deliver_checked(i)
-        elif ctx_state is ParentState.RESIDENT and self.pair.all_prepared(parent):
+        elif self.pair.all_prepared(parent):
             self.pair.decide(parent)
+        elif self.N_CTX > 1 and self.pair.round_due(Role.CTX):
+            self.pair.run_rounds()
         elif self.pair.in_flight:
             self.pair.finish_chunk(next(iter(self.pair.in_flight)))
         elif self.pair.queue:
@@ -143,9 +150,10 @@ class HandoffMachine(RuleBasedStateMachine):
 
     # ---- cancellation and time -------------------------------------------
 
-    @rule(parent=parents, side=st.integers(0, N_GEN), reason=st.sampled_from(CancelReason))
+    @rule(parent=parents, side=ANY_RANK, reason=st.sampled_from(CancelReason))
     def cancel(self, parent: ParentKey, side: int, reason: CancelReason) -> None:
-        rank = self.pair.ranks()[side]
+        ranks = self.pair.ranks()
+        rank = ranks[side % len(ranks)]
         # A restarted incarnation never heard of the parent: that is the only refusal.
         with contextlib.suppress(UnknownSessionError):
             self.pair.perform(
@@ -163,15 +171,15 @@ class HandoffMachine(RuleBasedStateMachine):
         self.pair.expire()
 
     # Restarts are drawn rarely (1 in 6) so that runs also get deep into the DMA.
-    @rule(rank=st.integers(0, N_GEN - 1), notify=st.booleans(), dice=st.integers(0, 5))
+    @rule(rank=ANY_RANK, notify=st.booleans(), dice=st.integers(0, 5))
     def restart_gen(self, rank: int, notify: bool, dice: int) -> None:
         if dice == 0:
-            self.pair.restart_gen(rank, notify=notify)
+            self.pair.restart_gen(rank % N_GEN, notify=notify)
 
-    @rule(notify=st.booleans(), dice=st.integers(0, 5))
-    def restart_ctx(self, notify: bool, dice: int) -> None:
+    @rule(rank=ANY_RANK, notify=st.booleans(), dice=st.integers(0, 5))
+    def restart_ctx(self, rank: int, notify: bool, dice: int) -> None:
         if dice == 0:
-            self.pair.restart_ctx(notify=notify)
+            self.pair.restart_ctx(rank % self.N_CTX, notify=notify)
 
     # ---- stale messages (S3) -------------------------------------------
 
@@ -258,8 +266,8 @@ class HandoffMachine(RuleBasedStateMachine):
         message = decode_frame(env.frame)
         return isinstance(message, Open) and message.ticket.parent == parent
 
-    def _ctx_state(self, parent: ParentKey) -> ParentState | None:
-        return self.pair.ctx.parents().get(parent)
+    def _ctx_state(self, parent: ParentKey, rank: int = 0) -> ParentState | None:
+        return self.pair.ctxs[rank].parents().get(parent)
 
     def _gen_state(self, rank: int, parent: ParentKey) -> ParentState | None:
         return self.pair.gens[rank].parents().get(parent)
@@ -272,6 +280,22 @@ HandoffMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestHandoff = HandoffMachine.TestCase
+
+
+class Tp22HandoffMachine(HandoffMachine):
+    """Two CTX ranks and two GEN ranks, rank to rank: each CTX rank reports
+    a parent prepared and the CTX round (the real leader) decides it."""
+
+    N_CTX = 2
+
+
+Tp22HandoffMachine.TestCase.settings = settings(
+    max_examples=250,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestTp22Handoff = Tp22HandoffMachine.TestCase
 
 
 # ---- the harness reports broken invariants, not its own KeyErrors ------------
