@@ -101,6 +101,9 @@ from kvhandoff.protocol import (
     RoundVote,
     StaleEpochError,
     VoteRejected,
+    paired_outcome,
+    pairing_undo,
+    pairing_veto,
 )
 
 __all__ = [
@@ -903,8 +906,7 @@ class CoordinatorCore:
             if peer_answer is not None:
                 # The peer admitted what we did not: take it back there.
                 peer_ok = await peer_answer
-                ours = set(decision.admitted)
-                undo = [p for p in peer_ok if p not in ours]
+                undo = pairing_undo(sorted(peer_ok, key=_key), set(decision.admitted))
                 for instance in sorted({self._peer_of.get(p, "") for p in undo}):
                     self._own(self._peer_cancel([p for p in undo if self._peer_of.get(p, "") == instance], instance))
             self._record(decision, taken_admits, taken_cancels, time.perf_counter() - started)
@@ -1038,10 +1040,10 @@ class CoordinatorCore:
         # missed the deadline are blamed.
         await self._fan_out(ask, range(self._tp))
         if not bad and not leader.missing():
-            vetoed: set[ParentKey] = set()
+            vetoed: frozenset[ParentKey] = frozenset()
             if peer_answer is not None:
-                paired = {a.parent for a in proposal.admissions if a.parent in self._submitted}
-                vetoed = paired - await peer_answer
+                paired = [a.parent for a in proposal.admissions if a.parent in self._submitted]
+                vetoed = pairing_veto(paired, await peer_answer)
             return leader.close(loop.time(), vetoed=vetoed)
         return leader.abort(bad, loop.time())
 
@@ -1114,10 +1116,8 @@ class CoordinatorCore:
                 continue
             self._complete_at_decision.discard(parent)
             submitted = self._submitted.pop(parent, None)
-            if parent in self._peer_failed:
-                self._peer_failed.discard(parent)
-                if name == "rejected":
-                    name = "failed"
+            name = paired_outcome(name, parent in self._peer_failed)
+            self._peer_failed.discard(parent)
             if submitted is not None and not submitted.done():
                 submitted.set_result(name)
         for parent, waiters in taken_cancels.items():

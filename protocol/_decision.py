@@ -14,13 +14,15 @@ edges and send the OPENs), done by the shell when it can.
 The rank's other two verdicts live here too, so the shell only performs
 them: `admission_verdict` (how a rank votes on one proposed admission) and
 `report_of` (what an action tells the rank's round follower, and the local
-outcome it fixes).
+outcome it fixes). So does the pairing of two instances' admissions (the
+coordinator performs it): `pairing_veto`, `pairing_undo` and
+`paired_outcome`.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
 from ._messages import CancelReason
@@ -45,6 +47,9 @@ __all__ = [
     "admission_verdict",
     "Report",
     "report_of",
+    "pairing_veto",
+    "pairing_undo",
+    "paired_outcome",
 ]
 
 
@@ -194,3 +199,29 @@ def report_of(action: Action, verified: Callable[[ParentKey], bool]) -> Report |
                 return Report(parent, News.COMPLETION)
             return Report(parent, News.FAILURE, LocalOutcome.FAILED, overrides=True)
     return None
+
+
+# -- pairing two instances' admissions --------------------------------------------
+#
+# A handoff is admitted by its CTX instance and its GEN instance together or
+# not at all. The submitting instance's coordinator asks the peer instance to
+# admit (in one call per peer) while its own ranks vote; then:
+
+
+def pairing_veto(paired: Iterable[ParentKey], peer_admitted: Container[ParentKey]) -> frozenset[ParentKey]:
+    """The paired admissions our round must refuse (`RoundLeader.close(vetoed=)`):
+    those the peer instance did not admit."""
+    return frozenset(p for p in paired if p not in peer_admitted)
+
+
+def pairing_undo(peer_admitted: Iterable[ParentKey], admitted: Container[ParentKey]) -> list[ParentKey]:
+    """What the peer instance admitted and our round did not: to cancel
+    there (its blocks would otherwise wait for their lease to run out)."""
+    return [p for p in peer_admitted if p not in admitted]
+
+
+def paired_outcome(outcome: str, peer_failed: bool) -> str:
+    """The outcome a submitter hears for its handoff: a refusal because the
+    peer instance failed (died, broke, did not answer in time) is a failure,
+    not a rejection (a rejection says: try again later)."""
+    return "failed" if peer_failed and outcome == "rejected" else outcome

@@ -39,7 +39,7 @@ land). A violation is reported with its shortest trace, as readable steps.
 
 The bounds are named worlds (`CONFIGS`): `default` is CI's (pairs of fault
 kinds on TP 1 -> 1, 1 -> 2, 2 -> 1 and 2 -> 2, each world explored to
-completion, ~265,000 states in about two and a half minutes on a 2-core
+completion, ~279,000 states in about two and a half minutes on a 2-core
 box), `large` runs on demand.
 ``--planted tests/mutation/mutants.toml`` runs the explorer once per
 protocol mutant listed in `PLANTED` (in a scratch copy of the source, as
@@ -102,6 +102,11 @@ class Config:
     partials: int = 0  # chunks that fail part-way (an ERR with writes still landing)
     expiries: int = 1  # times every deadline passes
     restarts: int = 1  # rank deaths (GEN or CTX), each with a new epoch
+    #: Blocks in each CTX / GEN rank's pool (0: one per request). Fewer than
+    #: the requests: an instance refuses an admission, and the pairing
+    #: vetoes it on the peer or undoes the peer's.
+    ctx_blocks: int = 0
+    gen_blocks: int = 0
     #: 1: the rounds also apply the topology-wide NOT_STARTED verdict. 0 (the
     #: runtime): each rank releases on its own evidence, the cancel decided.
     verdict: int = 0
@@ -127,7 +132,7 @@ def _world(name: str, **bounds: int) -> Config:
 #: two chunks, on TP 1 -> 2, TP 2 -> 1 and TP 2 -> 2 (where a CTX round
 #: decides what every CTX rank reported prepared), and two concurrent
 #: handoffs. Each runs to completion (every interleaving, to the end):
-#: ~270,000 states, a little over two minutes on a 2-core box (two worlds at
+#: ~279,000 states, about two and a half minutes on a 2-core box (two worlds at
 #: a time).
 _DEFAULT = [  # largest first: two workers finish about together
     _world("ctx2-gen1-cancel-deadline", ctx_ranks=2, chunks=1, cancels=1, expiries=1),
@@ -145,6 +150,11 @@ _DEFAULT = [  # largest first: two workers finish about together
     _world("ctx2-gen2-cancel", ctx_ranks=2, gen_ranks=2, chunks=1, cancels=1),
     _world("tp1-reorder-cancel-deadline", chunks=2, reorders=1, cancels=1, expiries=1),
     _world("ctx2-gen1-dup-reorder", ctx_ranks=2, chunks=1, dups=1, reorders=1),
+    # One instance short of blocks: it refuses the second admission, and the
+    # pairing vetoes it on the GEN side or undoes the CTX's.
+    _world("tp1x2-ctx-short-cancel", requests=2, ctx_blocks=1, chunks=1, cancels=1),
+    _world("tp1x2-gen-short-cancel", requests=2, gen_blocks=1, chunks=1, cancels=1),
+    _world("ctx2x2-gen-short", ctx_ranks=2, requests=2, gen_blocks=1, chunks=1),
 ]
 
 #: Named bounds. `default` is CI's; `quick` is what each planted bug is
@@ -193,6 +203,8 @@ PLANTED = (
     "table-unknown-not-absorbing",
     "cancel-decided-not-recorded",
     "rounds-prepared-first-rank",
+    "pairing-veto-ignored",
+    "pairing-undo-skipped",
 )
 
 
@@ -207,7 +219,7 @@ class Violation(Exception):
 
 def _invariant_of(exc: BaseException) -> str:
     text = str(exc)
-    for name in ("S1", "S2", "S3", "S4", "L1", "L2", "no leak"):
+    for name in ("S1", "S2", "S3", "S4", "L1", "L2", "no leak", "pairing"):
         if text.startswith(name):
             return name
     return "S3" if not isinstance(exc, AssertionError) else "model"
@@ -243,8 +255,8 @@ class World(Pair):
         super().__init__(
             n_gen=config.gen_ranks,
             n_ctx=config.ctx_ranks,
-            ctx_blocks=config.requests,
-            gen_blocks=config.requests,
+            ctx_blocks=config.ctx_blocks or config.requests,
+            gen_blocks=config.gen_blocks or config.requests,
             chunk_window=config.window,
             timeout=10.0,
             not_started_verdict=bool(config.verdict),
@@ -527,6 +539,10 @@ class World(Pair):
             raise
         except Exception as exc:
             raise Violation(_invariant_of(exc), str(exc)) from exc
+        for role, leader in self.leaders.items():
+            if leader.in_flight:
+                held = sorted(p.request_id for p in leader.in_flight)
+                raise Violation("L1", f"the {role.value} instance's rounds still hold {held} in flight after settling")
         strays = {w.ticket.parent for w in self.strays if self.polled(w)}
         for rank in self.ranks():
             for p, state in rank.parents().items():

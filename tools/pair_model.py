@@ -78,6 +78,8 @@ from kvhandoff.protocol import (
     decision_steps,
     decode_frame,
     encode_frame,
+    pairing_undo,
+    pairing_veto,
     reject_for,
     report_of,
 )
@@ -341,11 +343,19 @@ class Pair:
         CTX's admission undone (a cancel) when GEN's round did not."""
         self.chunks[parent] = chunks
         request = AdmissionRequest(parent=parent, num_tokens=16)
+        # The GEN instance submits and asks the CTX instance (its peer) to
+        # admit while its own ranks vote (the coordinators' pairing).
         ctx = self._round(Role.CTX, [request], blocks=blocks, lease=lease)
-        vetoed = () if parent in ctx.admitted else (parent,)
+        vetoed = pairing_veto([parent], ctx.admitted)
         gen = self._round(Role.GEN, [request], blocks=blocks, lease=lease, vetoed=vetoed)
-        if parent in ctx.admitted and parent not in gen.admitted:
-            self.cancels_pending[Role.CTX].add(parent)
+        self.cancels_pending[Role.CTX].update(pairing_undo(ctx.admitted, gen.admitted))
+        # Pairing: a handoff admitted by one instance alone is taken back.
+        assert parent not in gen.admitted or parent in ctx.admitted, (
+            f"pairing: the GEN instance admitted {parent!r}, which its CTX instance refused"
+        )
+        assert parent not in ctx.admitted or parent in gen.admitted or parent in self.cancels_pending[Role.CTX], (
+            f"pairing: the CTX instance keeps {parent!r}, which its GEN instance refused"
+        )
 
     def prefill(self, parent: ParentKey, ctx_rank: int | None = None) -> None:
         """CTX rank `ctx_rank` (every CTX rank: None) finished its prefill."""

@@ -22,6 +22,7 @@ from kvhandoff.protocol import (
     NotNegotiatedError,
     ParentSettled,
     ParentState,
+    Role,
     RoundFollower,
     StopPosting,
     VersionMismatchError,
@@ -219,3 +220,37 @@ def test_phase_and_quarantined_parents() -> None:
     phase = pair.ctx.phase(P)
     assert phase is not None and phase["state"] == "admitted" and phase["edges"] == []
     assert pair.ctx.quarantined_parents() == []
+
+
+# -- pairing two instances' admissions ------------------------------------------
+
+
+def test_the_pairing_vetoes_what_the_peer_did_not_admit_and_undoes_what_we_did_not() -> None:
+    from kvhandoff.protocol import paired_outcome, pairing_undo, pairing_veto
+
+    a, b, c = parent_key(1), parent_key(2), parent_key(3)
+    assert pairing_veto([a, b, c], {a, c}) == {b}
+    assert pairing_veto([a], {a}) == frozenset()
+    assert pairing_undo([a, b, c], {b}) == [a, c]
+    assert pairing_undo([a], {a}) == []
+    assert paired_outcome("rejected", peer_failed=True) == "failed"
+    assert paired_outcome("rejected", peer_failed=False) == "rejected"
+    assert paired_outcome("completed", peer_failed=True) == "completed"
+
+
+@pytest.mark.parametrize("short", ["ctx", "gen"])
+def test_an_admission_one_instance_refuses_ends_on_both(short: str) -> None:
+    """One instance has no block left for a second handoff: the pairing
+    vetoes it on the GEN side (CTX short) or undoes the CTX's admission in
+    the next CTX round (GEN short); nothing of it stays leased anywhere."""
+    pair = Pair(ctx_blocks=1 if short == "ctx" else 4, gen_blocks=1 if short == "gen" else 4)
+    first, second = parent_key(1), parent_key(2)
+    pair.admit(first, blocks=1, chunks=1)
+    pair.admit(second, blocks=1, chunks=1)
+    assert second not in pair.gens[0].parents()
+    if short == "gen":
+        assert second in pair.ctx.parents()  # admitted alone, for now
+        pair.run_rounds()  # the undo: a cancel in the next CTX round
+    assert second not in pair.ctx.parents()
+    assert second not in pair.leaders[Role.CTX].in_flight | pair.leaders[Role.GEN].in_flight
+    assert first in pair.ctx.parents() and first in pair.gens[0].parents()

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# A/B on the GPU host, back to back in one device call: the same benches on
+# an older tree (carried as .ab_base/kvhandoff, e.g. the commit before an
+# issue) and on this one. Ratios are compared run against run on one machine.
+# Usage (repo root, .dev and .ab_base carried): [ROUNDS=2] bash bench/h200_ab.sh
+# (2 rounds write 7 files: the device returns at most 8.)
+set -euo pipefail
+out=${OUT:-out}; mkdir -p "$out"
+site=$(mktemp -d); for f in .dev/*.txz; do tar xJf "$f" -C "$site"; done
+head_tree=$(mktemp -d); mkdir -p "$head_tree/kvhandoff"
+ln -s "$PWD/pkg/__init__.py" "$head_tree/kvhandoff/__init__.py"
+for layer in protocol topology actors integrations tools; do ln -s "$PWD/$layer" "$head_tree/kvhandoff/$layer"; done
+base_tree=${BASE_TREE:-$PWD/.ab_base}
+head_tree=${HEAD_TREE:-$head_tree}  # another carried tree in place of this one
+export NIXL_LOG_LEVEL=WARN
+run() {  # run TREE NAME ARGS...: one bench with TREE's kvhandoff first on the path
+  local tree=$1 name=$2; shift 2
+  (cd "$(mktemp -d)" && PYTHONPATH=$tree:$site python -c \
+    "import sys; from kvhandoff.actors.cli import main; sys.exit(main(sys.argv[1:]))" bench --json "$@") \
+    > "$out/$name.json" 2>> "$out/ab.log" || echo "$name failed: $?"
+}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+if [ -n "${VRAM_ONLY:-}" ]; then  # the VRAM data plane only, alternating, ROUNDS times
+  for round in $(seq 1 "${ROUNDS:-2}"); do
+    run "$base_tree" "ab_base_vram_$round" --memory VRAM --gpus-per-rank 0.5 --sections data --sizes-mib 256 --chunk-mib 64 --repeats 7
+    run "$head_tree" "ab_head_vram_$round" --memory VRAM --gpus-per-rank 0.5 --sections data --sizes-mib 256 --chunk-mib 64 --repeats 7
+  done
+  ls -la "$out"; exit 0
+fi
+for round in $(seq 1 "${ROUNDS:-2}"); do
+  run "$base_tree" "ab_base_control_$round" --sections control,cancel --sizes-mib 64 --concurrency 1,8,32
+  run "$head_tree" "ab_head_control_$round" --sections control,cancel --sizes-mib 64 --concurrency 1,8,32
+done
+run "$base_tree" ab_base_vram --memory VRAM --gpus-per-rank 0.5 --sections data --sizes-mib 256,1024 --chunk-mib 64 --repeats 5
+run "$head_tree" ab_head_vram --memory VRAM --gpus-per-rank 0.5 --sections data --sizes-mib 256,1024 --chunk-mib 64 --repeats 5
+ls -la "$out"
