@@ -39,7 +39,7 @@ land). A violation is reported with its shortest trace, as readable steps.
 
 The bounds are named worlds (`CONFIGS`): `default` is CI's (pairs of fault
 kinds on TP 1 -> 1, 1 -> 2, 2 -> 1 and 2 -> 2, each world explored to
-completion, ~279,000 states in about two and a half minutes on a 2-core
+completion, ~245,000 states in about two and a half minutes on a 2-core
 box), `large` runs on demand.
 ``--planted tests/mutation/mutants.toml`` runs the explorer once per
 protocol mutant listed in `PLANTED` (in a scratch copy of the source, as
@@ -91,6 +91,9 @@ class Config:
     name: str
     gen_ranks: int = 1  # GEN instance TP
     ctx_ranks: int = 1  # CTX instance TP (several: its round decides a prepared parent)
+    #: CTX instances (a fleet's): request n goes to instance (n - 1) mod this;
+    #: the one GEN instance pairs with each.
+    ctx_instances: int = 1
     requests: int = 1
     chunks: int = 2  # chunks per edge
     window: int = 1  # chunks a CTX edge keeps posted at once
@@ -132,11 +135,10 @@ def _world(name: str, **bounds: int) -> Config:
 #: two chunks, on TP 1 -> 2, TP 2 -> 1 and TP 2 -> 2 (where a CTX round
 #: decides what every CTX rank reported prepared), and two concurrent
 #: handoffs. Each runs to completion (every interleaving, to the end):
-#: ~279,000 states, about two and a half minutes on a 2-core box (two worlds at
+#: ~245,000 states, about two and a half minutes on a 2-core box (two worlds at
 #: a time).
 _DEFAULT = [  # largest first: two workers finish about together
     _world("ctx2-gen1-cancel-deadline", ctx_ranks=2, chunks=1, cancels=1, expiries=1),
-    _world("tp1-err-dup-cancel-deadline", chunks=2, window=2, errs=1, partials=1, dups=1, cancels=1, expiries=1),
     _world("tp2-restart-reorder", gen_ranks=2, chunks=1, restarts=1, reorders=1),
     _world("tp2-err-dup", gen_ranks=2, chunks=1, errs=1, partials=1, dups=1),
     _world("ctx2-gen1-restart-err", ctx_ranks=2, chunks=1, restarts=1, errs=1, partials=1),
@@ -146,6 +148,8 @@ _DEFAULT = [  # largest first: two workers finish about together
     _world("tp1-restart-dup-cancel", chunks=2, restarts=1, dups=1, cancels=1),
     _world("ctx2-gen2-restart", ctx_ranks=2, gen_ranks=2, chunks=1, restarts=1),
     _world("ctx2-gen1-reorder-cancel", ctx_ranks=2, chunks=1, reorders=1, cancels=1),
+    _world("tp1-err-cancel-deadline", chunks=2, window=2, errs=1, partials=1, cancels=1, expiries=1),
+    _world("tp1-err-dup-cancel", chunks=2, window=2, errs=1, partials=1, dups=1, cancels=1),
     _world("tp1-restart-err-cancel", chunks=2, restarts=1, errs=1, partials=1, cancels=1),
     _world("ctx2-gen2-cancel", ctx_ranks=2, gen_ranks=2, chunks=1, cancels=1),
     _world("tp1-reorder-cancel-deadline", chunks=2, reorders=1, cancels=1, expiries=1),
@@ -157,16 +161,27 @@ _DEFAULT = [  # largest first: two workers finish about together
     _world("ctx2x2-gen-short", ctx_ranks=2, requests=2, gen_blocks=1, chunks=1),
 ]
 
+#: Two CTX instances (a fleet's) and one GEN instance, a handoff from each:
+#: a rank death in one CTX instance, or a cancel, ends no handoff of the
+#: other (the bystander check), and everything else holds. CI runs them
+#: beside the default (~100,000 states).
+_FLEET = [
+    _world("fleet2-restart", ctx_instances=2, requests=2, chunks=1, restarts=1),
+    _world("fleet2-cancel", ctx_instances=2, requests=2, chunks=1, cancels=1),
+]
+
 #: Named bounds. `default` is CI's; `quick` is what each planted bug is
 #: explored with (it stops at the first violation); `large` runs on demand.
 CONFIGS: dict[str, list[Config]] = {
     "smoke": [_world("tp1-cancel", chunks=2, cancels=1)],
     "default": _DEFAULT,
-    "quick": [dataclasses.replace(c, max_states=4_000) for c in _DEFAULT],
+    "quick": [dataclasses.replace(c, max_states=4_000) for c in (*_DEFAULT, *_FLEET)],
+    "fleet": _FLEET,
     "large": [
         _world("tp1-everything", chunks=2, window=2, restarts=1, errs=1, partials=1, dups=1, cancels=2, expiries=1),
         _world("tp2-everything", gen_ranks=2, chunks=1, restarts=1, errs=1, partials=1, dups=1, cancels=1, expiries=1),
         _world("tp2-cancel-deadline", gen_ranks=2, chunks=1, cancels=1, expiries=1),
+        _world("tp1-err-dup-cancel-deadline", chunks=2, window=2, errs=1, partials=1, dups=1, cancels=1, expiries=1),
         _world("ctx2-gen1-restart-cancel", ctx_ranks=2, chunks=1, restarts=1, cancels=1),
         _world("ctx2-gen2-cancel-deadline", ctx_ranks=2, gen_ranks=2, chunks=1, cancels=1, expiries=1),
         _world("tp1x2-cancel-deadline-reorder", requests=2, chunks=1, cancels=1, expiries=1, reorders=1),
@@ -203,6 +218,7 @@ PLANTED = (
     "table-unknown-not-absorbing",
     "cancel-decided-not-recorded",
     "rounds-prepared-first-rank",
+    "gen-restart-hits-other-instances",
     "pairing-veto-ignored",
     "pairing-undo-skipped",
 )
@@ -241,7 +257,7 @@ def _frame_info(env: Envelope) -> tuple[ParentKey, tuple[Any, ...]]:
         assert isinstance(message, _SESSION_MESSAGES), f"harness: a {type(message).__name__} on the wire"
         ticket = message.ticket
         sender = ticket.gen if env.to_role is Role.CTX else ticket.ctx
-        channel = (env.to_role.value, env.to_rank, sender.ns.role.value, sender.ns.rank, sender.epoch)
+        channel = (env.to_role.value, env.to_rank, sender.ns.instance_id, sender.ns.rank, sender.epoch)
         if len(_FRAME_INFO) > 100_000:
             _FRAME_INFO.clear()
         info = _FRAME_INFO[env.frame] = (ticket.parent, channel)
@@ -255,6 +271,7 @@ class World(Pair):
         super().__init__(
             n_gen=config.gen_ranks,
             n_ctx=config.ctx_ranks,
+            ctx_instances=config.ctx_instances,
             ctx_blocks=config.ctx_blocks or config.requests,
             gen_blocks=config.gen_blocks or config.requests,
             chunk_window=config.window,
@@ -276,6 +293,17 @@ class World(Pair):
         self.admitted: set[ParentKey] = set()
         self.restarted_gens: list[tuple[int, int]] = []  # (rank, old epoch) not yet confirmed dead
         self.restarted_ctx: list[tuple[int, int]] = []  # (rank, old epoch) not yet confirmed dead
+        # For the bystander check: requests a fault touched (a cancel, an
+        # ERR, a lost, duplicated or reordered frame of theirs, a deadline
+        # for all, a GEN death for all) and CTX
+        # instances that lost a rank. Any other request must not be failed
+        # or cancelled by a round.
+        self.touched: set[ParentKey] = set()
+        self.faulted: set[int] = set()
+        #: Only a fleet world tracks them: in the others they would split
+        #: states that differ in nothing else (and double the space).
+        self.bystanders = config.ctx_instances > 1
+        self.settling = False
 
     # ---- the events --------------------------------------------------
 
@@ -368,11 +396,14 @@ class World(Pair):
         if kind == "admit":
             p = event[1]
             self.admitted.add(p)
-            self.admit(p, blocks=1, chunks=self.config.chunks, lease=5.0)
+            instance = self.requests.index(p) % self.config.ctx_instances
+            self.admit(p, blocks=1, chunks=self.config.chunks, lease=5.0, ctx_instance=instance)
+            if not all(p in rank.parents() for rank in (self.gens[0], self.ctxs[self.home_ranks(p)[0]])):
+                self._touch(p)  # an instance refused it (no block): the pairing ends it
             return f"both instances admit {p.request_id} (each rank leases)"
         if kind == "prefill":
             self.prefill(event[1], event[2])
-            return f"CTX rank {event[2]} prefills {event[1].request_id}"
+            return f"{self._who(event[2])} prefills {event[1].request_id}"
         if kind == "install":
             p, g = event[1], event[2]
             self._install_one(p, g)
@@ -387,6 +418,7 @@ class World(Pair):
         if kind == "cancel":
             p, r = event[1], event[2]
             self.budget["cancel"] -= 1
+            self._touch(p)
             rank = self.ranks()[r]
             self.perform(
                 protocol_call("S3", f"cancel({p!r})", lambda: rank.cancel(p, CancelReason.CLIENT, self.now)),
@@ -398,15 +430,18 @@ class World(Pair):
             env = self.queue[i]
             if kind == "drop":
                 self.budget["drop"] -= 1
+                self._touch(_frame_info(env)[0])
                 del self.queue[i]
                 return _FrameLabel("lost: ", env)
             if kind == "dup":
                 self.budget["dup"] -= 1
+                self._touch(_frame_info(env)[0])
                 self.queue.append(Envelope(env.to_role, env.to_rank, env.frame))
                 return _FrameLabel("duplicated: ", env)
             parent, channel = _frame_info(env)
             if any(_frame_info(e) == (parent, channel) for e in self.queue[:i]):
                 self.budget["reorder"] -= 1  # it overtakes an earlier frame of its channel
+                self._touch(parent)
             # S3: a refused frame changes nothing on the rank it is delivered to
             # (the only rank the delivery calls).
             receiver = self._receiver(env)
@@ -425,6 +460,8 @@ class World(Pair):
         if kind in ("done", "err", "partial"):
             key = event[1]
             ticket, index = key
+            if kind != "done":
+                self._touch(ticket.parent)
             what = f"chunk {index} of {ticket.request_id} ctx{ticket.ctx.ns.rank} -> gen{ticket.gen.ns.rank}"
             if kind == "partial":
                 self.budget["partial"] -= 1
@@ -439,6 +476,7 @@ class World(Pair):
             return "a round (cancels, verdicts, completions)"
         if kind == "expire":
             self.budget["expire"] -= 1
+            self._touch(*self.requests)
             self.now += self.timeout + 1
             self.expire()
             return "time passes every deadline (timers fire)"
@@ -446,6 +484,7 @@ class World(Pair):
             g = event[1]
             self.budget["restart"] -= 1
             old = self.gens[g].our.epoch
+            self._touch(*self.requests)
             self.restart_gen(g, notify=True)
             self.restarted_gens.append((g, old))
             return f"GEN rank {g} dies; epoch {old + 1} replaces it"
@@ -453,9 +492,11 @@ class World(Pair):
             c = event[1]
             self.budget["restart"] -= 1
             old = self.ctxs[c].our.epoch
+            if self.bystanders:
+                self.faulted.add(self.instance_of(c))
             self.restart_ctx(c, notify=True)
             self.restarted_ctx.append((c, old))
-            return f"CTX rank {c} dies; epoch {old + 1} replaces it"
+            return f"{self._who(c)} dies; epoch {old + 1} replaces it"
         if kind == "confirm_dead":
             g, epoch = event[1], event[2]
             self.restarted_gens.remove((g, epoch))
@@ -466,8 +507,28 @@ class World(Pair):
             self.restarted_ctx.remove((c, epoch))
             # Its process is gone and confirmed so: its writes land nowhere now.
             self.confirm_ctx_dead(c, epoch)
-            return f"the directory confirms CTX rank {c} epoch {epoch} dead"
+            return f"the directory confirms {self._who(c)} epoch {epoch} dead"
         raise ValueError(f"unknown event {event!r}")
+
+    def _round(self, role: Any, *args: Any, **kwargs: Any) -> Any:
+        """A round, and the bystander check on its decision: a request that
+        no fault touched, in a CTX instance that lost no rank, is neither
+        failed nor cancelled (a fault of one instance stays in it)."""
+        decision = super()._round(role, *args, **kwargs)
+        if self.settling or not self.bystanders:
+            return decision  # settling passes every deadline: ends are due then
+        for parent in (*decision.failed, *decision.cancelled):
+            if parent not in self.touched and self.home.get(parent, 0) not in self.faulted:
+                raise Violation(
+                    "bystander",
+                    f"the {getattr(role, 'value', role)} round ended {parent.request_id} (CTX instance"
+                    f" {self.home.get(parent, 0)}), which no fault touched",
+                )
+        return decision
+
+    def _touch(self, *parents: ParentKey) -> None:
+        if self.bystanders:
+            self.touched.update(parents)
 
     def _rounds_due(self) -> bool:
         """Whether a round would decide anything (`Pair.rounds_due`): a round
@@ -492,7 +553,8 @@ class World(Pair):
     def _who(self, r: int) -> str:
         """The label of `ranks()[r]`."""
         if r < len(self.ctxs):
-            return f"CTX rank {r}"
+            instance, local = divmod(r, self.n_ctx)
+            return f"CTX rank {local}" + (f" of ctx{instance}" if self.ctx_instances > 1 else "")
         return f"GEN rank {r - len(self.ctxs)}"
 
     # ---- canonical form, quiescence, the end ----------------------------
@@ -512,6 +574,8 @@ class World(Pair):
         self.admitted = set(sorted(self.admitted, key=repr))
         self.dead_gens = set(sorted(self.dead_gens))
         self.dead_ctxs = set(sorted(self.dead_ctxs))
+        self.touched = set(sorted(self.touched, key=repr))
+        self.faulted = set(sorted(self.faulted))
         return pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
 
     def quiescent(self) -> bool:
@@ -520,6 +584,7 @@ class World(Pair):
     def check_end(self) -> None:
         """L1 and L2 once everything settles: the directory confirms every
         death, then rounds, frees and every timer run until nothing moves."""
+        self.settling = True
         try:
             # The directory confirms every dead incarnation in the end (fair).
             for gen_rank, epoch in list(self.restarted_gens):
@@ -542,7 +607,8 @@ class World(Pair):
         for role, leader in self.leaders.items():
             if leader.in_flight:
                 held = sorted(p.request_id for p in leader.in_flight)
-                raise Violation("L1", f"the {role.value} instance's rounds still hold {held} in flight after settling")
+                name = role.value if isinstance(role, Role) else role
+                raise Violation("L1", f"the {name} instance's rounds still hold {held} in flight after settling")
         strays = {w.ticket.parent for w in self.strays if self.polled(w)}
         for rank in self.ranks():
             for p, state in rank.parents().items():
@@ -787,10 +853,22 @@ def explore_all(configs: list[Config], *, stop_at_first: bool = True, first_only
     import concurrent.futures
     import multiprocessing
 
-    # spawn: a fork of a process that runs Ray or threads is not safe.
+    # spawn: a fork of a process that runs Ray or threads is not safe. The
+    # workers hash strings with one seed: a set's pickle follows its
+    # iteration order, which string hashing changes, so equal worlds could
+    # hash apart (more states, never fewer) by a different amount per run.
+    # With one seed the counts repeat from run to run.
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        return list(pool.map(_explore_one, configs, [stop_at_first] * len(configs)))
+    seed = os.environ.get("PYTHONHASHSEED")
+    os.environ["PYTHONHASHSEED"] = "0"
+    try:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+            return list(pool.map(_explore_one, configs, [stop_at_first] * len(configs)))
+    finally:
+        if seed is None:
+            del os.environ["PYTHONHASHSEED"]
+        else:
+            os.environ["PYTHONHASHSEED"] = seed
 
 
 def run(args: argparse.Namespace) -> int:

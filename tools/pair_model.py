@@ -139,8 +139,8 @@ def _ref_of(descriptor: object) -> BlockRef:
     return BlockRef(descriptor.block, descriptor.generation)
 
 
-def ctx_endpoint(epoch: int = 1, rank: int = 0) -> Endpoint:
-    return Endpoint(ns=RankNamespace(instance_id="ctx0", role=Role.CTX, rank=rank), epoch=epoch)
+def ctx_endpoint(epoch: int = 1, rank: int = 0, instance: int = 0) -> Endpoint:
+    return Endpoint(ns=RankNamespace(instance_id=f"ctx{instance}", role=Role.CTX, rank=rank), epoch=epoch)
 
 
 def gen_endpoint(epoch: int = 1, rank: int = 0) -> Endpoint:
@@ -217,6 +217,7 @@ class Pair:
         gen_blocks: int = 16,
         n_gen: int = 1,
         n_ctx: int = 1,
+        ctx_instances: int = 1,
         chunk_window: int = 2,
         timeout: float = TIMEOUT,
         conservative: bool = False,
@@ -237,22 +238,29 @@ class Pair:
         self.gen_blocks = gen_blocks
         self.n_gen = n_gen
         self.n_ctx = n_ctx
+        self.ctx_instances = ctx_instances
         self.edges = model_edges(n_ctx, n_gen)
-        self.ctxs = [self._new_ctx(1, c) for c in range(n_ctx)]
+        # The CTX ranks of every CTX instance, flat: rank r of instance i is
+        # `ctxs[i * n_ctx + r]` (its "flat rank"; one instance: the rank).
+        self.ctxs = [self._new_ctx(1, c, i) for i in range(ctx_instances) for c in range(n_ctx)]
         self.gens = [self._new_gen(1, r) for r in range(n_gen)]
         # One round leader per instance and one follower per rank, as the
-        # coordinators and the rank actors hold them.
-        self.leaders: dict[Role, RoundLeader] = {
-            Role.CTX: RoundLeader(n_ctx, epochs=dict.fromkeys(range(n_ctx), 1)),
-            Role.GEN: RoundLeader(n_gen, epochs=dict.fromkeys(range(n_gen), 1)),
+        # coordinators and the rank actors hold them. An instance's key is
+        # its role for the first CTX instance and the GEN instance, and
+        # "ctx<i>" for another CTX instance (a fleet's).
+        self.leaders: dict[Role | str, RoundLeader] = {
+            self.ctx_key(i): RoundLeader(n_ctx, epochs=dict.fromkeys(range(n_ctx), 1)) for i in range(ctx_instances)
         }
-        self.ctx_followers = [RoundFollower(c, 1) for c in range(n_ctx)]
+        self.leaders[Role.GEN] = RoundLeader(n_gen, epochs=dict.fromkeys(range(n_gen), 1))
+        self.ctx_followers = [RoundFollower(c, 1) for _ in range(ctx_instances) for c in range(n_ctx)]
         self.gen_followers = [RoundFollower(r, 1) for r in range(n_gen)]
         # What a coordinator adds to its next proposal: failures of a
         # restarted rank's in-flight parents, cancels undoing an admission
         # the peer instance refused.
-        self.failures_pending: dict[Role, set[ParentKey]] = {Role.CTX: set(), Role.GEN: set()}
-        self.cancels_pending: dict[Role, set[ParentKey]] = {Role.CTX: set(), Role.GEN: set()}
+        self.failures_pending: dict[Role | str, set[ParentKey]] = {k: set() for k in self.leaders}
+        self.cancels_pending: dict[Role | str, set[ParentKey]] = {k: set() for k in self.leaders}
+        #: The CTX instance each parent was admitted into (the caller's router).
+        self.home: dict[ParentKey, int] = {}
         self.queue: list[Envelope] = []
         self.in_flight: dict[tuple[ContextTicket, int], Write] = {}
         self.strays: list[Write] = []  # writes of ERR chunks that may still land
@@ -284,16 +292,33 @@ class Pair:
         return self.ctx_followers[0]
 
     def gens_of(self, ctx_rank: int) -> list[int]:
-        """The GEN ranks CTX rank `ctx_rank` writes (its edges)."""
+        """The GEN ranks CTX rank `ctx_rank` (its rank in its instance) writes."""
         return [g for c, g in self.edges if c == ctx_rank]
 
-    def ctxs_of(self, gen_rank: int) -> list[int]:
-        """The CTX ranks that write GEN rank `gen_rank`."""
-        return [c for c, g in self.edges if g == gen_rank]
+    def ctxs_of(self, gen_rank: int, instance: int = 0) -> list[int]:
+        """The flat ranks of CTX instance `instance` that write GEN rank `gen_rank`."""
+        return [instance * self.n_ctx + c for c, g in self.edges if g == gen_rank]
 
-    def _new_ctx(self, epoch: int, rank: int = 0) -> CtxRank:
+    @staticmethod
+    def ctx_key(instance: int) -> Role | str:
+        """The rounds key of CTX instance `instance`."""
+        return Role.CTX if instance == 0 else f"ctx{instance}"
+
+    def flat(self, endpoint: Endpoint) -> int:
+        """The flat rank of a CTX endpoint."""
+        return int(endpoint.ns.instance_id[3:]) * self.n_ctx + endpoint.ns.rank
+
+    def instance_of(self, flat: int) -> int:
+        return flat // self.n_ctx
+
+    def home_ranks(self, parent: ParentKey) -> list[int]:
+        """The flat ranks of `parent`'s CTX instance."""
+        base = self.home.get(parent, 0) * self.n_ctx
+        return list(range(base, base + self.n_ctx))
+
+    def _new_ctx(self, epoch: int, rank: int = 0, instance: int = 0) -> CtxRank:
         return CtxRank(
-            ctx_endpoint(epoch, rank),
+            ctx_endpoint(epoch, rank, instance),
             CTX_DIGEST,
             BlockPool(self.ctx_blocks),
             edges_per_parent=len(self.gens_of(rank)),
@@ -316,7 +341,8 @@ class Pair:
 
     def tickets(self, parent: ParentKey) -> list[ContextTicket]:
         """One ticket per edge, in the shard map's order."""
-        return [make_ticket(parent, self.ctxs[c].our, self.gens[g].our) for c, g in self.edges]
+        base = self.home.get(parent, 0) * self.n_ctx
+        return [make_ticket(parent, self.ctxs[base + c].our, self.gens[g].our) for c, g in self.edges]
 
     def gen_specs(self, parent: ParentKey, gen_rank: int) -> list[GenEdgeSpec]:
         """What GEN rank `gen_rank` installs for `parent`: one edge per CTX
@@ -330,36 +356,39 @@ class Pair:
                 num_tokens=16,
                 expected_bytes=self.chunks[parent] * CHUNK_BYTES,
             )
-            for c in self.ctxs_of(gen_rank)
+            for c in self.ctxs_of(gen_rank, self.home.get(parent, 0))
         ]
 
     # ---- lifecycle steps (what the actors and rounds would call) -------
 
     def admit(
-        self, parent: ParentKey, *, blocks: int = 2, chunks: int = 2, lease: float = 5.0
+        self, parent: ParentKey, *, blocks: int = 2, chunks: int = 2, lease: float = 5.0, ctx_instance: int = 0
     ) -> None:
         """One admission round in each instance (each rank leases in its
         vote); GEN's is vetoed when the CTX instance did not admit, and the
         CTX's admission undone (a cancel) when GEN's round did not."""
         self.chunks[parent] = chunks
+        self.home[parent] = ctx_instance
+        key = self.ctx_key(ctx_instance)
         request = AdmissionRequest(parent=parent, num_tokens=16)
         # The GEN instance submits and asks the CTX instance (its peer) to
         # admit while its own ranks vote (the coordinators' pairing).
-        ctx = self._round(Role.CTX, [request], blocks=blocks, lease=lease)
+        ctx = self._round(key, [request], blocks=blocks, lease=lease)
         vetoed = pairing_veto([parent], ctx.admitted)
         gen = self._round(Role.GEN, [request], blocks=blocks, lease=lease, vetoed=vetoed)
-        self.cancels_pending[Role.CTX].update(pairing_undo(ctx.admitted, gen.admitted))
+        self.cancels_pending[key].update(pairing_undo(ctx.admitted, gen.admitted))
         # Pairing: a handoff admitted by one instance alone is taken back.
         assert parent not in gen.admitted or parent in ctx.admitted, (
             f"pairing: the GEN instance admitted {parent!r}, which its CTX instance refused"
         )
-        assert parent not in ctx.admitted or parent in gen.admitted or parent in self.cancels_pending[Role.CTX], (
+        assert parent not in ctx.admitted or parent in gen.admitted or parent in self.cancels_pending[key], (
             f"pairing: the CTX instance keeps {parent!r}, which its GEN instance refused"
         )
 
     def prefill(self, parent: ParentKey, ctx_rank: int | None = None) -> None:
-        """CTX rank `ctx_rank` (every CTX rank: None) finished its prefill."""
-        for c in range(self.n_ctx) if ctx_rank is None else (ctx_rank,):
+        """CTX rank `ctx_rank` (a flat rank; every rank of the parent's CTX
+        instance: None) finished its prefill."""
+        for c in self.home_ranks(parent) if ctx_rank is None else (ctx_rank,):
             ctx = self.ctxs[c]
             self._act("S3", f"prefilled({parent!r}) on {ctx.our.ns}", partial(ctx.prefilled, parent), ctx)
 
@@ -380,24 +409,25 @@ class Pair:
         actor does, `decided_alone`); with several ranks the CTX round
         decides it (`run_rounds`)."""
         assert self.n_ctx == 1, "harness: a CTX instance of several ranks decides in its round"
-        self._act("S3", f"decided({parent!r})", lambda: self.ctx.decided(parent, self.now), self.ctx)
+        ctx = self.ctxs[self.home.get(parent, 0)]
+        self._act("S3", f"decided({parent!r})", lambda: ctx.decided(parent, self.now), ctx)
 
     def all_prepared(self, parent: ParentKey) -> bool:
         """A one-rank CTX instance reported the parent `Prepared` and it is
         still RESIDENT (only prepared parents nobody cancelled are decided)."""
-        return (
-            self.n_ctx == 1
-            and (0, self.ctx.our.epoch, parent) in self.prepared
-            and self.ctx.parent_state(parent) is ParentState.RESIDENT
-        )
+        if self.n_ctx != 1:
+            return False
+        k = self.home.get(parent, 0)
+        ctx = self.ctxs[k]
+        return (k, ctx.our.epoch, parent) in self.prepared and ctx.parent_state(parent) is ParentState.RESIDENT
 
     def run_rounds(self) -> None:
         """A round in each instance that has something to decide (news its
         ranks reported, failures or cancels its coordinator adds), then, if
         modelled, the topology-wide NOT_STARTED verdict."""
-        for role in (Role.CTX, Role.GEN):
-            if self.round_due(role):
-                self._round(role)
+        for key in list(self.leaders):
+            if self.round_due(key):
+                self._round(key)
         if not self.not_started_verdict:
             return
         for parent in self._not_started():
@@ -417,7 +447,8 @@ class Pair:
         out = []
         for parent in sorted({p for g in self.gens for p in g.parents()}, key=repr):
             if all(
-                parent in ctx.parents() and ctx.local_not_started(parent) for ctx in self.ctxs
+                parent in self.ctxs[k].parents() and self.ctxs[k].local_not_started(parent)
+                for k in self.home_ranks(parent)
             ) and all(g.local_not_started(parent) for g in self.gens if parent in g.parents()):
                 out.append(parent)
         return out
@@ -426,7 +457,7 @@ class Pair:
         """Whether the NOT_STARTED verdict (when modelled) would release a parent."""
         return self.not_started_verdict and bool(self._not_started())
 
-    def round_due(self, role: Role) -> bool:
+    def round_due(self, role: Role | str) -> bool:
         """Would a round of `role`'s instance decide anything now (the
         coordinator's test before it runs a round without admissions)?"""
         leader = self.leaders[role]
@@ -437,7 +468,7 @@ class Pair:
         )
 
     def rounds_due(self) -> bool:
-        return self.round_due(Role.CTX) or self.round_due(Role.GEN) or self.verdict_due()
+        return any(self.round_due(key) for key in self.leaders) or self.verdict_due()
 
     def normalize_rounds(self) -> None:
         """Renumber the rounds so that equal states compare equal (the
@@ -446,7 +477,7 @@ class Pair:
         carry no information: the next round becomes 1, report sequences 0,
         and every set is rebuilt in one order. Each report is pushed first,
         so the stored reports are the followers' news."""
-        for role in (Role.CTX, Role.GEN):
+        for role in self.leaders:
             self._push_reports(role)
             leader = self.leaders[role]
             assert leader.proposal is None, "harness: a round is open between steps"
@@ -467,20 +498,23 @@ class Pair:
             self.failures_pending[role] = set(sorted(self.failures_pending[role], key=repr))
             self.cancels_pending[role] = set(sorted(self.cancels_pending[role], key=repr))
 
-    def _instance(self, role: Role) -> list[tuple[CtxRank | GenRank, RoundFollower]]:
-        if role is Role.CTX:
-            return list(zip(self.ctxs, self.ctx_followers, strict=True))
-        return list(zip(self.gens, self.gen_followers, strict=True))
+    def _instance(self, role: Role | str) -> list[tuple[CtxRank | GenRank, RoundFollower]]:
+        """The ranks and followers of the instance with rounds key `role`."""
+        if role is Role.GEN:
+            return list(zip(self.gens, self.gen_followers, strict=True))
+        base = (0 if role is Role.CTX else int(str(role)[3:])) * self.n_ctx
+        span = slice(base, base + self.n_ctx)
+        return list(zip(self.ctxs[span], self.ctx_followers[span], strict=True))
 
     def _follower(self, rank: CtxRank | GenRank) -> RoundFollower | None:
         """The follower of `rank`'s current incarnation; None for an old one."""
-        for role in (Role.CTX, Role.GEN):
+        for role in self.leaders:
             for current, follower in self._instance(role):
                 if rank is current:
                     return follower
         return None
 
-    def _push_reports(self, role: Role) -> None:
+    def _push_reports(self, role: Role | str) -> None:
         """Every rank of `role`'s instance pushes its news (a `RankReport`)."""
         leader = self.leaders[role]
         for _, follower in self._instance(role):
@@ -488,7 +522,7 @@ class Pair:
 
     def _round(
         self,
-        role: Role,
+        role: Role | str,
         admissions: Iterable[AdmissionRequest] = (),
         *,
         blocks: int = 0,
@@ -545,7 +579,7 @@ class Pair:
         """A client's cancel: its coordinator puts it in the next round's
         proposal and tells the peer instance's coordinator, which does the
         same (`Coordinator.cancel`)."""
-        for role in (Role.CTX, Role.GEN):
+        for role in (self.ctx_key(self.home.get(parent, 0)), Role.GEN):
             self.cancels_pending[role].add(parent)
 
     def free(self, parent: ParentKey) -> None:
@@ -615,7 +649,7 @@ class Pair:
         self.gens[rank] = self._new_gen(old.our.epoch + 1, rank)
         self.gen_followers[rank] = self._rejoin(Role.GEN, rank, old.our.epoch + 1)
         if notify:
-            for c in self.ctxs_of(rank):
+            for c in [k for i in range(self.ctx_instances) for k in self.ctxs_of(rank, i)]:
                 ctx = self.ctxs[c]
                 self._act(
                     "S1",
@@ -624,7 +658,7 @@ class Pair:
                     ctx,
                 )
 
-    def _rejoin(self, role: Role, rank: int, epoch: int) -> RoundFollower:
+    def _rejoin(self, role: Role | str, rank: int, epoch: int) -> RoundFollower:
         """What the coordinator does when it replaces a rank: the leader takes
         the new epoch (the old incarnation's votes and reports are refused),
         the new follower joins at the next round, and every parent in flight
@@ -642,19 +676,20 @@ class Pair:
         lands nowhere that matters any more: it only reads the CTX's blocks."""
         self.dead_gens.add((rank, epoch))
         dead = Endpoint(ns=self.gens[rank].our.ns, epoch=epoch)
-        for c in self.ctxs_of(rank):
+        for c in [k for i in range(self.ctx_instances) for k in self.ctxs_of(rank, i)]:
             ctx = self.ctxs[c]
             self._act("S1", f"{ctx.our.ns} peer_dead", partial(ctx.peer_dead, dead, self.now), ctx)
 
     def restart_ctx(self, rank: int = 0, *, notify: bool = True) -> None:
-        """CTX rank `rank` restarts with a new epoch: fresh pool, no sessions."""
+        """CTX rank `rank` (flat) restarts with a new epoch: fresh pool, no sessions."""
         old = self.ctxs[rank]
-        self.ctxs[rank] = new = self._new_ctx(old.our.epoch + 1, rank)
-        self.ctx_followers[rank] = self._rejoin(Role.CTX, rank, old.our.epoch + 1)
+        instance, local = divmod(rank, self.n_ctx)
+        self.ctxs[rank] = new = self._new_ctx(old.our.epoch + 1, local, instance)
+        self.ctx_followers[rank] = self._rejoin(self.ctx_key(instance), local, old.our.epoch + 1)
         # Its process is gone: its strays land nowhere any more.
         self.strays = [w for w in self.strays if (w.ctx_rank, w.ctx_epoch) != (rank, old.our.epoch)]
         if notify:
-            for g in self.gens_of(rank):
+            for g in self.gens_of(local):
                 gen = self.gens[g]
                 self._act(
                     "S1", f"{gen.our.ns} peer_restarted", partial(gen.peer_restarted, new.our, self.now), gen
@@ -666,7 +701,7 @@ class Pair:
         self.dead_ctxs.add((rank, epoch))
         self.in_flight = {k: w for k, w in self.in_flight.items() if (w.ctx_rank, w.ctx_epoch) != (rank, epoch)}
         dead = Endpoint(ns=self.ctxs[rank].our.ns, epoch=epoch)
-        for g in self.gens_of(rank):
+        for g in self.gens_of(rank % self.n_ctx):
             gen = self.gens[g]
             self._act("S1", f"{gen.our.ns} peer_dead", partial(gen.peer_dead, dead, self.now), gen)
 
@@ -699,11 +734,11 @@ class Pair:
                     follower.record(report.news, report.parent)
             match action:
                 case SendMessage(to=to, message=message):
-                    rank = to.ns.rank
+                    rank = self.flat(to) if to.ns.role is Role.CTX else to.ns.rank
                     self.queue.append(Envelope(to.ns.role, rank, encode_frame(message)))
                 case PostChunk(ticket=ticket, index=index):
                     # The poster: the rank that returned it (a test may perform it for the ticket's).
-                    poster = by if isinstance(by, CtxRank) else self.ctxs[ticket.ctx.ns.rank]
+                    poster = by if isinstance(by, CtxRank) else self.ctxs[self.flat(ticket.ctx)]
                     assert poster.pool.holds(ticket.parent), (
                         f"S1: PostChunk {index} of {ticket.edge} for {ticket.parent!r},"
                         " whose lease the CTX no longer holds: the DMA would read freed blocks"
@@ -718,7 +753,7 @@ class Pair:
                     self.in_flight[(ticket, index)] = Write(
                         ticket=ticket,
                         index=index,
-                        ctx_rank=ticket.ctx.ns.rank,
+                        ctx_rank=self.flat(ticket.ctx),
                         ctx_epoch=ticket.ctx.epoch,
                         gen_epoch=ticket.gen.epoch,
                         gen_rank=ticket.gen.ns.rank,
@@ -731,7 +766,7 @@ class Pair:
                     self.decode_ready.add(parent)
                 case Prepared(parent=parent):
                     assert isinstance(by, CtxRank), f"harness: {action!r} from {by!r}"
-                    key = (by.our.ns.rank, by.our.epoch, parent)
+                    key = (self.flat(by.our), by.our.epoch, parent)
                     assert key not in self.prepared, f"Prepared({parent!r}) reported twice"
                     edges = by.edges(parent)
                     assert len(edges) == len(self.gens_of(by.our.ns.rank)) and all(
@@ -834,7 +869,7 @@ class Pair:
         """Drive every parent to an end: deliver, finish chunks, decide, expire, rounds."""
         for _ in range(rounds):
             self.pump()
-            for parent in list(self.ctx.parents()):
+            for parent in sorted({q for ctx in self.ctxs for q in ctx.parents()}, key=repr):
                 if self.all_prepared(parent):
                     self.decide(parent)
             self.pump()

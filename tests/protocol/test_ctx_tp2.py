@@ -119,3 +119,35 @@ def test_a_dead_ctx_rank_fails_the_handoff_and_its_shard_stays_quarantined_until
     for rank in pair.ranks():
         assert rank.parents() == {}, (rank.our.ns, rank.parents())
         assert rank.pool.counts().free == rank.pool.counts().total
+
+
+def test_a_ctx_rank_death_in_one_instance_ends_no_handoff_of_another() -> None:
+    """A fleet: two CTX instances (`ctx0`, `ctx1`) and one GEN instance, a
+    handoff from each, both writing. `ctx1`'s rank dies: its handoff fails
+    (and its GEN blocks wait for the death proof); `ctx0`'s completes, every
+    byte of it, and is never failed or cancelled by any round."""
+    pair = Pair(ctx_instances=2, gen_blocks=4, ctx_blocks=4)
+    mine, theirs = parent_key(1), parent_key(2)
+    for parent, instance in ((mine, 0), (theirs, 1)):
+        pair.admit(parent, blocks=1, chunks=1, ctx_instance=instance)
+        pair.prefill(parent)
+        pair.install(parent)
+    pair.deliver_all()
+    for parent in (mine, theirs):
+        pair.decide(parent)
+    assert {w.ctx_rank for w in pair.in_flight.values()} == {0, 1}  # flat ranks: ctx0, ctx1
+    pair.restart_ctx(1)  # ctx1's only rank
+    assert pair.gens[0].parent_state(mine) is not ParentState.QUARANTINED
+    pair.actions.clear()
+    pair.pump()
+    pair.run_rounds()
+    assert mine in pair.decode_ready
+    for key, leader in pair.leaders.items():
+        assert mine not in leader.in_flight or key is Role.GEN, key
+    pair.free(mine)
+    pair.confirm_ctx_dead(1, 1)
+    pair.settle_everything()
+    assert theirs not in pair.decode_ready
+    for rank in pair.ranks():
+        assert rank.parents() == {}, (rank.our.ns, rank.parents())
+        assert rank.pool.counts().free == rank.pool.counts().total

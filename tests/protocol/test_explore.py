@@ -97,6 +97,23 @@ def test_the_default_bounds_hold_every_invariant() -> None:
     assert [w["config"]["name"] for w in worlds if not w["complete"]] == []  # every interleaving, to the end
 
 
+def test_the_fleet_worlds_hold_every_invariant_and_no_fault_crosses_instances() -> None:
+    """Two CTX instances and one GEN instance, a handoff from each, with a
+    rank death anywhere or a cancel: every invariant holds, and no round
+    ends a handoff that no fault touched in an instance that lost no rank
+    (the bystander check; the planted `gen-restart-hits-other-instances`
+    breaks it)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvhandoff.tools.explore", "--json", "--config", "fleet"],
+        capture_output=True, text=True, timeout=1200, cwd=ROOT,
+    )
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    out = json.loads(proc.stdout)
+    assert out["violations"] == [] and out["states"] >= 50_000
+    assert all(w["complete"] and w["config"]["ctx_instances"] == 2 for w in out["configs"])
+    assert {"restarts", "cancels"} <= {k for w in out["configs"] for k in ("restarts", "cancels") if w["config"][k]}
+
+
 def test_the_default_bounds_cover_every_topology_the_issue_names() -> None:
     """TP 1 -> 1, 1 -> 2, 2 -> 1 and 2 -> 2 (the CTX round deciding what every
     CTX rank reported prepared), each with cancels, deaths, deadlines and
