@@ -12,6 +12,10 @@ its handoffs round-robin over every pair (ctx i, gen j), starting at pair k,
 so traffic covers all N x N pairs evenly. The rate is completed handoffs per
 second of wall time (the last in-flight ones included).
 
+For the largest size, the same fleet again with front end j sending only
+to pair (ctx j, gen j) (`own_pairs`): what the fleet costs when its
+traffic does not spread over pairs, against the independent pairs.
+
 In the same run, beside them: N_max independent one-pair `Deployment`s at
 once (their own directory, coordinators and ranks; the same Ray cluster),
 each driven by one front end of `--scale-clients` clients: what N_max
@@ -159,6 +163,7 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
         synthetic=False,  # time the protocol, not the test pattern
     )
     rows = []
+    own_pairs: dict[str, Any] = {}
     carrier: dict[str, Any] | None = None
     for n in sizes:
         with reporter.step(f"launching a {n}x{n} fleet (tp=1)", done=f"{n}x{n} fleet ready"):
@@ -179,6 +184,16 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
                 before = await _work([await fleet.stats()])
                 row = await _front_ends([routes] * n, tokens, per, args.sustain_s, rid("scale"), failures)
                 row["per_handoff"] = _per_handoff(before, await _work([await fleet.stats()]), row["completed"])
+            if n > 1 and n == max(sizes):
+                # The same fleet with front end j on pair (ctx j, gen j) only:
+                # what it costs when its traffic does not spread over pairs.
+                own = [[(f"{fleet.name}.coord.{ids[f'gen{j}']}", ids[f"ctx{j}"])] for j in range(n)]
+                with reporter.step(f"{n}x{n}: each front end on its own pair", done=f"{n}x{n} own pairs measured"):
+                    await _front_ends(own, tokens, per, warm_s, rid("scale-warm"), collections.Counter())
+                    before = await _work([await fleet.stats()])
+                    own_row = await _front_ends(own, tokens, per, args.sustain_s, rid("scale-own"), failures)
+                    own_row["per_handoff"] = _per_handoff(before, await _work([await fleet.stats()]), own_row["completed"])
+                own_pairs = {"instances": n, "pairs": n, **own_row}
         finally:
             await fleet.shutdown()
         rows.append({"instances": n, "pairs": len(pairs), **row})
@@ -210,6 +225,12 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
         out["largest_over_independent"] = (
             largest["handoffs_per_s"] / independent["handoffs_per_s"] if independent["handoffs_per_s"] else None
         )
+        if own_pairs:
+            own_pairs["over_independent"] = (
+                own_pairs["handoffs_per_s"] / independent["handoffs_per_s"] if independent["handoffs_per_s"] else None
+            )
+    if own_pairs:
+        out["own_pairs"] = own_pairs
     out["failures"] = dict(failures)
     return out
 
@@ -223,6 +244,13 @@ def scale_table(scale_out: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
         rows.append([
             f"fleet {r['instances']}x{r['instances']}", r["clients"], f"{r['handoffs_per_s']:.0f}",
             f"{r['over_1x1']:.2f}" if r.get("over_1x1") else "-", f"{p50 * 1e3:.1f}" if p50 else "-",
+        ])
+    own = scale_out.get("own_pairs")
+    if own:
+        p50 = own.get("latency_p50_s")
+        rows.append([
+            f"fleet {own['instances']}x{own['instances']}, own pairs", own["clients"], f"{own['handoffs_per_s']:.0f}",
+            "-", f"{p50 * 1e3:.1f}" if p50 else "-",
         ])
     ind = scale_out.get("independent")
     if ind:

@@ -4,6 +4,8 @@
 # issue) and on this one. Ratios are compared run against run on one machine.
 # Usage (repo root, .dev and .ab_base carried): [ROUNDS=2] bash bench/h200_ab.sh
 # (2 rounds write 7 files: the device returns at most 8.)
+# SCALE=1: the fleet's scale section instead (one run ~2 min per tree and
+# round), with THIRD_TREE (another carried tree) as a third arm if given.
 set -euo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 site=$(mktemp -d); for f in .dev/*.txz; do tar xJf "$f" -C "$site"; done
@@ -24,6 +26,15 @@ if [ -n "${VRAM_ONLY:-}" ]; then  # the VRAM data plane only, alternating, ROUND
   for round in $(seq 1 "${ROUNDS:-2}"); do
     run "$base_tree" "ab_base_vram_$round" --memory VRAM --gpus-per-rank 0.5 --sections data --sizes-mib 256 --chunk-mib 64 --repeats 7
     run "$head_tree" "ab_head_vram_$round" --memory VRAM --gpus-per-rank 0.5 --sections data --sizes-mib 256 --chunk-mib 64 --repeats 7
+  done
+  ls -la "$out"; exit 0
+fi
+if [ -n "${SCALE:-}" ]; then  # the fleet's scale section, alternating, ROUNDS times
+  scale=(--sections scale --scale-sizes 1,2,4,1 --scale-clients 16 --sustain-s 5 --round-timeout-s 30 --control-frames ray)
+  for round in $(seq 1 "${ROUNDS:-1}"); do
+    run "$base_tree" "ab_base_scale_$round" "${scale[@]}"
+    run "$head_tree" "ab_head_scale_$round" "${scale[@]}"
+    if [ -n "${THIRD_TREE:-}" ]; then run "$THIRD_TREE" "ab_third_scale_$round" "${scale[@]}"; fi
   done
   ls -la "$out"; exit 0
 fi

@@ -180,3 +180,18 @@ def test_the_soak_warm_up_lasts_until_every_bounded_memory_forgets() -> None:
     stats["ranks"][0]["memory"]["transfer_timings"] = memory(2, by_age=1)
     # An empty memory (no peers in a one-pair deployment) never fills: not waited for.
     assert memories_full(stats)
+
+
+def test_scale_table_shows_the_fleet_on_its_own_pairs_beside_the_independent_pairs() -> None:
+    """The diagnostic row (the largest fleet, each front end on one pair)
+    sits between the fleets and the independent pairs; it sets no target."""
+    from kvhandoff.actors._bench_scale import scale_table, scale_targets
+
+    scale = _scale([(1, 50.0), (4, 300.0)], independent=320.0)
+    scale["own_pairs"] = {"instances": 4, "pairs": 4, "clients": 16, "handoffs_per_s": 310.0, "latency_p50_s": 0.02}
+    _, rows = scale_table(scale)
+    assert [r[0] for r in rows] == ["fleet 1x1", "fleet 4x4", "fleet 4x4, own pairs", "4 independent pairs"]
+    assert rows[2][2] == "310"
+    added: list[str] = []
+    scale_targets(scale, "", lambda target, *_: added.append(target))
+    assert not any("own" in t for t in added) and len(added) == 2

@@ -38,6 +38,12 @@ class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
     chunk_bytes: int = 1 << 20
     lease_timeout_s: float = 30.0
     poll_interval_s: float = 0.0005
+    #: The longest a frame or report that nothing waits for is held back to
+    #: ride with the next one to the same actor (`RankCore._send`): READY and
+    #: RECEIPT frames over Ray calls, a CTX rank's completion news. It delays
+    #: no answer; a fleet's ranks, whose traffic spreads over many peers,
+    #: make fewer calls per handoff with it (docs/benchmarks.md "Fleet scale").
+    lazy_flush_s: float = 0.005
     device: str = "cpu"
     fault_plan: FaultPlan | None = None
     #: Outside the qualified scope (topology/_gate.py): a cancel never

@@ -27,6 +27,7 @@ from kvhandoff.protocol import (
     LocalOutcome,
     Message,
     Negotiated,
+    News,
     NotNegotiatedError,
     Open,
     ParentKey,
@@ -34,6 +35,8 @@ from kvhandoff.protocol import (
     PoolError,
     ProtocolError,
     Quarantine,
+    Ready,
+    Receipt,
     Release,
     Report,
     Role,
@@ -51,6 +54,9 @@ from kvhandoff.protocol import (
 )
 from kvhandoff.topology import blocks_for_tokens
 
+#: Frames nothing waits for at once (`_send`): READY (a TERMINAL follows it,
+#: which the GEN waits for) and RECEIPT (the CTX releases its blocks on it).
+LAZY_FRAMES = (Ready, Receipt)
 #: Parents whose frames a rank keeps while their admission is not applied
 #: here yet (`RankCore._park`); a frame past it is handed to the protocol.
 MAX_PARKED = 4096
@@ -61,17 +67,30 @@ class _ControlPlane(_RankState):
 
     # -- reports to the coordinator, owned calls ----------------------------------------
 
-    def _nudge(self) -> None:
+    def _nudge(self, lazy: bool = False) -> None:
         """Push our news to the coordinator (one way: ranks never await rounds).
 
         Coalesced: every intent recorded in this turn of the event loop goes
-        out in one `RankReport`, sent when the turn ends."""
+        out in one `RankReport`, sent when the turn ends. News nothing waits
+        for at once (``lazy``: a CTX rank's completions, which no answer
+        depends on) waits up to `lazy_flush_s` for other news to ride with:
+        a report carries all the news recorded by then."""
         if self._report_due:
+            return
+        if lazy and _loop_running():
+            if not self._lazy_report_due:
+                self._lazy_report_due = True
+                asyncio.get_running_loop().call_later(self.config.lazy_flush_s, self._push_lazy_report)
             return
         self._report_due = True
         if _loop_running():
             asyncio.get_running_loop().call_soon(self._push_report)
         else:
+            self._push_report()
+
+    def _push_lazy_report(self) -> None:
+        self._lazy_report_due = False
+        if not self._report_due and self.member.has_news():
             self._push_report()
 
     def _push_report(self) -> None:
@@ -363,6 +382,7 @@ class _ControlPlane(_RankState):
         self._own(ask())
 
     def _send(self, to: Endpoint, frame: bytes | Message, request_id: str = "") -> Any:
+        lazy = isinstance(frame, LAZY_FRAMES)
         if not isinstance(frame, bytes):  # a message: encode it in the pair's agreed version
             pair = self._pairs.get(to.ns.instance_id)
             if pair is not None and (isinstance(pair.negotiation, NotNegotiatedError) or pair.unsent):
@@ -388,22 +408,33 @@ class _ControlPlane(_RankState):
                 return None
         cached = self._peer_handles.get((to.ns.instance_id, to.ns.rank))
         if cached is not None and cached[0] == to:
-            # Group the frames of this event-loop turn per peer: one one-way
-            # call carries them all, in the order they were produced.
+            # Group the frames per peer, in the order they were produced: one
+            # one-way call carries them all. An urgent frame goes when this
+            # event-loop turn ends, with whatever waits for its peer; a lazy
+            # one waits for the next urgent frame to its peer, or for the lazy
+            # flush: a delay in the channel, which keeps its order.
             box = self._outbox.get(to)
             if box is None:
-                box = self._outbox[to] = (cached[1], [])
-                if _loop_running():
-                    if not self._flush_due:
-                        self._flush_due = True
-                        asyncio.get_running_loop().call_soon(self._flush)
-                    box[1].append(frame)
-                    return None
+                box = self._outbox[to] = [cached[1], [], False]
             box[1].append(frame)
             if not _loop_running():
-                self._flush()
+                self._flush(everything=True)
+            elif not lazy:
+                box[2] = True
+                if not self._flush_due:
+                    self._flush_due = True
+                    asyncio.get_running_loop().call_soon(self._flush)
+            elif not self._lazy_flush_due:
+                self._lazy_flush_due = True
+                asyncio.get_running_loop().call_later(self.config.lazy_flush_s, self._flush_lazy)
             return None
-        # Unknown or restarted peer: resolve it, then send (a stale endpoint is dropped).
+        # Unknown or restarted peer: resolve it, then send (a stale endpoint is
+        # dropped). Frames still waiting for it go first: the order holds.
+        box = self._outbox.pop(to, None)
+        if box is not None:
+            self.counters["frame_calls"] += 1
+            self._own(box[0].receive_frames.remote(box[1]))
+
         async def resolve_and_send() -> None:
             handle = await self._peer(to)
             if handle is None:
@@ -414,13 +445,19 @@ class _ControlPlane(_RankState):
         self._own(resolve_and_send())
         return None
 
-    def _flush(self) -> None:
-        """Send every peer's grouped frames: one one-way call per peer."""
+    def _flush(self, everything: bool = False) -> None:
+        """Send the grouped frames of every peer with an urgent one (of every
+        peer, with ``everything``): one one-way call per peer."""
         self._flush_due = False
-        boxes, self._outbox = self._outbox, {}
-        for handle, frames in boxes.values():
-            self.counters["frame_calls"] += 1
-            self._own(handle.receive_frames.remote(frames))
+        for to, (handle, frames, urgent) in list(self._outbox.items()):
+            if urgent or everything:
+                del self._outbox[to]
+                self.counters["frame_calls"] += 1
+                self._own(handle.receive_frames.remote(frames))
+
+    def _flush_lazy(self) -> None:
+        self._lazy_flush_due = False
+        self._flush(everything=True)
 
     def _report(self, report: Report | None) -> None:
         """Perform a `Report` (protocol `report_of`): the news for this rank's
@@ -436,4 +473,4 @@ class _ControlPlane(_RankState):
                 self._outcome.setdefault(report.parent, report.outcome, time.monotonic())
         if report.news is not None:
             self.member.follower.record(report.news, report.parent)
-            self._nudge()
+            self._nudge(lazy=report.news is News.COMPLETION and self.role is Role.CTX)

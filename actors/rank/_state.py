@@ -147,9 +147,14 @@ class _RankState:
         # id R to peer (role, rank) wait under (R, role, rank), in order.
         self._held: dict[tuple[str, str, int], list[tuple[Endpoint, bytes]]] = {}
         self._report_due = False
-        # Frames produced in this event-loop turn, per peer endpoint (`_flush`).
-        self._outbox: dict[Endpoint, tuple[Any, list[bytes]]] = {}
+        self._lazy_report_due = False
+        # Frames waiting to go, per peer endpoint (`_flush`): [handle, frames,
+        # urgent]. An urgent frame goes when this event-loop turn ends; a
+        # lazy one (READY, RECEIPT) with the next urgent frame to its peer,
+        # or `lazy_flush_s` later at the latest.
+        self._outbox: dict[Endpoint, list[Any]] = {}
         self._flush_due = False
+        self._lazy_flush_due = False
         # Admitted parents' token counts (GEN: for its OPENs), until their outcome.
         self._tokens: dict[ParentKey, int] = {}
         # Outcomes and waiters (for the client API).

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import pytest
 import ray
 
@@ -27,8 +28,9 @@ from kvhandoff.actors._carrier import (
 )
 from kvhandoff.actors.deployment import Deployment, InvalidConfig
 from kvhandoff.actors.fleet import Fleet
+from kvhandoff.protocol import Role
 
-from .helpers import assert_clean, gen_bytes, settled_stats
+from .helpers import assert_clean, gen_bytes, inside, settled_stats, wait_stats
 
 pytestmark = pytest.mark.ray
 
@@ -217,3 +219,59 @@ def test_an_instance_that_joins_a_fleet_takes_the_fleets_carrier(ray_cluster: An
     assert stats["control_frames"]["carrier"] == "nixl"
     joined = [s for s in stats["ranks"] if s["instance"] == "gen1"]
     assert joined and all(c["frames_sent"] == c.get("frames_nixl", 0) > 0 for c in (s["counters"] for s in joined))
+
+
+# ---- Ray calls: frames nothing waits for ride with the next one ----------------------------
+
+
+def _lazy_window(seconds: float) -> Any:
+    """A function for `inside`: set a rank's lazy flush window, return the old one."""
+
+    def apply(rank: Any) -> float:
+        before = rank.config.lazy_flush_s
+        rank.config = msgspec.structs.replace(rank.config, lazy_flush_s=seconds)
+        return before
+
+    return apply
+
+
+def _all_ended(stats: dict) -> bool:
+    """Every block back in its pool, and both coordinators heard the handoff end."""
+    pools = all(r["free"] == r["pool"] for r in stats["ranks"])
+    return pools and all(c["in_flight"] == 0 for c in stats["coordinators"].values())
+
+
+def _frame_counts(stats: dict) -> dict[str, dict[str, int]]:
+    keys = ("frame_calls", "frames_ready", "frames_terminal", "frames_open", "frames_receipt")
+    return {f'{s["role"]}{s["rank"]}': {k: s["counters"].get(k, 0) for k in keys} for s in stats["ranks"]}
+
+
+def test_ready_rides_with_the_terminal_and_a_lone_receipt_still_goes(ray_cluster: Any) -> None:
+    """Over Ray calls a READY waits for the TERMINAL after it (one call
+    carries both: nothing at the GEN acts before the TERMINAL), and a
+    RECEIPT waits for the next OPEN to its CTX rank, or for the lazy
+    flush. Here no OPEN follows: the RECEIPT still arrives (the CTX rank's
+    blocks come back), in a call of its own; and the CTX rank's completion
+    news, which waits the same way, still reaches its coordinator."""
+
+    async def scenario() -> tuple[Any, dict, dict]:
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=32, round_timeout_s=20.0, control_frames="ray")
+        try:
+            ranks = await dep.ranks(Role.CTX) + await dep.ranks(Role.GEN)
+            for h in ranks:  # wide enough that only a frame's own flush can send it
+                await inside(h, _lazy_window(2.0))
+            before = await settled_stats(dep, BOUND_S)
+            result = await dep.handoff("lazy-0", 60, timeout=BOUND_S)
+            after = await wait_stats(dep, _all_ended, BOUND_S)
+            return result, before, after
+        finally:
+            await dep.shutdown()
+
+    result, before, after = asyncio.run(scenario())
+    assert result.outcome == "completed" and result.bytes_verified == gen_bytes(60, 1), result
+    assert_clean(after)
+    assert _all_ended(after), after["coordinators"]
+    b, a = _frame_counts(before), _frame_counts(after)
+    sent = {rank: {k: a[rank][k] - b[rank][k] for k in a[rank]} for rank in a}
+    assert sent["ctx0"] == {"frame_calls": 1, "frames_ready": 1, "frames_terminal": 1, "frames_open": 0, "frames_receipt": 0}, sent
+    assert sent["gen0"] == {"frame_calls": 2, "frames_ready": 0, "frames_terminal": 0, "frames_open": 1, "frames_receipt": 1}, sent
