@@ -132,6 +132,18 @@ async def _work(stats: list[dict[str, Any]]) -> collections.Counter[str]:
     return total
 
 
+def _round_ms(stats: list[dict[str, Any]]) -> dict[str, float]:
+    """Each role's median round duration (ms), over its coordinators' medians
+    of their latest rounds: a GEN round that pairs its batch with several CTX
+    instances waits for the slowest one's answer."""
+    by_role: dict[str, list[float]] = {}
+    for st in stats:
+        for name, c in st.get("coordinators", {}).items():
+            if isinstance(c, dict) and c.get("round_s_p50") is not None:
+                by_role.setdefault(name.rstrip("0123456789")[-3:], []).append(c["round_s_p50"] * 1e3)
+    return {role: round(sorted(v)[len(v) // 2], 2) for role, v in sorted(by_role.items())}
+
+
 def _per_handoff(before: collections.Counter[str], after: collections.Counter[str], n: int) -> dict[str, float]:
     return {k: round((after[k] - before[k]) / n, 3) for k in sorted(after) if n and after[k] != before[k]}
 
@@ -183,7 +195,9 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
                 await _front_ends([routes] * n, tokens, per, warm_s, rid("scale-warm"), collections.Counter())
                 before = await _work([await fleet.stats()])
                 row = await _front_ends([routes] * n, tokens, per, args.sustain_s, rid("scale"), failures)
-                row["per_handoff"] = _per_handoff(before, await _work([await fleet.stats()]), row["completed"])
+                after_stats = await fleet.stats()
+                row["per_handoff"] = _per_handoff(before, await _work([after_stats]), row["completed"])
+                row["round_ms_p50"] = _round_ms([after_stats])
             if n > 1 and n == max(sizes):
                 # The same fleet with front end j on pair (ctx j, gen j) only:
                 # what it costs when its traffic does not spread over pairs.
@@ -192,7 +206,9 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
                     await _front_ends(own, tokens, per, warm_s, rid("scale-warm"), collections.Counter())
                     before = await _work([await fleet.stats()])
                     own_row = await _front_ends(own, tokens, per, args.sustain_s, rid("scale-own"), failures)
-                    own_row["per_handoff"] = _per_handoff(before, await _work([await fleet.stats()]), own_row["completed"])
+                    after_stats = await fleet.stats()
+                    own_row["per_handoff"] = _per_handoff(before, await _work([after_stats]), own_row["completed"])
+                    own_row["round_ms_p50"] = _round_ms([after_stats])
                 own_pairs = {"instances": n, "pairs": n, **own_row}
         finally:
             await fleet.shutdown()
@@ -210,8 +226,9 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
                 await _front_ends(routes, tokens, per, warm_s, rid("indep-warm"), collections.Counter())
                 before = await _work(list(await asyncio.gather(*(d.stats() for d in deps))))
                 independent = {"deployments": k, **await _front_ends(routes, tokens, per, args.sustain_s, rid("indep"), failures)}
-                after = await _work(list(await asyncio.gather(*(d.stats() for d in deps))))
-                independent["per_handoff"] = _per_handoff(before, after, independent["completed"])
+                after_stats = list(await asyncio.gather(*(d.stats() for d in deps)))
+                independent["per_handoff"] = _per_handoff(before, await _work(after_stats), independent["completed"])
+                independent["round_ms_p50"] = _round_ms(after_stats)
         finally:
             await asyncio.gather(*(d.shutdown() for d in deps), return_exceptions=True)
     # The best 1x1 of the run: a ratio to a slow 1x1 would flatter the fleet.

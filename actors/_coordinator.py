@@ -56,7 +56,13 @@ reclaim what it left quarantined on their side.
 
 Concurrency inside this actor: one asyncio lock (``_round_lock``) serializes
 rounds and the fail policy; client calls never take it (they only queue work
-and await a future), and the coordinator never awaits a client. It awaits
+and await a future), and the coordinator never awaits a client. A decided
+round sends its decision to every rank and leaves its *tail* (awaiting the
+applies, then recording and answering, in round order) to run while the
+next round proposes; at most one round's apply is still out when a round
+opens, and a rank takes a proposal that overtook that apply in its turn
+(`RoundMember`). A tail never takes the lock: a rank that failed to apply
+makes the next round ask for votes, which finds it. It awaits
 ranks only inside a watchdog, and ranks never await the coordinator (their
 ``report`` and ``nudge`` are fire-and-forget). The GEN coordinator awaits its
 peer, the CTX coordinator (``admit_many``, bounded by twice the round
@@ -304,6 +310,8 @@ class CoordinatorCore:
         # Asyncio primitives bind to the running loop on first use (3.10+).
         self._start_lock = asyncio.Lock()
         self._round_lock = asyncio.Lock()
+        # Tails of decided rounds whose apply is still out (`_round_tail`), oldest first.
+        self._tails: list[asyncio.Task[None]] = []
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         # Stats.
@@ -702,7 +710,7 @@ class CoordinatorCore:
         raises `RoundTimeout` (after the fail policy ran)."""
         await self._ensure_started()
         self._want_votes = True
-        return await self._run_round()
+        return await self._run_round(wait_applied=True)
 
     async def outcome(self, parent: ParentKey) -> str | None:
         """The last decided outcome of ``parent`` (bounded memory), or None."""
@@ -843,8 +851,10 @@ class CoordinatorCore:
             or leader.reports_decide()
         )
 
-    async def _run_round(self) -> RoundDecision:
+    async def _run_round(self, wait_applied: bool = False) -> RoundDecision:
         async with self._round_lock:
+            while len(self._tails) > 1:  # at most one round's apply still out
+                await asyncio.wait(list(self._tails)[:-1])
             self._raise_if_unusable()
             leader = self._leader
             assert leader is not None
@@ -892,30 +902,30 @@ class CoordinatorCore:
                 leader.votes_from_reports(loop.time())
                 outcome = leader.close(loop.time())
                 self.calls["rounds_without_votes"] += 1
-            if isinstance(outcome, RoundTimedOut):
-                decision = outcome.decision
-                self._log_decision(decision)
-                bad = set(outcome.missing_ranks)
-                survivors = [r for r in range(self._tp) if r not in bad]
-                bad |= await self._apply_phase(decision, survivors)
-            else:
+            if not isinstance(outcome, RoundTimedOut):
                 decision = outcome
                 self._log_decision(decision)  # made: logged before anyone hears it
                 self._answer_early(decision, taken_admits)
-                bad = await self._apply_phase(decision, range(self._tp))
-            if peer_answer is not None:
-                # The peer admitted what we did not: take it back there.
-                peer_ok = await peer_answer
-                undo = pairing_undo(sorted(peer_ok, key=_key), set(decision.admitted))
-                for instance in sorted({self._peer_of.get(p, "") for p in undo}):
-                    self._own(self._peer_cancel([p for p in undo if self._peer_of.get(p, "") == instance], instance))
+                # Sent now, in round order (a rank applies this decision
+                # before it sees the next proposal: one caller's calls to an
+                # actor run in the order they were made); awaited by the
+                # round's tail while the next round may already vote.
+                sent = self._send_apply(decision)
+                self._undo_pairing(decision, peer_answer)
+                earlier = list(self._tails)  # recorded after these, in round order
+                tail = self._own_tail(self._round_tail(decision, sent, earlier, taken_admits, taken_cancels, started))
+                if wait_applied:
+                    await asyncio.shield(tail)
+                return decision
+            decision = outcome.decision
+            self._log_decision(decision)
+            bad = set(outcome.missing_ranks)
+            survivors = [r for r in range(self._tp) if r not in bad]
+            bad |= await self._apply_phase(decision, survivors)
+            self._undo_pairing(decision, peer_answer)
+            await self._tails_done()  # decisions are recorded in round order
             self._record(decision, taken_admits, taken_cancels, time.perf_counter() - started)
             if bad:
-                if not decision.timed_out:
-                    # A rank missed applying a full decision: it is behind and
-                    # holds shards of every in-flight parent. Fail them in the
-                    # next round (the survivors applied this one).
-                    self._pending_failures |= leader.in_flight
                 timeout = RoundTimeout(
                     self.topology, decision.round_no, sorted(bad), self._round_timeout
                 )
@@ -925,6 +935,93 @@ class CoordinatorCore:
                 await self._fail_policy(sorted(bad), str(timeout))
                 raise timeout
             return decision
+
+    def _undo_pairing(self, decision: RoundDecision, peer_answer: asyncio.Future[set[ParentKey]] | None) -> None:
+        """The peer admitted what we did not: take it back there (once its
+        answer is in; it is by the time the round decided)."""
+        if peer_answer is None:
+            return
+
+        async def undo() -> None:
+            peer_ok = await peer_answer
+            undo = pairing_undo(sorted(peer_ok, key=_key), set(decision.admitted))
+            for instance in sorted({self._peer_of.get(p, "") for p in undo}):
+                await self._peer_cancel([p for p in undo if self._peer_of.get(p, "") == instance], instance)
+
+        self._own(undo())
+
+    # -- a round's tail: its apply, awaited while the next round runs -----------------
+
+    def _send_apply(self, decision: RoundDecision) -> list[tuple[int, int, Any]]:
+        """Send ``decision`` to every rank now: (rank, epoch, reply) each."""
+        sent = []
+        for rank in range(self._tp):
+            self.calls["rank_apply_calls"] += 1
+            epoch = self._epochs[rank]
+            try:
+                sent.append((rank, epoch, self._handles[rank].round_apply.remote(decision, epoch)))
+            except Exception as exc:
+                self._rank_errors.append(f"apply {decision.round_no} rank {rank}: {exc!r}"[:500])
+                sent.append((rank, epoch, None))
+        return sent
+
+    def _own_tail(self, coro: Any) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tails.append(task)
+        task.add_done_callback(self._tails.remove)
+        return task
+
+    async def _tails_done(self) -> None:
+        """Wait until every earlier round's tail has ended (never raises)."""
+        while self._tails:
+            await asyncio.wait(list(self._tails))
+
+    async def _round_tail(
+        self,
+        decision: RoundDecision,
+        sent: list[tuple[int, int, Any]],
+        earlier: list[asyncio.Task[None]],
+        taken_admits: dict[ParentKey, asyncio.Future[bool]],
+        taken_cancels: dict[ParentKey, list[asyncio.Future[str | None]]],
+        started: float,
+    ) -> None:
+        """Await every rank's apply of ``decision`` (under the watchdog), then
+        record it, after every earlier round's record. A rank that failed to
+        apply it (and was not restarted meanwhile) is behind and holds shards
+        of every in-flight parent: they fail in the next round, which asks for
+        votes and so finds the rank (a dead or broken one misses its vote and
+        the fail policy runs there, as for any missed vote)."""
+        answered: set[int] = set()
+
+        async def reply(rank: int, ref: Any) -> None:
+            try:
+                if ref is None:
+                    raise RuntimeError("the apply call could not be sent")
+                await ref
+            except Exception as exc:
+                self._rank_errors.append(f"apply {decision.round_no} rank {rank}: {exc!r}"[:500])
+                return
+            answered.add(rank)
+            if self.trace.every:
+                ids = decision_ids(decision)
+                self.trace.record_many(ids, "round_apply", "reply", f"rank{rank}@{self.topology}")
+
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._round_timeout):
+                await asyncio.gather(*(reply(rank, ref) for rank, _, ref in sent))
+        # Failed or missed the watchdog, and not restarted since (a restart
+        # already failed what that incarnation held).
+        bad = [r for r, epoch, _ in sent if r not in answered and self._epochs[r] == epoch]
+        if earlier:
+            await asyncio.wait(earlier)
+        self._record(decision, taken_admits, taken_cancels, time.perf_counter() - started)
+        if bad and self.state not in (TopologyState.FAILED, TopologyState.SHUT_DOWN):
+            leader = self._leader
+            assert leader is not None
+            self._pending_failures |= leader.in_flight
+            self._want_votes = True
+            self.calls["apply_failures"] += 1
+            self._wakeup.set()
 
     def _answer_early(self, decision: RoundDecision, taken_admits: dict[ParentKey, asyncio.Future[bool]]) -> None:
         """Answer, from the decision itself, what needs no rank to have applied it:

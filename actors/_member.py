@@ -27,7 +27,11 @@ dispatch (incoming OPEN / CANCEL / TERMINAL frames) deadlock-free is:
    and records the resulting state without awaiting; it may await only
    *after* its critical section (to send a reply frame). Hence neither can
    interleave inside the other, and no lock is needed — there is none to take
-   in the wrong order.
+   in the wrong order. The one await of a round call comes before its
+   critical section: a call ahead of its turn (round n + 1's proposal before
+   round n's decision: the coordinator does not wait for an apply before it
+   proposes again, and Ray may run an async actor's calls out of order) waits
+   until the follower reached it (`RoundMember._turn`).
 2. **Rounds never wait on control messages**, and **control handlers never
    wait on rounds.** A control handler that learns news (a peer CANCEL, a
    TERMINAL that completes an edge) only *records an intent*
@@ -50,6 +54,8 @@ them (and kept if that round timed out without deciding them).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 from collections.abc import Callable
 
@@ -96,6 +102,10 @@ def _rebuild_broken(rank: int, round_no: int, cause: str) -> MemberBroken:
     return MemberBroken(rank, round_no, RuntimeError(cause))
 
 
+#: The longest a round call that came ahead of its turn waits for it
+#: (`RoundMember._turn`); the coordinator's watchdog is shorter.
+ORDER_WAIT_S = 120.0
+
 VoteFn = Callable[[RoundProposal], VoteNews]
 ApplyFn = Callable[[RoundDecision], None]
 
@@ -118,6 +128,7 @@ class RoundMember:
         *,
         first_round: int = 1,
         topology_digest: bytes | None = None,
+        order_wait_s: float = ORDER_WAIT_S,
     ) -> None:
         self.follower = RoundFollower(
             rank, epoch, first_round=first_round, topology_digest=topology_digest
@@ -125,6 +136,10 @@ class RoundMember:
         self._vote_fn = vote_fn
         self._apply_fn = apply_fn
         self._broken: MemberBroken | None = None
+        # Set at every apply or join: a call that came ahead of its turn waits on it.
+        self._advanced: asyncio.Event | None = None
+        self._order_wait_s = order_wait_s
+        self.rounds_waited = 0
         self.rounds_voted = 0
         self.rounds_applied = 0
 
@@ -179,10 +194,38 @@ class RoundMember:
         calls this on a restarted rank so its first round is the leader's next."""
         self._check(epoch)
         self.follower.join(next_round)
+        self._advance()
         return next_round
 
+    def _advance(self) -> None:
+        if self._advanced is not None:
+            self._advanced.set()
+            self._advanced = None
+
+    async def _turn(self, round_no: int) -> None:
+        """Wait (bounded) until ``round_no`` is the follower's next round, when
+        the call came ahead of it: the coordinator sends round n's decision
+        and then, without waiting for its answer, round n + 1's proposal, and
+        Ray does not promise that an async actor runs one caller's calls in
+        the order they were made (the coordinator has at most one decision
+        unanswered when it proposes: a call is at most one round ahead).
+        Before the critical section (nothing changes while waiting); a call
+        that is not one round ahead, or still is at the bound, goes on to the
+        follower's own check (which refuses it)."""
+        if round_no != self.follower.next_round + 1:
+            return  # its turn, or not one the coordinator could have sent yet
+        self.rounds_waited += 1
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._order_wait_s):
+                while round_no > self.follower.next_round and self._broken is None:
+                    if self._advanced is None:
+                        self._advanced = asyncio.Event()
+                    await self._advanced.wait()
+
     async def round_vote(self, proposal: RoundProposal, epoch: int | None = None) -> RoundVote:
-        """Vote on ``proposal``; the next round only, once. No await inside."""
+        """Vote on ``proposal``; the next round only, once. No await inside
+        the critical section (a vote ahead of its turn waits before it)."""
+        await self._turn(proposal.round_no)
         self._check(epoch)
         self.follower.check_proposal(proposal)
         news = self._vote_fn(proposal)
@@ -200,14 +243,17 @@ class RoundMember:
         """Apply ``decision`` strictly in order, exactly once. No await inside.
 
         Returns the round number applied. A wrong round raises
-        `RoundOrderError` before ``apply_fn`` runs (nothing changes).
+        `RoundOrderError` before ``apply_fn`` runs (nothing changes). A
+        decision ahead of its turn waits for it first (`_turn`).
         """
+        await self._turn(decision.round_no)
         self._check(epoch)
         self.follower.check_decision(decision)
         # Mark applied before running apply_fn: if it raises half-way, the
         # decision must never be applied a second time (exactly once); the
         # member is broken instead and the watchdog restarts the rank.
         self.follower.apply(decision)
+        self._advance()
         try:
             result = self._apply_fn(decision)
             if inspect.isawaitable(result):

@@ -242,7 +242,8 @@ def assert_same_decisions(snaps: list[dict[str, Any]]) -> None:
 
 async def test_member_refuses_stale_epoch_and_wrong_rounds_without_change() -> None:
     ledger = BlockLedger(4)
-    member = RoundMember(0, 7, ledger.vote, ledger.apply)
+    # A call one round ahead waits for its turn first: not for long here.
+    member = RoundMember(0, 7, ledger.vote, ledger.apply, order_wait_s=0.05)
     proposal = RoundProposal(
         round_no=1, admissions=(AdmissionRequest(parent=pk("a"), num_tokens=16),)
     )
@@ -258,6 +259,26 @@ async def test_member_refuses_stale_epoch_and_wrong_rounds_without_change() -> N
     with pytest.raises(RoundOrderError):
         await member.round_apply(RoundDecision(round_no=1), epoch=7)  # exactly once
     assert len(ledger.log) == 1 and ledger.free == 4
+
+
+async def test_member_takes_a_call_that_came_ahead_of_its_turn_in_round_order() -> None:
+    """The coordinator proposes round n + 1 before round n's apply answered,
+    and Ray may run the two out of order: the vote waits for the apply, then
+    votes as if they had come in order. Two rounds ahead is no turn the
+    coordinator could have sent: refused at once."""
+    ledger = BlockLedger(4)
+    member = RoundMember(0, 7, ledger.vote, ledger.apply)
+    await member.round_vote(RoundProposal(round_no=1, admissions=(AdmissionRequest(parent=pk("a"), num_tokens=16),)), 7)
+    second = RoundProposal(round_no=2, admissions=(AdmissionRequest(parent=pk("b"), num_tokens=16),))
+    early = asyncio.ensure_future(member.round_vote(second, 7))
+    await asyncio.sleep(0)  # it runs up to its wait
+    assert not early.done() and member.rounds_waited == 1 and ledger.log == []
+    with pytest.raises(RoundOrderError):
+        await member.round_vote(RoundProposal(round_no=3), 7)  # two ahead: not waited for
+    await member.round_apply(RoundDecision(round_no=1, admitted=(pk("a"),)), 7)
+    vote = await asyncio.wait_for(early, 5.0)
+    assert vote.round_no == 2 and vote.admit_ok == (pk("b"),)
+    assert member.follower.last_voted == 2 and member.follower.last_applied == 1
 
 
 async def test_member_refuses_coroutine_callbacks_and_breaks_on_apply_errors() -> None:
