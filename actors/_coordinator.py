@@ -766,6 +766,7 @@ class CoordinatorCore:
     async def stats(self) -> dict[str, Any]:
         """Counters and latencies (for the CLI, benchmarks and tests)."""
         seconds = sorted(self._round_seconds)
+        now = time.monotonic()
         return {
             "topology": self.topology,
             "state": self.state.value,
@@ -795,9 +796,9 @@ class CoordinatorCore:
             "timeouts": [str(t) for t in self._timeouts],
             "memory": {
                 "resident_bytes": resident_bytes(),
-                "outcomes": self._outcomes.stats(),
-                "peers": self._peer_of.stats(),
-                "decision_log": self._decision_log.stats(),
+                "outcomes": self._outcomes.stats(now),
+                "peers": self._peer_of.stats(now),
+                "decision_log": self._decision_log.stats(now),
             },
             "failure_reason": self._failure_reason,
         }

@@ -154,7 +154,12 @@ class RecentMemory(Generic[K, V]):
         """The estimated bytes held (keys, values and per-entry overhead)."""
         return self._bytes
 
-    def stats(self) -> dict[str, int]:
+    def stats(self, now: float | None = None) -> dict[str, int]:
+        """Counts and bytes; given `now`, entries past their age are dropped
+        first, so a memory that was not written to lately does not report
+        what it has already outlived."""
+        if now is not None:
+            self.expire(now)
         return {
             "entries": len(self._entries),
             "bytes": self._bytes,

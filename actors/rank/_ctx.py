@@ -71,7 +71,7 @@ class CtxRankCore(RankCore):
     admits_unpaired = True
 
     def _remembered(self) -> dict[str, Any]:
-        return {"transfer_timings": self._xfer.stats()}
+        return {"transfer_timings": self._xfer.stats(time.monotonic())}
 
     def __init__(self, config: RankConfig, epoch: int, *, tensors: Sequence[torch.Tensor] | None = None) -> None:
         # The data plane: per edge ticket, its chunk plans, the GEN geometry

@@ -211,6 +211,7 @@ class _Polling(_RankState):
         self.pool.check_invariants()  # S4: raises if a block is in two states
         counts = self.pool.counts()
         states = collections.Counter(s.value for s in self.side.parents().values())
+        now = time.monotonic()
         return {
             "role": self.role.value,
             "rank": self.config.rank,
@@ -239,7 +240,7 @@ class _Polling(_RankState):
             "quarantine": self._quarantine_detail(),
             "memory": {
                 "resident_bytes": resident_bytes(),
-                "outcomes": self._outcome.stats(),
+                "outcomes": self._outcome.stats(now),
                 **self._remembered(),
             },
         }

@@ -36,6 +36,17 @@ def test_an_entry_is_kept_for_its_retention_and_then_forgotten() -> None:
     assert memory.stats()["dropped_by_age"] == 2 and memory.stats()["dropped_by_bytes"] == 0
 
 
+def test_stats_at_a_time_do_not_report_what_has_aged_out_since_the_last_write() -> None:
+    """An idle endpoint's stats say what it still remembers at the time asked,
+    not what it held at its last write (a write-only expiry would report it)."""
+    memory: RecentMemory[str, str] = RecentMemory(retain_s=10.0, max_bytes=1 << 20)
+    memory.remember("a", "completed", 0.0)
+    memory.remember("b", "completed", 4.0)
+    assert memory.stats()["entries"] == 2  # no time given: nothing expires
+    assert memory.stats(12.0) == {"entries": 1, "bytes": memory.nbytes, "dropped_by_age": 1, "dropped_by_bytes": 0}
+    assert list(memory) == ["b"]
+
+
 def test_a_write_refreshes_the_age_and_setdefault_keeps_the_first_value() -> None:
     memory: RecentMemory[str, str] = RecentMemory(retain_s=10.0, max_bytes=1 << 20)
     memory.remember("a", "admitted", 0.0)
