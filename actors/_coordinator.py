@@ -129,6 +129,32 @@ RankFactory = Callable[[int, int], Any]  # (rank, epoch) -> ActorHandle
 _DECISION_LOG_BYTES = 2 << 20
 
 
+class _Carried:
+    """A decided round's apply riding with the next round's votes: the
+    decision, the rank epochs it was decided for, and one future per rank
+    resolved with the round number once that rank applied it, or with the
+    error its call raised (a value, not an exception: the tail reads it)."""
+
+    __slots__ = ("decision", "epochs", "replies")
+
+    def __init__(self, decision: RoundDecision, epochs: list[int], replies: list[asyncio.Future[Any]]) -> None:
+        self.decision = decision
+        self.epochs = epochs
+        self.replies = replies
+
+
+async def _settle(future: asyncio.Future[Any], ref: Any) -> None:
+    """Resolve a carried apply's `future` with what its lone call `ref` gives."""
+    try:
+        if ref is None:
+            raise RuntimeError("the apply call could not be sent")
+        answer = await ref
+    except Exception as exc:
+        answer = exc
+    if not future.done():
+        future.set_result(answer)
+
+
 class CoordinatorError(Exception):
     """Base of the coordinator's errors (the actors layer; not protocol input errors)."""
 
@@ -312,6 +338,9 @@ class CoordinatorCore:
         self._round_lock = asyncio.Lock()
         # Tails of decided rounds whose apply is still out (`_round_tail`), oldest first.
         self._tails: list[asyncio.Task[None]] = []
+        # A decided round's apply kept to ride with the next round's votes
+        # (`_carry_apply`); sent alone by `_flush_carry` if no vote comes.
+        self._carried: _Carried | None = None
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         # Stats.
@@ -450,6 +479,7 @@ class CoordinatorCore:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self._flush_carry()  # its tail ends on the answers, not on the watchdog
         self._fail_pending(TopologyFailed(self.topology, self._failure_reason))
         for owned in list(self._owned):
             owned.cancel()
@@ -828,15 +858,19 @@ class CoordinatorCore:
             # the event again and gets the next round.
             self._wakeup.clear()
             if not self._work_pending():
+                self._flush_carry()  # nothing to vote on after all: it goes alone
                 continue  # e.g. the first reports of an intersection: wait for the rest
             try:
                 await self._run_round()
             except RoundTimeout:
                 pass  # the fail policy ran; keep serving
             except TopologyFailed:
+                self._flush_carry()
                 return
             if self._work_pending():
                 self._wakeup.set()
+            else:
+                self._flush_carry()
 
     def _work_pending(self) -> bool:
         """Is there anything a round could decide now?"""
@@ -856,6 +890,8 @@ class CoordinatorCore:
         async with self._round_lock:
             while len(self._tails) > 1:  # at most one round's apply still out
                 await asyncio.wait(list(self._tails)[:-1])
+            if self.state in (TopologyState.FAILED, TopologyState.SHUT_DOWN):
+                self._flush_carry()  # no round takes it: the ranks still apply it
             self._raise_if_unusable()
             leader = self._leader
             assert leader is not None
@@ -897,8 +933,10 @@ class CoordinatorCore:
 
             want_votes, self._want_votes = self._want_votes, False
             if admissions or want_votes:
-                outcome = await self._vote_phase(proposal, peer_answer)
+                carried, self._carried = self._carried, None
+                outcome = await self._vote_phase(proposal, peer_answer, carried)
             else:
+                self._flush_carry()
                 # No lease to ask for: decide on the news the ranks pushed.
                 leader.votes_from_reports(loop.time())
                 outcome = leader.close(loop.time())
@@ -907,11 +945,11 @@ class CoordinatorCore:
                 decision = outcome
                 self._log_decision(decision)  # made: logged before anyone hears it
                 self._answer_early(decision, taken_admits)
-                # Sent now, in round order (a rank applies this decision
-                # before it sees the next proposal: one caller's calls to an
-                # actor run in the order they were made); awaited by the
-                # round's tail while the next round may already vote.
-                sent = self._send_apply(decision)
+                # Sent now, or with the next round's votes when that round
+                # asks for them at once (a rank applies it, in its turn,
+                # before it votes there); awaited by the round's tail while
+                # the next round may already vote.
+                sent = self._carry_apply(decision) if not wait_applied and self._next_round_votes() else self._send_apply(decision)
                 self._undo_pairing(decision, peer_answer)
                 earlier = list(self._tails)  # recorded after these, in round order
                 tail = self._own_tail(self._round_tail(decision, sent, earlier, taken_admits, taken_cancels, started))
@@ -953,12 +991,39 @@ class CoordinatorCore:
 
     # -- a round's tail: its apply, awaited while the next round runs -----------------
 
-    def _send_apply(self, decision: RoundDecision) -> list[tuple[int, int, Any]]:
+    def _next_round_votes(self) -> bool:
+        """Will the next round open at once and ask every rank for its vote?
+        Then this round's apply can ride with it (one call per rank instead
+        of two). Not with a batch window: the apply would wait for it."""
+        return self._batch_window <= 0 and bool(self._pending_admits or self._want_votes)
+
+    def _carry_apply(self, decision: RoundDecision) -> list[tuple[int, int, Any]]:
+        """Keep ``decision`` for the next round's vote calls: (rank, epoch,
+        future) each, the future resolved with the round number when that
+        rank's vote call returns, or with the error it raised. Whatever
+        takes the round lock next either sends it with its votes or sends it
+        alone (`_flush_carry`)."""
+        self._flush_carry()  # at most one decision rides at a time
+        loop = asyncio.get_running_loop()
+        carried = _Carried(decision, list(self._epochs), [loop.create_future() for _ in range(self._tp)])
+        self._carried = carried
+        self._wakeup.set()  # the round that takes it
+        return [(rank, carried.epochs[rank], carried.replies[rank]) for rank in range(self._tp)]
+
+    def _flush_carry(self) -> None:
+        """Send the carried decision alone, now (no vote round takes it)."""
+        carried, self._carried = self._carried, None
+        if carried is None:
+            return
+        for rank, _, ref in self._send_apply(carried.decision, carried.epochs):
+            self._own(_settle(carried.replies[rank], ref))
+
+    def _send_apply(self, decision: RoundDecision, epochs: Sequence[int] | None = None) -> list[tuple[int, int, Any]]:
         """Send ``decision`` to every rank now: (rank, epoch, reply) each."""
         sent = []
         for rank in range(self._tp):
             self.calls["rank_apply_calls"] += 1
-            epoch = self._epochs[rank]
+            epoch = self._epochs[rank] if epochs is None else epochs[rank]
             try:
                 sent.append((rank, epoch, self._handles[rank].round_apply.remote(decision, epoch)))
             except Exception as exc:
@@ -998,7 +1063,9 @@ class CoordinatorCore:
             try:
                 if ref is None:
                     raise RuntimeError("the apply call could not be sent")
-                await ref
+                answer = await ref
+                if isinstance(answer, BaseException):  # carried: its vote call raised
+                    raise answer
             except Exception as exc:
                 self._rank_errors.append(f"apply {decision.round_no} rank {rank}: {exc!r}"[:500])
                 return
@@ -1102,7 +1169,10 @@ class CoordinatorCore:
             self._rank_errors.append(f"peer cancel: {exc!r}"[:500])
 
     async def _vote_phase(
-        self, proposal: RoundProposal, peer_answer: asyncio.Future[set[ParentKey]] | None = None
+        self,
+        proposal: RoundProposal,
+        peer_answer: asyncio.Future[set[ParentKey]] | None = None,
+        carried: _Carried | None = None,
     ) -> RoundDecision | RoundTimedOut:
         leader = self._leader
         assert leader is not None
@@ -1111,14 +1181,25 @@ class CoordinatorCore:
 
         async def ask(rank: int) -> bool:
             self.calls["rank_vote_calls"] += 1
+            epoch = self._epochs[rank]
+            # The previous round's decision rides along, to the incarnation
+            # it was decided for (a new one joined after it: not its decision).
+            rides = carried.decision if carried is not None and carried.epochs[rank] == epoch else None
+            replied: Any = StaleEpochError(epoch, carried.epochs[rank]) if carried is not None and rides is None else None
             try:
-                vote: RoundVote = await self._handles[rank].round_vote.remote(
-                    proposal, self._epochs[rank]
-                )
+                vote: RoundVote = await self._handles[rank].round_vote.remote(proposal, epoch, rides)
+                if rides is not None:
+                    replied = rides.round_no
+                    self.calls["applies_carried"] += 1
             except Exception as exc:  # died, broken, stale epoch: all a failed rank
+                replied = exc
                 self._rank_errors.append(f"round {proposal.round_no} rank {rank}: {exc!r}"[:500])
                 bad.add(rank)
                 return False
+            finally:
+                if carried is not None and not carried.replies[rank].done():
+                    # Cut by the watchdog: whether it applied is unknown, so it did not.
+                    carried.replies[rank].set_result(replied if replied is not None else TimeoutError("vote call cut"))
             if self.trace.every:
                 ids = [*proposal_ids(proposal), *news_ids(vote)]
                 self.trace.record_many(ids, "round_vote", "reply", f"rank{rank}@{self.topology}")
@@ -1339,6 +1420,7 @@ class CoordinatorCore:
         if not 0 <= rank < self._tp:
             raise RoundError(f"rank {rank} is not in [0, {self._tp})")
         async with self._round_lock:
+            self._flush_carry()  # the decided round's apply goes before epochs change
             self._raise_if_unusable()
             leader = self._leader
             assert leader is not None
@@ -1408,6 +1490,7 @@ class CoordinatorCore:
         if not 0 <= rank < self._tp:
             raise RoundError(f"restart request from unknown rank {rank}")
         async with self._round_lock:
+            self._flush_carry()  # the decided round's apply goes before epochs change
             if epoch != self._epochs[rank] or self.state not in (TopologyState.RUNNING, TopologyState.DRAINING):
                 return False
             leader = self._leader

@@ -222,10 +222,22 @@ class RoundMember:
                         self._advanced = asyncio.Event()
                     await self._advanced.wait()
 
-    async def round_vote(self, proposal: RoundProposal, epoch: int | None = None) -> RoundVote:
+    async def round_vote(
+        self, proposal: RoundProposal, epoch: int | None = None, decision: RoundDecision | None = None
+    ) -> RoundVote:
         """Vote on ``proposal``; the next round only, once. No await inside
-        the critical section (a vote ahead of its turn waits before it)."""
-        await self._turn(proposal.round_no)
+        the critical section (a vote ahead of its turn waits before it).
+
+        ``decision``, when given, is the previous round's: the coordinator
+        lets it ride with this proposal instead of sending it alone. It is
+        applied first, as `round_apply` would, in the same critical section;
+        if it fails the call raises and nothing is voted."""
+        if decision is not None:
+            await self._turn(decision.round_no)
+            self._check(epoch)
+            self._apply_now(decision)
+        else:
+            await self._turn(proposal.round_no)
         self._check(epoch)
         self.follower.check_proposal(proposal)
         news = self._vote_fn(proposal)
@@ -248,6 +260,11 @@ class RoundMember:
         """
         await self._turn(decision.round_no)
         self._check(epoch)
+        self._apply_now(decision)
+        return decision.round_no
+
+    def _apply_now(self, decision: RoundDecision) -> None:
+        """The await-free body of an apply (alone or riding with a vote)."""
         self.follower.check_decision(decision)
         # Mark applied before running apply_fn: if it raises half-way, the
         # decision must never be applied a second time (exactly once); the
@@ -264,7 +281,6 @@ class RoundMember:
             self._broken = MemberBroken(self.our_rank, decision.round_no, exc)
             raise self._broken from exc
         self.rounds_applied += 1
-        return decision.round_no
 
 
 class RoundParticipant:
@@ -279,8 +295,10 @@ class RoundParticipant:
     async def round_join(self, next_round: int, epoch: int | None = None) -> int:
         return await self.member.round_join(next_round, epoch)
 
-    async def round_vote(self, proposal: RoundProposal, epoch: int | None = None) -> RoundVote:
-        return await self.member.round_vote(proposal, epoch)
+    async def round_vote(
+        self, proposal: RoundProposal, epoch: int | None = None, decision: RoundDecision | None = None
+    ) -> RoundVote:
+        return await self.member.round_vote(proposal, epoch, decision)
 
     async def round_apply(self, decision: RoundDecision, epoch: int | None = None) -> int:
         return await self.member.round_apply(decision, epoch)

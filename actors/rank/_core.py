@@ -25,11 +25,17 @@ class RankCore(_Peers, _ControlPlane, _Polling, RoundParticipant):
 
     # -- rounds (RoundParticipant exposes the member's methods as actor methods) ------
 
-    async def round_vote(self, proposal: RoundProposal, epoch: int | None = None) -> RoundVote:
+    async def round_vote(
+        self, proposal: RoundProposal, epoch: int | None = None, decision: RoundDecision | None = None
+    ) -> RoundVote:
         if self.trace.every:
+            if decision is not None:  # the previous round's decision rides with this proposal
+                self.trace.record_many(decision_ids(decision), "round_apply", "call", self._coordinator_actor)
             ids = proposal_ids(proposal)
             self.trace.record_many(ids, "round_vote", "call", self._coordinator_actor)
-        return await super().round_vote(proposal, epoch)
+        if decision is not None:
+            self._ensure_polling()  # the decision riding along may post chunks or start drains
+        return await super().round_vote(proposal, epoch, decision)
 
     async def round_apply(self, decision: RoundDecision, epoch: int | None = None) -> int:
         if self.trace.every:

@@ -97,6 +97,9 @@ class BlockRank:
         self.coordinator: Any = None
         self.controls = 0
         self.votes_entered = 0  # round_vote calls that reached this actor (observable progress)
+        self.gate: asyncio.Event | None = None  # set: votes wait here until it opens
+        self.applies_alone = 0  # round_apply calls (a decision not riding with a vote)
+        self.applies_riding = 0  # decisions that came with the next round's proposal
 
     # The four round methods the coordinator calls.
     async def round_identity(self) -> tuple[int, int]:
@@ -106,15 +109,21 @@ class BlockRank:
         await asyncio.sleep(self.join_delay)  # a slow start, outside any critical section
         return await self.member.round_join(next_round, epoch)
 
-    async def round_vote(self, proposal: RoundProposal, epoch: int | None = None) -> Any:
+    async def round_vote(
+        self, proposal: RoundProposal, epoch: int | None = None, decision: RoundDecision | None = None
+    ) -> Any:
         self.votes_entered += 1
         await asyncio.sleep(self.vote_delay)  # a hung rank, before the critical section
-        vote = await self.member.round_vote(proposal, epoch)
+        if self.gate is not None:
+            await self.gate.wait()
+        self.applies_riding += decision is not None
+        vote = await self.member.round_vote(proposal, epoch, decision)
         if self.lie_epoch is not None:  # an impostor speaking for an old incarnation
             vote = msgspec.structs.replace(vote, epoch=self.lie_epoch)
         return vote
 
     async def round_apply(self, decision: RoundDecision, epoch: int | None = None) -> int:
+        self.applies_alone += 1
         return await self.member.round_apply(decision, epoch)
 
     # A control frame (OPEN/CANCEL/TERMINAL stand-in): an await-free critical
@@ -137,6 +146,14 @@ class BlockRank:
     def set_vote_delay(self, seconds: float) -> None:
         self.vote_delay = seconds
 
+    def hold_votes(self, held: bool) -> None:
+        """Held: every vote waits before its critical section until released."""
+        if held:
+            self.gate = asyncio.Event()
+        elif self.gate is not None:
+            self.gate.set()
+            self.gate = None
+
     def set_lie_epoch(self, epoch: int) -> None:
         self.lie_epoch = epoch
 
@@ -155,6 +172,8 @@ class BlockRank:
             "epoch": self.member.our_epoch,
             "controls": self.controls,
             "votes_entered": self.votes_entered,
+            "applies_alone": self.applies_alone,
+            "applies_riding": self.applies_riding,
         }
 
 
@@ -281,6 +300,41 @@ async def test_member_takes_a_call_that_came_ahead_of_its_turn_in_round_order() 
     assert member.follower.last_voted == 2 and member.follower.last_applied == 1
 
 
+async def test_member_applies_a_decision_that_rides_with_the_next_proposal() -> None:
+    """Round n's decision may come inside round n + 1's vote call: it is
+    applied first (in its turn, exactly once), then the vote is taken on
+    the state it left; one that breaks the rank votes nothing."""
+    ledger = BlockLedger(2)
+    member = RoundMember(0, 7, ledger.vote, ledger.apply)
+    await member.round_vote(RoundProposal(round_no=1, admissions=(AdmissionRequest(parent=pk("a"), num_tokens=32),)), 7)
+    assert ledger.free == 0  # a's tentative lease holds both blocks
+    first = RoundDecision(round_no=1, rejected=(pk("a"),))
+    second = RoundProposal(round_no=2, admissions=(AdmissionRequest(parent=pk("b"), num_tokens=32),))
+    vote = await member.round_vote(second, 7, first)
+    # b got the blocks a's rejection returned: the decision was applied before the vote.
+    assert vote.round_no == 2 and vote.admit_ok == (pk("b"),) and ledger.log == [first]
+    assert member.follower.last_applied == 1 and member.follower.last_voted == 2
+    with pytest.raises(RoundOrderError):
+        await member.round_apply(first, 7)  # exactly once
+    assert ledger.log == [first]
+    # Ahead of its turn (round 3's decision while round 2's is out): waits for it.
+    early = asyncio.ensure_future(member.round_vote(RoundProposal(round_no=4), 7, RoundDecision(round_no=3)))
+    await asyncio.sleep(0)
+    assert not early.done() and member.rounds_waited == 1
+    await member.round_apply(RoundDecision(round_no=2, admitted=(pk("b"),)), 7)
+    assert (await asyncio.wait_for(early, 5.0)).round_no == 4
+    assert member.follower.last_applied == 3 and [d.round_no for d in ledger.log] == [1, 2, 3]
+
+    def bad_apply(decision: RoundDecision) -> None:
+        raise ValueError("boom")
+
+    broken = RoundMember(0, 0, lambda p: VoteNews(), bad_apply)
+    await broken.round_vote(RoundProposal(round_no=1))
+    with pytest.raises(MemberBroken):
+        await broken.round_vote(RoundProposal(round_no=2), None, RoundDecision(round_no=1))
+    assert broken.follower.last_voted == 1 and broken.rounds_voted == 1
+
+
 async def test_member_refuses_coroutine_callbacks_and_breaks_on_apply_errors() -> None:
     async def async_vote(proposal: RoundProposal) -> VoteNews:
         return VoteNews()
@@ -382,6 +436,29 @@ def test_tp2_admission_needs_every_rank_and_blocks_come_back(ray_cluster: Any) -
     assert [s["free"] for s in snaps] == [8, 4] and all(s["balanced"] for s in snaps)
     assert_same_decisions(snaps)
     assert snaps[0]["log"] == ray.get(coordinator.decision_log.remote())
+    ray.get(coordinator.shutdown.remote())
+
+
+def test_a_decided_rounds_apply_rides_with_the_next_rounds_votes(ray_cluster: Any) -> None:
+    """Round 1 decides while another admission waits: its decision reaches
+    every rank inside round 2's vote call (one call per rank instead of
+    two), applied there before the vote; round 2, with nothing waiting
+    after it, sends its apply alone. Every rank applies both, in order."""
+    coordinator, ranks = make(2, round_timeout=60.0)
+    ray.get([r.hold_votes.remote(True) for r in ranks])
+    first = coordinator.admit.remote(pk("a"), 16)
+    wait_for(lambda: all(s["votes_entered"] == 1 for s in snapshots(ranks)), "both ranks are in round 1's vote")
+    second = coordinator.admit.remote(pk("b"), 16)
+    wait_for(lambda: ray.get(coordinator.stats.remote())["pending_admits"] == 1, "b waits for the next round")
+    ray.get([r.hold_votes.remote(False) for r in ranks])
+    assert ray.get([first, second]) == [True, True]
+    calls = ray.get(coordinator.stats.remote())["calls"]
+    snaps = settled_snapshots(ranks)
+    assert [(s["applies_riding"], s["applies_alone"]) for s in snaps] == [(1, 1), (1, 1)], snaps
+    assert calls["applies_carried"] == 2 and calls["rank_apply_calls"] == 2 and calls["rank_vote_calls"] == 4, calls
+    log = ray.get(coordinator.decision_log.remote())
+    assert [d.admitted for d in log] == [(pk("a"),), (pk("b"),)]
+    assert all(s["log"] == log and s["leased"] == ["a", "b"] and s["balanced"] for s in snaps)
     ray.get(coordinator.shutdown.remote())
 
 
