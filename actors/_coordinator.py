@@ -128,6 +128,10 @@ RankFactory = Callable[[int, int], Any]  # (rank, epoch) -> ActorHandle
 #: The byte budget of the recent round decisions a coordinator keeps (`decision_log`).
 _DECISION_LOG_BYTES = 2 << 20
 
+#: How long the apply of a decision that only settles completions nobody
+#: waits on may wait for the next vote round to ride with (`lazy_apply_s`).
+LAZY_APPLY_S = 0.005
+
 
 class _Carried:
     """A decided round's apply riding with the next round's votes: the
@@ -135,12 +139,15 @@ class _Carried:
     resolved with the round number once that rank applied it, or with the
     error its call raised (a value, not an exception: the tail reads it)."""
 
-    __slots__ = ("decision", "epochs", "replies")
+    __slots__ = ("decision", "epochs", "replies", "lazy")
 
-    def __init__(self, decision: RoundDecision, epochs: list[int], replies: list[asyncio.Future[Any]]) -> None:
+    def __init__(
+        self, decision: RoundDecision, epochs: list[int], replies: list[asyncio.Future[Any]], lazy: bool = False
+    ) -> None:
         self.decision = decision
         self.epochs = epochs
         self.replies = replies
+        self.lazy = lazy  # may wait `lazy_apply_s` for a vote round (`CoordinatorCore._may_wait`)
 
 
 async def _settle(future: asyncio.Future[Any], ref: Any) -> None:
@@ -233,7 +240,10 @@ class CoordinatorCore:
     `_identities`); ``restart_attempts`` (incarnations tried for one
     restart before the topology fails; failed tries back off from
     ``restart_backoff`` seconds, doubling, capped at ``restart_timeout``);
-    ``topology_digest`` (checked by the followers if set).
+    ``topology_digest`` (checked by the followers if set);
+    ``lazy_apply_s`` (how long the apply of a decision that only settles
+    completions nobody waits on may wait for the next vote round to ride
+    with; 0 sends every apply at once unless a vote round takes it).
     """
 
     def __init__(
@@ -256,6 +266,7 @@ class CoordinatorCore:
         peer_claims: bool = False,
         fleet: str | None = None,
         reattach: str | None = None,
+        lazy_apply_s: float = LAZY_APPLY_S,
     ) -> None:
         if ranks is None and (rank_factory is None or not tp):
             raise ValueError("give the rank handles, or a rank_factory and tp")
@@ -267,6 +278,9 @@ class CoordinatorCore:
             raise ValueError(f"restart_attempts must be an int >= 1, got {restart_attempts!r}")
         if not restart_backoff >= 0:
             raise ValueError(f"restart_backoff must be >= 0, got {restart_backoff!r}")
+        if not 0 <= lazy_apply_s < round_timeout:
+            raise ValueError(f"lazy_apply_s must be in [0, round_timeout), got {lazy_apply_s!r}")
+        self._lazy_apply_s = float(lazy_apply_s)
         self.topology = topology
         self._handles: list[Any] = list(ranks) if ranks is not None else []
         self._tp = len(self._handles) if ranks is not None else int(tp or 0)
@@ -858,7 +872,7 @@ class CoordinatorCore:
             # the event again and gets the next round.
             self._wakeup.clear()
             if not self._work_pending():
-                self._flush_carry()  # nothing to vote on after all: it goes alone
+                self._flush_idle()  # nothing to vote on after all: it goes alone
                 continue  # e.g. the first reports of an intersection: wait for the rest
             try:
                 await self._run_round()
@@ -870,7 +884,7 @@ class CoordinatorCore:
             if self._work_pending():
                 self._wakeup.set()
             else:
-                self._flush_carry()
+                self._flush_idle()
 
     def _work_pending(self) -> bool:
         """Is there anything a round could decide now?"""
@@ -949,7 +963,14 @@ class CoordinatorCore:
                 # asks for them at once (a rank applies it, in its turn,
                 # before it votes there); awaited by the round's tail while
                 # the next round may already vote.
-                sent = self._carry_apply(decision) if not wait_applied and self._next_round_votes() else self._send_apply(decision)
+                if wait_applied:
+                    sent = self._send_apply(decision)
+                elif self._next_round_votes():
+                    sent = self._carry_apply(decision)
+                elif self._may_wait(decision):
+                    sent = self._carry_apply(decision, lazy=True)
+                else:
+                    sent = self._send_apply(decision)
                 self._undo_pairing(decision, peer_answer)
                 earlier = list(self._tails)  # recorded after these, in round order
                 tail = self._own_tail(self._round_tail(decision, sent, earlier, taken_admits, taken_cancels, started))
@@ -997,18 +1018,47 @@ class CoordinatorCore:
         of two). Not with a batch window: the apply would wait for it."""
         return self._batch_window <= 0 and bool(self._pending_admits or self._want_votes)
 
-    def _carry_apply(self, decision: RoundDecision) -> list[tuple[int, int, Any]]:
+    def _may_wait(self, decision: RoundDecision) -> bool:
+        """May ``decision``'s apply wait up to `lazy_apply_s` for a vote
+        round to ride with? Only when it settles completions and nothing
+        else, and nobody waits for it to be applied: the caller of each
+        parent was answered at the decision (its GEN ranks return the
+        blocks themselves) or there is none. Admissions, decides, cancels,
+        failures and rejections go at once: a handoff or a release waits
+        on them."""
+        if self._lazy_apply_s <= 0 or self._batch_window > 0 or not decision.completed:
+            return False
+        if decision.admitted or decision.rejected or decision.cancelled or decision.failed or decision.decided:
+            return False
+        return not any(parent in self._submitted for parent in decision.completed)
+
+    def _carry_apply(self, decision: RoundDecision, *, lazy: bool = False) -> list[tuple[int, int, Any]]:
         """Keep ``decision`` for the next round's vote calls: (rank, epoch,
         future) each, the future resolved with the round number when that
         rank's vote call returns, or with the error it raised. Whatever
         takes the round lock next either sends it with its votes or sends it
-        alone (`_flush_carry`)."""
+        alone (`_flush_carry`); so does the loop when it goes idle, or, for
+        a `lazy` one (`_may_wait`), `lazy_apply_s` later at the latest."""
         self._flush_carry()  # at most one decision rides at a time
         loop = asyncio.get_running_loop()
-        carried = _Carried(decision, list(self._epochs), [loop.create_future() for _ in range(self._tp)])
+        carried = _Carried(decision, list(self._epochs), [loop.create_future() for _ in range(self._tp)], lazy)
         self._carried = carried
-        self._wakeup.set()  # the round that takes it
+        if lazy:
+            self.calls["applies_delayed"] += 1
+            loop.call_later(self._lazy_apply_s, self._flush_lazy, carried)
+        else:
+            self._wakeup.set()  # the round that takes it
         return [(rank, carried.epochs[rank], carried.replies[rank]) for rank in range(self._tp)]
+
+    def _flush_lazy(self, carried: _Carried) -> None:
+        if self._carried is carried:  # no round took it within the window
+            self._flush_carry()
+
+    def _flush_idle(self) -> None:
+        """The loop goes idle: a carried apply goes alone, unless it may
+        wait out its window (`_flush_lazy` sends it then)."""
+        if self._carried is not None and not self._carried.lazy:
+            self._flush_carry()
 
     def _flush_carry(self) -> None:
         """Send the carried decision alone, now (no vote round takes it)."""

@@ -462,6 +462,43 @@ def test_a_decided_rounds_apply_rides_with_the_next_rounds_votes(ray_cluster: An
     ray.get(coordinator.shutdown.remote())
 
 
+def test_a_decision_that_only_settles_completions_waits_for_a_vote_round_to_ride_with(ray_cluster: Any) -> None:
+    """A decision that settles completions and nothing else, with no caller
+    waiting on its apply, waits up to `lazy_apply_s` for the next vote round
+    and rides inside its vote call; with no round in its window, it goes
+    alone when the window ends. Every rank applies every decision, in order."""
+
+    def complete(coordinator: Any, ranks: list[Any], name: str) -> None:
+        ray.get([r.record.remote("completion", name) for r in ranks])
+        ray.get(coordinator.nudge.remote())  # one vote round, which decides it
+
+    # A window longer than the test: the apply waits for the next admission's round.
+    coordinator, ranks = make(2, round_timeout=120.0, lazy_apply_s=60.0)
+    assert ray.get(coordinator.admit.remote(pk("a"), 16)) is True
+    complete(coordinator, ranks, "a")
+    wait_for(lambda: ray.get(coordinator.stats.remote())["calls"].get("applies_delayed") == 1, "a's completion is decided")
+    stats = ray.get(coordinator.stats.remote())
+    assert stats["calls"]["applies_delayed"] == 1 and stats["decided"]["completed"] == 0, stats["calls"]
+    assert all(s["leased"] == ["a"] for s in snapshots(ranks))  # not applied yet: a's blocks still held
+    assert ray.get(coordinator.admit.remote(pk("b"), 16)) is True  # its vote call carries a's completion
+    snaps = settled_snapshots(ranks)
+    assert all(s["leased"] == ["b"] and s["applies_riding"] == 1 and s["balanced"] for s in snaps), snaps
+    assert ray.get(coordinator.outcome.remote(pk("a"))) == "completed"
+    log = ray.get(coordinator.decision_log.remote())
+    assert all(s["log"] == log for s in snaps) and log[-2].completed == (pk("a"),)
+    ray.get(coordinator.shutdown.remote())
+
+    # A short window and no traffic after it: the apply goes alone.
+    coordinator, ranks = make(2, round_timeout=120.0, lazy_apply_s=0.05)
+    assert ray.get(coordinator.admit.remote(pk("c"), 16)) is True
+    complete(coordinator, ranks, "c")
+    wait_for(lambda: all(s["leased"] == [] for s in snapshots(ranks)), "c's completion is applied", timeout=60.0)
+    snaps = settled_snapshots(ranks)
+    assert all(s["applies_riding"] == 0 and s["balanced"] and s["log"][-1].completed == (pk("c"),) for s in snaps), snaps
+    assert ray.get(coordinator.stats.remote())["calls"]["applies_delayed"] == 1
+    ray.get(coordinator.shutdown.remote())
+
+
 def test_tp4_batches_concurrent_admissions_and_agrees_everywhere(ray_cluster: Any) -> None:
     coordinator, ranks = make(4, factory=Factory(blocks={3: 30}), round_timeout=5.0)
     results = ray.get([coordinator.admit.remote(pk(f"r{i}"), 16) for i in range(40)])
