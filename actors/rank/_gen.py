@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvhandoff.actors._member import VoteNews
 from kvhandoff.actors._pattern import POISON
 from kvhandoff.actors._stager import StagedReader, staged_below, staged_min_descriptors
 from kvhandoff.actors.rank._config import RankConfig, _loop_running, _Pair, log
@@ -31,6 +32,7 @@ from kvhandoff.protocol import (
     ParentKey,
     ProtocolError,
     Role,
+    RoundProposal,
     StageWrite,
     active_cancel,
     pack_blocks,
@@ -58,6 +60,8 @@ class GenRankCore(RankCore):
         self._release_when_ready: set[ParentKey] = set()
         # Bytes verified per parent, until it is released (`free` answers them).
         self._verified: dict[ParentKey, int] = {}
+        # Work an apply leaves for after it (`_later`), in order.
+        self._deferred: list[tuple[Any, tuple[Any, ...]]] = []
         self._reader: StagedReader | None = None
         super().__init__(config, epoch, tensors=tensors)  # last: it registers this rank
         if self.arena is not None:
@@ -134,10 +138,25 @@ class GenRankCore(RankCore):
         return []
 
     def _later(self, fn: Any, *args: Any) -> None:
-        if _loop_running():
-            asyncio.get_running_loop().call_soon(fn, *args)
-        else:
+        """Run ``fn(*args)`` once the apply in progress has ended: when this
+        turn of the event loop ends, or before a vote that follows in the
+        same call (a decision riding with the next proposal: the blocks it
+        returns must be free for that vote)."""
+        if not _loop_running():
             fn(*args)
+            return
+        self._deferred.append((fn, args))
+        if len(self._deferred) == 1:
+            asyncio.get_running_loop().call_soon(self._run_deferred)
+
+    def _run_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for fn, args in deferred:
+            fn(*args)
+
+    def _vote(self, proposal: RoundProposal) -> VoteNews:
+        self._run_deferred()  # what the decision applied in this call returns is free to lease
+        return super()._vote(proposal)
 
     def _free_unconsumed(self, parent: ParentKey) -> None:
         """Return a decode-ready request nobody consumes (release_when_ready)."""

@@ -11,6 +11,7 @@ that the ranks then carry their frames on exactly that carrier."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import msgspec
@@ -275,3 +276,47 @@ def test_ready_rides_with_the_terminal_and_a_lone_receipt_still_goes(ray_cluster
     sent = {rank: {k: a[rank][k] - b[rank][k] for k in a[rank]} for rank in a}
     assert sent["ctx0"] == {"frame_calls": 1, "frames_ready": 1, "frames_terminal": 1, "frames_open": 0, "frames_receipt": 0}, sent
     assert sent["gen0"] == {"frame_calls": 2, "frames_ready": 0, "frames_terminal": 0, "frames_open": 1, "frames_receipt": 1}, sent
+
+
+def _coordinator_lazy_apply(seconds: float) -> Any:
+    """A function for a coordinator's `__ray_call__`: set its lazy-apply window."""
+
+    def apply(coordinator: Any) -> float:
+        before = coordinator._lazy_apply_s
+        coordinator._lazy_apply_s = seconds
+        return before
+
+    return apply
+
+
+def test_blocks_a_riding_completion_returns_are_free_for_the_vote_it_rides_with(ray_cluster: Any) -> None:
+    """A GEN rank returns a finished handoff's blocks nobody consumes after
+    the completion's apply. When that apply rides inside the next round's
+    vote call, they must be free before the vote: a GEN pool that holds one
+    request at a time still admits the next one. Here the GEN coordinator's
+    window is wide, so the completion surely rides with the next admission,
+    and the CTX rank is seen whole before it comes (only the GEN's blocks
+    are in question)."""
+    blocks = 4
+
+    async def scenario() -> tuple[list[Any], dict]:
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=blocks, round_timeout_s=120.0, control_frames="ray")
+        try:
+            gen_coordinator = dep.coordinator(Role.GEN)
+            await gen_coordinator.__ray_call__.remote(_coordinator_lazy_apply(60.0))
+            ctx = (await dep.ranks(Role.CTX))[0]
+            results = []
+            for i in range(3):
+                results.append(await dep.handoff(f"one-at-a-time-{i}", 16 * blocks, timeout=BOUND_S))
+                deadline = time.monotonic() + BOUND_S
+                while (await ctx.stats.remote())["free"] != blocks:  # the CTX rank released it
+                    assert time.monotonic() < deadline, "the CTX rank never released its blocks"
+                    await asyncio.sleep(0.01)
+            calls = (await gen_coordinator.stats.remote())["calls"]
+            return results, calls
+        finally:
+            await dep.shutdown()
+
+    results, calls = asyncio.run(scenario())
+    assert [r.outcome for r in results] == ["completed"] * 3, results
+    assert calls.get("applies_delayed", 0) >= 2 and calls.get("applies_carried", 0) >= 2, calls
