@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +61,7 @@ class _FrontEnd:
         from kvhandoff.protocol import ParentKey
 
         coords = {name: ray.get_actor(name) for name, _ in targets}
+        cpu0 = time.process_time()
         deadline = time.perf_counter() + seconds
         latencies: list[float] = []
         outcomes: collections.Counter[str] = collections.Counter()
@@ -81,7 +83,12 @@ class _FrontEnd:
 
         began = time.perf_counter()
         await asyncio.gather(*(loop(k) for k in range(loops)))
-        return {"seconds": time.perf_counter() - began, "latencies": latencies, "outcomes": dict(outcomes)}
+        return {
+            "seconds": time.perf_counter() - began,
+            "latencies": latencies,
+            "outcomes": dict(outcomes),
+            "cpu_s": time.process_time() - cpu0,
+        }
 
 
 async def _front_ends(
@@ -92,16 +99,23 @@ async def _front_ends(
 
     actor = ray.remote(num_cpus=0)(_FrontEnd)
     ends = [actor.remote() for _ in targets]
+    busy0 = _host_busy_s()
     try:
         parts = await asyncio.gather(
             *(e.drive.remote(t, tokens, loops, j * loops, seconds, f"{tag}-{j}") for j, (e, t) in enumerate(zip(ends, targets)))
         )
     finally:
+        busy1 = _host_busy_s()
         for e in ends:
             ray.kill(e)
     latencies = sorted(x for p in parts for x in p["latencies"])
     done = len(latencies)
     elapsed = max(p["seconds"] for p in parts)
+    cpu: dict[str, Any] = {"front_ends_us": round(1e6 * sum(p["cpu_s"] for p in parts) / done, 1) if done else None}
+    if busy0 is not None and busy1 is not None and done:
+        # Every process of the host (Ray's own too), while the front ends ran.
+        cpu["host_us"] = round(1e6 * (busy1 - busy0) / done, 1)
+        cpu["host_busy_cores"] = round((busy1 - busy0) / elapsed, 2) if elapsed > 0 else None
     for p in parts:
         for outcome, n in p["outcomes"].items():
             if outcome != "completed":
@@ -113,7 +127,21 @@ async def _front_ends(
         "seconds": elapsed,
         "handoffs_per_s": done / elapsed if elapsed > 0 else 0.0,
         "latency_p50_s": latencies[len(latencies) // 2] if latencies else None,
+        "cpu_per_handoff": cpu,
     }
+
+
+def _host_busy_s() -> float | None:
+    """CPU seconds the host's cores spent busy since boot (/proc/stat: all
+    but idle and iowait); None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / ticks
 
 
 async def _work(stats: list[dict[str, Any]]) -> collections.Counter[str]:
@@ -121,14 +149,18 @@ async def _work(stats: list[dict[str, Any]]) -> collections.Counter[str]:
     by kind, frames and reports (the work a handoff costs, machine-free)."""
     total: collections.Counter[str] = collections.Counter()
     for st in stats:
-        for c in st.get("coordinators", {}).values():
+        for name, c in st.get("coordinators", {}).items():
             if isinstance(c, dict):
                 total["rounds"] += int(c.get("rounds", 0))
                 total.update({f"coord_{k}": int(v) for k, v in c.get("calls", {}).items()})
+                # CPU microseconds, by process kind and role ("ctx0" -> "ctx").
+                total[f"cpu_us_coord_{name.rstrip('0123456789')[-3:]}"] += int(1e6 * c.get("cpu_s", 0.0))
         for r in st.get("ranks", []):
             counters = r.get("counters", {}) if isinstance(r, dict) else {}
             for key in ("frame_calls", "frames_sent", "reports_sent"):
                 total[f"rank_{key}"] += int(counters.get(key, 0))
+            if isinstance(r, dict) and "cpu_s" in r:
+                total[f"cpu_us_rank_{r.get('role', '')}"] += int(1e6 * r["cpu_s"])
     return total
 
 
@@ -254,27 +286,33 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
 
 def scale_table(scale_out: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     """The `scale` section as table rows: one per fleet size, then the independent pairs."""
-    headers = ["setup", "clients", "handoffs/s", "x 1x1", "p50 ms"]
+    headers = ["setup", "clients", "handoffs/s", "x 1x1", "p50 ms", "host CPU ms / handoff", "busy cores"]
     rows: list[list[Any]] = []
+
+    def host(r: dict[str, Any]) -> list[str]:
+        cpu = r.get("cpu_per_handoff") or {}
+        us, cores = cpu.get("host_us"), cpu.get("host_busy_cores")
+        return [f"{us / 1e3:.2f}" if us is not None else "-", f"{cores:.1f}" if cores is not None else "-"]
+
     for r in scale_out.get("rows", []):
         p50 = r.get("latency_p50_s")
         rows.append([
             f"fleet {r['instances']}x{r['instances']}", r["clients"], f"{r['handoffs_per_s']:.0f}",
-            f"{r['over_1x1']:.2f}" if r.get("over_1x1") else "-", f"{p50 * 1e3:.1f}" if p50 else "-",
+            f"{r['over_1x1']:.2f}" if r.get("over_1x1") else "-", f"{p50 * 1e3:.1f}" if p50 else "-", *host(r),
         ])
     own = scale_out.get("own_pairs")
     if own:
         p50 = own.get("latency_p50_s")
         rows.append([
             f"fleet {own['instances']}x{own['instances']}, own pairs", own["clients"], f"{own['handoffs_per_s']:.0f}",
-            "-", f"{p50 * 1e3:.1f}" if p50 else "-",
+            "-", f"{p50 * 1e3:.1f}" if p50 else "-", *host(own),
         ])
     ind = scale_out.get("independent")
     if ind:
         p50 = ind.get("latency_p50_s")
         rows.append([
             f"{ind['deployments']} independent pairs", ind["clients"], f"{ind['handoffs_per_s']:.0f}",
-            "-", f"{p50 * 1e3:.1f}" if p50 else "-",
+            "-", f"{p50 * 1e3:.1f}" if p50 else "-", *host(ind),
         ])
     return headers, rows
 

@@ -845,6 +845,8 @@ class CoordinatorCore:
                 "decision_log": self._decision_log.stats(now),
             },
             "failure_reason": self._failure_reason,
+            # CPU seconds this process spent so far, every thread (Ray's too).
+            "cpu_s": time.process_time(),
         }
 
     # -- the round loop -------------------------------------------------------------

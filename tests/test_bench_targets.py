@@ -195,3 +195,31 @@ def test_scale_table_shows_the_fleet_on_its_own_pairs_beside_the_independent_pai
     added: list[str] = []
     scale_targets(scale, "", lambda target, *_: added.append(target))
     assert not any("own" in t for t in added) and len(added) == 2
+
+
+def test_scale_work_counts_each_process_kinds_cpu_and_the_host_is_read() -> None:
+    """The CPU a handoff costs, by process kind and role (coordinators by
+    their instance's name, ranks by their role), from `stats()` `cpu_s`; the
+    host's busy CPU time from /proc/stat, which only grows."""
+    import asyncio
+
+    from kvhandoff.actors._bench_scale import _host_busy_s, _per_handoff, _work, scale_table
+
+    def stats(cpu: float) -> dict:
+        return {
+            "coordinators": {"ctx0": {"rounds": 1, "cpu_s": cpu}, "gen1": {"rounds": 1, "cpu_s": 2 * cpu}},
+            "ranks": [{"role": "ctx", "cpu_s": 3 * cpu, "counters": {}}, {"role": "gen", "cpu_s": 4 * cpu, "counters": {}}],
+        }
+
+    before, after = asyncio.run(_work([stats(1.0)])), asyncio.run(_work([stats(1.5)]))
+    per = _per_handoff(before, after, 100)
+    assert per == {"cpu_us_coord_ctx": 5000.0, "cpu_us_coord_gen": 10000.0, "cpu_us_rank_ctx": 15000.0, "cpu_us_rank_gen": 20000.0}
+    first = _host_busy_s()
+    assert first is not None and first > 0
+    sum(i * i for i in range(200_000))
+    second = _host_busy_s()
+    assert second is not None and second >= first
+    scale = _scale([(1, 50.0), (4, 300.0)], independent=320.0)
+    scale["rows"][0]["cpu_per_handoff"] = {"front_ends_us": 900.0, "host_us": 12500.0, "host_busy_cores": 1.6}
+    headers, rows = scale_table(scale)
+    assert headers[-2:] == ["host CPU ms / handoff", "busy cores"] and rows[0][-2:] == ["12.50", "1.6"]

@@ -243,6 +243,8 @@ class _Polling(_RankState):
                 "outcomes": self._outcome.stats(now),
                 **self._remembered(),
             },
+            # CPU seconds this process spent so far, every thread (Ray's too).
+            "cpu_s": time.process_time(),
         }
 
     def _remembered(self) -> dict[str, Any]:
