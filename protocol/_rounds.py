@@ -185,6 +185,10 @@ class RankReport(_Frozen, frozen=True, tag="rank_report"):
     completions: _Parents = ()
     failures: _Parents = ()
     prepared: _Parents = ()
+    #: parents this rank admitted alone (a one-rank instance is its whole
+    #: admission intersection), held here still: the leader takes them in
+    #: flight as if a round had admitted them (`RoundLeader.report`)
+    admitted: _Parents = ()
 
 
 class RoundDecision(_Frozen, frozen=True, tag="round_decision"):
@@ -231,6 +235,7 @@ class VoteRejectReason(str, enum.Enum):
     DUPLICATE = "duplicate"  # this rank already voted in this round
     LATE = "late"  # arrived at or after the deadline: never applied
     NOT_PROPOSED = "not_proposed"  # admit_ok names a parent not proposed
+    NOT_ALONE = "not_alone"  # a rank of several reports a parent it admitted alone
 
 
 class VoteRejected(RoundError):
@@ -374,6 +379,13 @@ class RoundLeader:
         self.decided: set[ParentKey] = set()
         #: the latest `RankReport` of each rank's current incarnation
         self._reports: dict[int, RankReport] = {}
+        #: in flight because the one rank reported it admitted alone
+        self._alone: set[ParentKey] = set()
+        #: admitted alone and ended by a decision, while the rank's reports
+        #: may still name it (a report sent before the rank applied that
+        #: decision): never taken in flight again. Forgotten once a report
+        #: no longer names it (a rank's reports only go forward: `seq`).
+        self._alone_ended: set[ParentKey] = set()
 
     # -- queries ------------------------------------------------------------
 
@@ -419,11 +431,19 @@ class RoundLeader:
             raise StaleError("endpoint epoch", epoch, old)
         self._epochs[rank] = epoch
         self._reports.pop(rank, None)  # the old incarnation's news is void
+        self._alone_ended.clear()  # its reports are refused from now on
 
     def report(self, report: RankReport) -> bool:
         """Store ``report`` as its rank's latest news; returns False (and keeps
         the stored one) for an older ``seq``. Raises `VoteRejected` for an
-        unknown rank or another incarnation's epoch, changing nothing."""
+        unknown rank or another incarnation's epoch, or for parents admitted
+        alone by a rank of several (only a one-rank instance admits without
+        a round), changing nothing.
+
+        A parent the report names ``admitted`` is in flight from now on, as
+        if a round had admitted it, unless it is in flight already, proposed
+        in the open round, or was admitted alone and has ended since (a
+        report written before the rank applied that end)."""
         probe = RoundVote(round_no=self.next_round, rank=report.rank, epoch=report.epoch)
         if report.rank not in self._epochs:
             raise VoteRejected(VoteRejectReason.UNKNOWN_RANK, probe)
@@ -431,10 +451,18 @@ class RoundLeader:
         if report.epoch != ours:
             reason = VoteRejectReason.STALE_EPOCH if report.epoch < ours else VoteRejectReason.UNKNOWN_EPOCH
             raise VoteRejected(reason, probe, f"current epoch {ours}")
+        if report.admitted and len(self.ranks) != 1:
+            raise VoteRejected(VoteRejectReason.NOT_ALONE, probe, repr(report.admitted[0]))
         stored = self._reports.get(report.rank)
         if stored is not None and stored.seq >= report.seq:
             return False
         self._reports[report.rank] = report
+        named = set(report.admitted)
+        self._alone_ended &= named
+        proposed = {a.parent for a in self._proposal.admissions} if self._proposal is not None else set()
+        fresh = named - self._alone_ended - self.in_flight - proposed
+        self.in_flight |= fresh
+        self._alone |= fresh
         return True
 
     def reports_decide(self) -> bool:
@@ -637,9 +665,13 @@ class RoundLeader:
         )
 
     def _finish(self, decision: RoundDecision) -> None:
+        settled = decision.settled()
+        ended_alone = self._alone & settled
+        self._alone -= ended_alone
+        self._alone_ended |= ended_alone
         self.decided.update(decision.decided)
-        self.decided.difference_update(decision.settled())
-        self.in_flight.difference_update(decision.settled())
+        self.decided.difference_update(settled)
+        self.in_flight.difference_update(settled)
         self.in_flight.update(decision.admitted)
         self.phase = RoundPhase.IDLE
         self._proposal = None
@@ -729,6 +761,7 @@ class RoundFollower:
         self._completions: set[ParentKey] = set()
         self._failures: set[ParentKey] = set()
         self._prepared: set[ParentKey] = set()
+        self._admitted: set[ParentKey] = set()
         # (round, cancels, failures) of our latest vote: only those are cleared
         # by that round's decision, never intents recorded after it left.
         self._reported: tuple[int, frozenset[ParentKey], frozenset[ParentKey]] = (
@@ -769,15 +802,23 @@ class RoundFollower:
         decides or settles it (an intersection, like completions)."""
         self._prepared.add(parent)
 
+    def record_admitted(self, parent: ParentKey) -> None:
+        """Report ``parent`` admitted by this rank alone (the rank is its
+        instance's whole intersection) until the rank no longer holds it or
+        a decision ends it: the leader takes it in flight from the report."""
+        self._admitted.add(parent)
+
     def has_news(self) -> bool:
-        return bool(self._cancels or self._completions or self._failures or self._prepared)
+        return bool(self._cancels or self._completions or self._failures or self._prepared or self._admitted)
 
     def forget(self, alive: Callable[[ParentKey], bool]) -> None:
         """Drop union intents about parents this rank no longer holds (nothing
         is left to cancel or fail; a leader that never knew them drops them
-        anyway, and they must not ride in every report forever)."""
+        anyway, and they must not ride in every report forever), and the
+        admissions of parents it no longer holds."""
         self._cancels = {p for p in self._cancels if alive(p)}
         self._failures = {p for p in self._failures if alive(p)}
+        self._admitted = {p for p in self._admitted if alive(p)}
 
     def report(self) -> RankReport:
         """This rank's current news as a `RankReport` (pushed between rounds)."""
@@ -790,6 +831,7 @@ class RoundFollower:
             completions=_sorted(self._completions),
             failures=_sorted(self._failures),
             prepared=_sorted(self._prepared),
+            admitted=_sorted(self._admitted),
         )
 
     def vote_with_news(
@@ -885,6 +927,7 @@ class RoundFollower:
         self._completions -= settled
         self._cancels -= settled
         self._failures -= settled
+        self._admitted -= settled  # the leader knew it: it decided its end
         reported_round, reported_cancels, reported_failures = self._reported
         if reported_round == decision.round_no and not decision.timed_out:
             # Union news we voted reached a full decision (which saw every

@@ -1542,17 +1542,7 @@ class CtxRank(_Rank):
         expected edge is recorded, the parent is `Prepared` (once).
         """
         ticket = message.ticket
-        _check_endpoint("ctx", ticket.ctx, self.our)
-        if ticket.ctx_digest != self.digest:
-            raise StaleError("ctx topology digest", ticket.ctx_digest.hex(), self.digest.hex())
-        if ticket.gen.ns.role is not Role.GEN:
-            raise StaleError("gen namespace role", ticket.gen.ns.role, Role.GEN)
-        if message.buffer.endpoint_epoch != ticket.gen.epoch:
-            raise StaleError(
-                "gen epoch in buffer info", message.buffer.endpoint_epoch, ticket.gen.epoch
-            )
-        if num_chunks < 1:
-            raise PoolError(f"an edge needs at least one chunk, got {num_chunks}")
+        self._check_open_ticket(message, num_chunks)
         record = self._require(ticket.parent)
         if ticket in self._sessions:
             raise DuplicateSessionError(ticket)
@@ -1580,6 +1570,72 @@ class CtxRank(_Rank):
         if self.is_prepared(record.key):
             actions += self._fire_parent(record.key, _PE.ALL_PREPARED)
         return actions
+
+    def _check_open_ticket(self, message: Open, num_chunks: int) -> None:
+        """What an OPEN must say whatever this rank holds: addressed to us,
+        our topology, from a GEN rank, its buffer of the ticket's GEN
+        incarnation, at least one chunk. Raises; changes nothing."""
+        ticket = message.ticket
+        _check_endpoint("ctx", ticket.ctx, self.our)
+        if ticket.ctx_digest != self.digest:
+            raise StaleError("ctx topology digest", ticket.ctx_digest.hex(), self.digest.hex())
+        if ticket.gen.ns.role is not Role.GEN:
+            raise StaleError("gen namespace role", ticket.gen.ns.role, Role.GEN)
+        if message.buffer.endpoint_epoch != ticket.gen.epoch:
+            raise StaleError(
+                "gen epoch in buffer info", message.buffer.endpoint_epoch, ticket.gen.epoch
+            )
+        if num_chunks < 1:
+            raise PoolError(f"an edge needs at least one chunk, got {num_chunks}")
+
+    def admit_at_open(
+        self,
+        message: Open,
+        n_blocks: int,
+        *,
+        now: float,
+        lease_deadline: float,
+        num_chunks: int = 1,
+        expected_agent: str | None = None,
+        block_bytes: int | None = None,
+        peer: PeerBuffer | None = None,
+        edges: int | None = None,
+    ) -> list[Action]:
+        """Admit the OPEN's parent here and record the OPEN, in one step: the
+        admission of a rank that is its whole instance (tp=1), made when the
+        GEN instance's OPEN arrives instead of in a round of our own
+        (`RoundFollower.record_admitted` tells the leader).
+
+        Everything is checked first, and any failure raises and changes
+        nothing (answer it with `reject_for`): the OPEN as `receive_open`
+        checks it, a parent held here already (its OPENs go to
+        `receive_open`) or ended here (`_closed_parents`: a late or repeated
+        OPEN never admits a finished handoff again), a pool without
+        `n_blocks` free blocks (`PoolError`). Then: the lease (until
+        `lease_deadline`), the KV resident (the caller prefilled it or
+        will not), and the OPEN recorded; `Prepared` once every edge is."""
+        ticket = message.ticket
+        self._check_open_ticket(message, num_chunks)
+        if ticket.parent in self._parents:
+            raise LeaseError(f"{ticket.parent!r} is admitted here already: its OPENs are received, not admitted")
+        if lease_deadline < now:
+            raise LeaseError(f"lease deadline {lease_deadline} is before now {now}")
+        if edges is not None and edges < 1:
+            raise LeaseError(f"a parent needs at least one edge, got {edges}")
+        if ticket.parent in self._closed_parents:
+            raise StaleError("parent", ticket.parent, f"closed ({self._closed_parents[ticket.parent].value})")
+        if self._sessions.closed_how(ticket):  # "released" or "reclaimed"
+            raise self._sessions.classify(ticket)
+        _check_open_buffer(message, n_blocks, expected_agent=expected_agent, block_bytes=block_bytes, peer=peer)
+        if self.admission_stopped():
+            raise PoolError("admission stopped: quarantine holds the limit of the pool")
+        self._admit(ticket.parent, n_blocks, lease_deadline)  # a pool without room raises, unchanged
+        if edges is not None:
+            self._parents[ticket.parent].expected_edges = edges
+        actions = self.prefilled(ticket.parent)
+        return actions + self.receive_open(
+            message, now, num_chunks=num_chunks, expected_agent=expected_agent, block_bytes=block_bytes, peer=peer
+        )
 
     def is_prepared(self, parent: ParentKey) -> bool:
         """Every expected edge of `parent` is recorded and still PREPARED, and the

@@ -113,6 +113,9 @@ class Config:
     #: 1: the rounds also apply the topology-wide NOT_STARTED verdict. 0 (the
     #: runtime): each rank releases on its own evidence, the cancel decided.
     verdict: int = 0
+    #: 1: the direct path (one-rank CTX instances): no CTX round admits; the
+    #: CTX rank admits at the OPEN, or refuses it with a REJECT.
+    direct: int = 0
     max_states: int = 1_000_000
     max_depth: int = 80
 
@@ -170,6 +173,19 @@ _FLEET = [
     _world("fleet2-cancel", ctx_instances=2, requests=2, chunks=1, cancels=1),
 ]
 
+#: The direct path (one-rank CTX instances admit at the OPEN; no CTX round
+#: admits, and the CTX leader learns of the admission from its rank's report).
+_DIRECT = [
+    _world("direct-tp1-cancel-deadline", direct=1, chunks=2, cancels=1, expiries=1),
+    _world("direct-tp1-restart-dup-cancel", direct=1, chunks=2, restarts=1, dups=1, cancels=1),
+    _world("direct-tp1-restart-reorder-err", direct=1, chunks=1, restarts=1, reorders=1, errs=1, partials=1),
+    _world("direct-tp1x2-ctx-short-cancel", direct=1, requests=2, ctx_blocks=1, chunks=1, cancels=1),
+    _world("direct-tp1x2-gen-short-dup", direct=1, requests=2, gen_blocks=1, chunks=1, dups=1),
+    _world("direct-gen2-restart", direct=1, gen_ranks=2, chunks=1, restarts=1),
+    _world("direct-gen2-cancel-reorder", direct=1, gen_ranks=2, chunks=1, cancels=1, reorders=1),
+    _world("direct-fleet2-restart", direct=1, ctx_instances=2, requests=2, chunks=1, restarts=1),
+]
+
 #: Named bounds. `default` is CI's; `quick` is what each planted bug is
 #: explored with (it stops at the first violation); `large` runs on demand.
 CONFIGS: dict[str, list[Config]] = {
@@ -177,6 +193,7 @@ CONFIGS: dict[str, list[Config]] = {
     "default": _DEFAULT,
     "quick": [dataclasses.replace(c, max_states=4_000) for c in (*_DEFAULT, *_FLEET)],
     "fleet": _FLEET,
+    "direct": _DIRECT,
     "large": [
         _world("tp1-everything", chunks=2, window=2, restarts=1, errs=1, partials=1, dups=1, cancels=2, expiries=1),
         _world("tp2-everything", gen_ranks=2, chunks=1, restarts=1, errs=1, partials=1, dups=1, cancels=1, expiries=1),
@@ -277,6 +294,7 @@ class World(Pair):
             chunk_window=config.window,
             timeout=10.0,
             not_started_verdict=bool(config.verdict),
+            direct=bool(config.direct),
         )
         self.config = config
         self.budget = {
@@ -398,6 +416,10 @@ class World(Pair):
             self.admitted.add(p)
             instance = self.requests.index(p) % self.config.ctx_instances
             self.admit(p, blocks=1, chunks=self.config.chunks, lease=5.0, ctx_instance=instance)
+            if self.direct:
+                if p not in self.gens[0].parents():
+                    self._touch(p)
+                return f"the GEN instance admits {p.request_id} (its CTX rank admits at the OPEN)"
             if not all(p in rank.parents() for rank in (self.gens[0], self.ctxs[self.home_ranks(p)[0]])):
                 self._touch(p)  # an instance refused it (no block): the pairing ends it
             return f"both instances admit {p.request_id} (each rank leases)"

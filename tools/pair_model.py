@@ -223,8 +223,16 @@ class Pair:
         conservative: bool = False,
         post_on_decide: bool = True,
         not_started_verdict: bool = True,
+        direct: bool = False,
     ) -> None:
+        if direct and n_ctx != 1:
+            raise ValueError("the direct path admits at the OPEN on a one-rank CTX instance only")
         self.now = 0.0
+        #: The direct path: no CTX round admits; the CTX rank admits a parent
+        #: at its OPEN (`CtxRank.admit_at_open`) and reports it to its leader.
+        self.direct = direct
+        #: (blocks, lease) each parent asks for, for a CTX rank admitting at its OPEN.
+        self.asked: dict[ParentKey, tuple[int, float]] = {}
         #: Whether the rounds apply the topology-wide NOT_STARTED verdict
         #: (`release_not_started`). The runtime does not (each rank releases
         #: on its own evidence once the cancel is decided); the explorer
@@ -371,6 +379,11 @@ class Pair:
         self.home[parent] = ctx_instance
         key = self.ctx_key(ctx_instance)
         request = AdmissionRequest(parent=parent, num_tokens=16)
+        if self.direct:
+            # The GEN instance admits alone; its OPEN is the CTX's admission.
+            self.asked[parent] = (blocks, lease)
+            self._round(Role.GEN, [request], blocks=blocks, lease=lease)
+            return
         # The GEN instance submits and asks the CTX instance (its peer) to
         # admit while its own ranks vote (the coordinators' pairing).
         ctx = self._round(key, [request], blocks=blocks, lease=lease)
@@ -485,6 +498,8 @@ class Pair:
             leader.next_round = 1
             leader.in_flight = set(sorted(leader.in_flight, key=repr))
             leader.decided = set(sorted(leader.decided, key=repr))
+            leader._alone = set(sorted(leader._alone, key=repr))  # noqa: SLF001
+            leader._alone_ended = set(sorted(leader._alone_ended, key=repr))  # noqa: SLF001
             leader._reports = {  # noqa: SLF001 (the model's canonical form)
                 rank: msgspec.structs.replace(got, seq=0) for rank, got in sorted(leader._reports.items())  # noqa: SLF001
             }
@@ -493,7 +508,7 @@ class Pair:
                 follower.last_applied = follower.last_voted = 0
                 follower._report_seq = 0  # noqa: SLF001
                 follower._reported = (0, frozenset(), frozenset())  # noqa: SLF001
-                for name in ("_cancels", "_completions", "_failures", "_prepared"):
+                for name in ("_cancels", "_completions", "_failures", "_prepared", "_admitted"):
                     setattr(follower, name, set(sorted(getattr(follower, name), key=repr)))
             self.failures_pending[role] = set(sorted(self.failures_pending[role], key=repr))
             self.cancels_pending[role] = set(sorted(self.cancels_pending[role], key=repr))
@@ -810,9 +825,24 @@ class Pair:
                 num_chunks = self.chunks.get(message.ticket.parent, 1)
                 assert 0 <= rank < len(self.ctxs), f"S3: {what}: no CTX rank {rank} exists"
                 ctx = receiver = self.ctxs[rank]
-                actions = protocol_call(
-                    "S3", what, lambda: ctx.receive(message, self.now, num_chunks=num_chunks)
-                )
+                if self.direct and isinstance(message, Open) and message.ticket.parent not in ctx.parents():
+                    # The rank is its whole instance: it admits at the OPEN
+                    # (or refuses it, changing nothing) and tells its leader.
+                    blocks, lease = self.asked.get(message.ticket.parent, (1, 5.0))
+                    actions = protocol_call(
+                        "S3",
+                        what,
+                        lambda: ctx.admit_at_open(
+                            message, blocks, now=self.now, lease_deadline=self.now + lease, num_chunks=num_chunks
+                        ),
+                    )
+                    follower = self._follower(ctx)
+                    if follower is not None:
+                        follower.record_admitted(message.ticket.parent)
+                else:
+                    actions = protocol_call(
+                        "S3", what, lambda: ctx.receive(message, self.now, num_chunks=num_chunks)
+                    )
             else:
                 assert 0 <= rank < len(self.gens), f"S3: {what}: no GEN rank {rank} exists"
                 gen = receiver = self.gens[rank]

@@ -114,6 +114,27 @@ def test_the_fleet_worlds_hold_every_invariant_and_no_fault_crosses_instances() 
     assert {"restarts", "cancels"} <= {k for w in out["configs"] for k in ("restarts", "cancels") if w["config"][k]}
 
 
+def test_the_direct_path_worlds_hold_every_invariant() -> None:
+    """The direct path (a one-rank CTX instance admits at the OPEN; no CTX
+    round admits; its leader learns of the admission from the rank's
+    report): every invariant holds with cancels, deadlines, deaths,
+    duplicated and reordered frames, ERR, a pool too small on either side
+    (the CTX refuses the OPEN with a REJECT after the GEN leased), a GEN
+    instance of two ranks and two CTX instances."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvhandoff.tools.explore", "--json", "--config", "direct"],
+        capture_output=True, text=True, timeout=1200, cwd=ROOT,
+    )
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    out = json.loads(proc.stdout)
+    assert out["violations"] == [] and out["states"] >= 100_000
+    worlds = out["configs"]
+    assert all(w["complete"] and w["config"]["direct"] == 1 and w["quiescent_checked"] > 0 for w in worlds)
+    faults = {k for w in worlds for k in ("restarts", "cancels", "dups", "reorders", "errs", "expiries") if w["config"][k]}
+    assert faults == {"restarts", "cancels", "dups", "reorders", "errs", "expiries"}
+    assert any(w["config"]["ctx_blocks"] for w in worlds) and any(w["config"]["ctx_instances"] == 2 for w in worlds)
+
+
 def test_the_default_bounds_cover_every_topology_the_issue_names() -> None:
     """TP 1 -> 1, 1 -> 2, 2 -> 1 and 2 -> 2 (the CTX round deciding what every
     CTX rank reported prepared), each with cancels, deaths, deadlines and

@@ -240,3 +240,69 @@ def test_reports_waiting_names_an_intersection_some_rank_has_not_reported() -> N
     leader.report(report(1, 2, prepared=("p",)))
     decide_from_reports(leader)
     assert not leader.reports_waiting()  # decided once: stale prepared reports wait for nothing
+
+
+# -- a one-rank instance's admissions made alone -----------------------------------------
+
+
+def test_a_one_rank_instance_admitted_alone_is_in_flight_from_the_report_and_decided_like_any() -> None:
+    leader = RoundLeader(1)
+    assert leader.report(report(0, 1, admitted=("a",)))
+    assert leader.in_flight == {pk("a")}
+    # Its news counts as for a parent a round admitted: a completion ends it.
+    assert leader.report(report(0, 2, admitted=("a",), completions=("a",)))
+    decision = decide_from_reports(leader)
+    assert decision.completed == (pk("a"),)
+    assert leader.in_flight == set()
+
+
+def test_a_report_written_before_the_end_was_applied_never_takes_an_ended_parent_back() -> None:
+    leader = RoundLeader(1)
+    follower = RoundFollower(0, 0)
+    follower.record_admitted(pk("a"))
+    assert leader.report(follower.report())
+    late = follower.report()  # still names "a": written before the rank applies the cancel
+    leader.open_round(cancels=[pk("a")], now=0.0, timeout=T)
+    leader.votes_from_reports(0.0)
+    decision = leader.close()
+    assert decision.cancelled == (pk("a"),)
+    # The report sent before the rank applied the cancel comes in after it.
+    assert leader.report(late)
+    assert pk("a") not in leader.in_flight, "an ended parent was taken in flight again"
+    # Once the rank applied the end, its reports no longer name it, and the
+    # leader forgets it (bounded): nothing is left of "a".
+    follower.apply(decision)
+    assert follower.report().admitted == ()
+    assert leader.report(follower.report())
+    assert pk("a") not in leader.in_flight and not leader._alone_ended  # noqa: SLF001
+
+
+def test_only_a_one_rank_instance_may_report_admissions_made_alone() -> None:
+    leader = RoundLeader(2)
+    with pytest.raises(VoteRejected) as refused:
+        leader.report(report(0, 1, admitted=("a",)))
+    assert refused.value.reason is VoteRejectReason.NOT_ALONE
+    assert leader.in_flight == set() and not leader.reports_decide()
+
+
+def test_a_parent_proposed_in_the_open_round_or_in_flight_is_not_taken_twice() -> None:
+    leader = RoundLeader(1)
+    admit(leader, "b")
+    proposal = leader.open_round([AdmissionRequest(parent=pk("c"), num_tokens=16)], now=0.0, timeout=T)
+    assert leader.report(report(0, 1, admitted=("b", "c")))
+    assert leader.in_flight == {pk("b")}  # "c" stays the open round's to decide
+    leader.receive_vote(RoundVote(round_no=proposal.round_no, rank=0, epoch=0), 0.0)
+    assert leader.close().rejected == (pk("c"),)
+    assert leader.in_flight == {pk("b")}
+
+
+def test_the_follower_reports_an_admission_made_alone_until_it_ends_or_is_not_held() -> None:
+    follower = RoundFollower(0, 0)
+    follower.record_admitted(pk("a"))
+    follower.record_admitted(pk("b"))
+    assert follower.has_news()
+    assert follower.report().admitted == (pk("a"), pk("b"))
+    follower.apply(RoundDecision(round_no=1, completed=(pk("a"),)))
+    assert follower.report().admitted == (pk("b"),)
+    follower.forget(lambda p: p != pk("b"))
+    assert follower.report().admitted == () and not follower.has_news()
