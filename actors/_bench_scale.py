@@ -211,7 +211,7 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
     carrier: dict[str, Any] | None = None
     for n in sizes:
         with reporter.step(f"launching a {n}x{n} fleet (tp=1)", done=f"{n}x{n} fleet ready"):
-            fleet = await Fleet.launch(ctx=n, gen=n, **common)
+            fleet = await Fleet.launch(ctx=n, gen=n, admit_at_open=bool(getattr(args, "scale_admit_at_open", False)), **common)
         if fleet.carrier is not None:
             carrier = fleet.carrier.as_dict()  # the node's answer: the same for every launch of the run
         try:
@@ -267,7 +267,13 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
     base = max((r["handoffs_per_s"] for r in rows if r["instances"] == 1), default=None)
     for row in rows:
         row["over_1x1"] = row["handoffs_per_s"] / base if base else None
-    out: dict[str, Any] = {"clients_per_instance": per, "seconds": args.sustain_s, "control_frames": carrier, "rows": rows}
+    out: dict[str, Any] = {
+        "clients_per_instance": per,
+        "seconds": args.sustain_s,
+        "control_frames": carrier,
+        "admit_at_open": bool(getattr(args, "scale_admit_at_open", False)),
+        "rows": rows,
+    }
     if independent:
         out["independent"] = independent
         largest = max((r for r in rows if r["instances"] == k), key=lambda r: r["handoffs_per_s"])

@@ -267,6 +267,7 @@ class CoordinatorCore:
         fleet: str | None = None,
         reattach: str | None = None,
         lazy_apply_s: float = LAZY_APPLY_S,
+        peers_admit_at_open: bool = False,
     ) -> None:
         if ranks is None and (rank_factory is None or not tp):
             raise ValueError("give the rank handles, or a rank_factory and tp")
@@ -330,6 +331,11 @@ class CoordinatorCore:
         # already (`publish`); a submission claims it there (`claim_many`)
         # instead of admitting it. On the CTX side, the parents claimed once.
         self._peer_claims = peer_claims
+        # GEN of a fleet whose CTX ranks admit at the OPEN (one-rank
+        # instances, docs/design.md "Admission at the OPEN"): a submitted
+        # handoff asks no peer admission; the OPEN is it, and a refusal
+        # comes back as a REJECT (NOT_STARTED) that fails the handoff.
+        self._peers_admit_at_open = peers_admit_at_open
         self._claimed: set[ParentKey] = set()
         # Submitted handoffs (`submit`): their outcome, resolved by the decision
         # that ends them; and the admissions the peer instance must admit too.
@@ -942,7 +948,7 @@ class CoordinatorCore:
             self._pending_failures.clear()
             # Submitted handoffs need the peer instance to admit them too: ask
             # it now, in one call, while our ranks vote.
-            paired = [a for a in admissions if a.parent in self._submitted]
+            paired = [] if self._peers_admit_at_open else [a for a in admissions if a.parent in self._submitted]
             peer_answer = (
                 asyncio.ensure_future(self._peers_admit(paired)) if paired else None
             )

@@ -177,6 +177,7 @@ class Fleet(Deployment):
         self._start_timeout_s = 600.0
         self._round_timeout_s = 5.0
         self._max_restarts = 3
+        self._admit_at_open = False
         #: Handoff outcomes per pair of logical names: {"ctx0->gen1": Counter}.
         self.pair_outcomes: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         #: Membership events: (kind, instance name, seconds since launch).
@@ -213,6 +214,7 @@ class Fleet(Deployment):
         gen_resources: dict[str, float] | None = None,
         ctx_labels: dict[str, str] | None = None,
         gen_labels: dict[str, str] | None = None,
+        admit_at_open: bool = False,
     ) -> Fleet:
         """Start a fleet: `ctx` and `gen` are the TP of each instance (a list)
         or how many tp=1 instances (an int). Instances are named ctx0, ctx1,
@@ -232,11 +234,20 @@ class Fleet(Deployment):
 
         `control_frames` is as for `Deployment.launch`: one carrier for
         every instance, those that join later included ("auto" is measured
-        once, at launch)."""
+        once, at launch).
+
+        `admit_at_open` (experimental; every CTX instance tp=1, those that
+        join later too): a CTX rank admits a handoff when its OPEN arrives,
+        and the GEN coordinator asks no peer admission (docs/design.md
+        "Admission at the OPEN"). A drained CTX instance is refused by the
+        fleet's routing only, not by its ranks."""
         self = cls()
         self.name = name or f"kvh-{uuid.uuid4().hex[:8]}"
         ctx_tps = _tps("ctx", ctx)
         gen_tps = _tps("gen", gen)
+        if admit_at_open and set(ctx_tps) != {1}:
+            raise InvalidConfig(f"admit_at_open needs every CTX instance at tp=1, got {ctx_tps}")
+        self._admit_at_open = bool(admit_at_open)
         _check_int("pool_blocks", pool_blocks, 1)
         _check_int("chunk_bytes", chunk_bytes, 1)
         _check_int("max_restarts", max_restarts, 0)
@@ -365,6 +376,7 @@ class Fleet(Deployment):
                 data_mode="direct",
                 coordinator=f"{self.name}.coord.{spec.instance_id}",
                 fleet=True,
+                admit_at_open=self._admit_at_open and role is Role.CTX,
             )
             for r in range(tp)
         ]
@@ -409,6 +421,7 @@ class Fleet(Deployment):
             restart_timeout=self._start_timeout_s,
             topology_digest=topology_digest(inst.spec),
             fleet=self.name,
+            peers_admit_at_open=self._admit_at_open and inst.role is Role.GEN,
         )
         deadline = loop.time() + self._start_timeout_s
         try:
@@ -447,6 +460,8 @@ class Fleet(Deployment):
         except ValueError:
             raise InvalidConfig(f"role must be 'ctx' or 'gen', got {_short(role)}") from None
         _check_int("tp", tp, 1)
+        if self._admit_at_open and role is Role.CTX and tp != 1:
+            raise InvalidConfig(f"this fleet admits at the OPEN: a CTX instance must have tp=1, got {tp}")
         if name is not None:
             if not isinstance(name, str) or not _NAME.match(name):
                 raise InvalidConfig(f"instance name must match {_NAME.pattern}, got {_short(name)}")

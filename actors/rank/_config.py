@@ -110,6 +110,12 @@ class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: with every instance of the other role in the directory's instance
     #: table (read on `connect`, told by `peer_joined` / `peer_left`).
     fleet: bool = False
+    #: CTX of a one-rank instance: admit a parent when its first OPEN
+    #: arrives (`CtxRank.admit_at_open`) instead of in a round of our
+    #: coordinator, and report the admission to it (docs/design.md
+    #: "Admission at the OPEN"). The GEN coordinators then ask no peer
+    #: admission (`Coordinator(peers_admit_at_open=True)`).
+    admit_at_open: bool = False
 
 
 class _Pair:

@@ -38,6 +38,7 @@ from kvhandoff.protocol import (
     Open,
     ParentKey,
     PeerBuffer,
+    PoolError,
     PostChunk,
     Prepared,
     ProtocolError,
@@ -46,10 +47,11 @@ from kvhandoff.protocol import (
     StageAck,
     StaleError,
     active_cancel,
+    admission_verdict,
     block_columns,
     whole_block_misfits,
 )
-from kvhandoff.topology import TopologySpec, memory_pieces
+from kvhandoff.topology import TopologySpec, blocks_for_tokens, memory_pieces
 
 #: The byte budget of a CTX rank's recent data-phase timings (`transfer_timings`).
 _TIMING_BYTES = 1 << 20
@@ -179,6 +181,8 @@ class CtxRankCore(RankCore):
             # the parent to that pair; undone if this OPEN is refused.
             self.side.bind_edges(parent, len(pair.shards.edges_for_ctx_rank(self.config.rank)))
             self._pair_of[parent] = gen.ns.instance_id
+        if self.config.admit_at_open and parent not in self.side.parents():
+            return self._admit_at_open(message, pair, now)
         try:
             return self._receive_open(message, pair, now)
         except ProtocolError:
@@ -186,10 +190,43 @@ class CtxRankCore(RankCore):
                 self._pair_of.pop(parent, None)
             raise
 
-    def _receive_open(self, message: Open, pair: _Pair, now: float) -> list[Action]:
+    def _admit_at_open(self, message: Open, pair: _Pair, now: float) -> list[Action]:
+        """The parent's first OPEN on a rank that admits at the OPEN: the
+        same verdict as a vote (paired, negotiated, not stopped), then the
+        protocol admits and records it in one step (a refusal changes
+        nothing: the caller answers a REJECT), the synthetic prefill, and
+        the admission in our next report."""
+        parent = message.ticket.parent
+        verdict = admission_verdict(
+            stopped=self.side.admission_stopped(),
+            peer=pair.instance,
+            paired=True,
+            left=pair.left,
+            admits_unpaired=self.admits_unpaired,
+            negotiation=pair.negotiation,
+        )
+        if not verdict.admit:
+            self.counters[verdict.refusal] += 1
+            raise PoolError(f"admission at the OPEN refused: {verdict.refusal}")
+        n = blocks_for_tokens(self.config.layout, message.num_tokens)
+        edges = len(pair.shards.edges_for_ctx_rank(self.config.rank))
+        actions = self._receive_open(message, pair, now, admit=(n, now + self.config.lease_timeout_s, edges))
+        self.counters["admitted_at_open"] += 1
+        self._tokens[parent] = message.num_tokens
+        self._pair_of[parent] = pair.instance
+        if self.config.synthetic:
+            self._prefill(parent)
+        self.member.follower.record_admitted(parent)
+        self._nudge()
+        return actions
+
+    def _receive_open(
+        self, message: Open, pair: _Pair, now: float, admit: tuple[int, float, int] | None = None
+    ) -> list[Action]:
+        """Record the OPEN (`admit`: (blocks, lease deadline, edges) to admit
+        its parent with it, `CtxRank.admit_at_open`)."""
         gen = message.ticket.gen
         cols = block_columns(message.buffer)
-        chunks = self._plan_chunks(message, pair, cols)
         geometry = self._geometry.get(message.buffer.agent_name)
         peer = None
         if geometry is not None:
@@ -197,14 +234,24 @@ class CtxRankCore(RankCore):
                 message.buffer.agent_name, geometry.base, geometry.block_bytes, geometry.num_blocks,
                 block_stride=geometry.region_table()[0][1],
             )
-        actions = self.side.receive_open(
-            message,
-            now,
-            num_chunks=len(chunks),
-            expected_agent=agent_name(self.config.deployment, gen.ns, gen.epoch),
-            block_bytes=pair.shards.gen_block_bytes,
-            peer=peer,
-        )
+        checks = {
+            "expected_agent": agent_name(self.config.deployment, gen.ns, gen.epoch),
+            "block_bytes": pair.shards.gen_block_bytes,
+            "peer": peer,
+        }
+        if admit is None:
+            chunks = self._plan_chunks(message, pair, cols)
+            actions = self.side.receive_open(message, now, num_chunks=len(chunks), **checks)
+        else:
+            # The plan pairs our lease's blocks with the OPEN's, and the lease
+            # comes with the admission: count the chunks first (the count
+            # depends on sizes only), plan them once the blocks are ours.
+            n_blocks, deadline, edges = admit
+            count = len(self._plan_chunks(message, pair, cols, lease=np.zeros(n_blocks, np.int64)))
+            actions = self.side.admit_at_open(
+                message, n_blocks, now=now, lease_deadline=deadline, edges=edges, num_chunks=max(count, 1), **checks
+            )
+            chunks = self._plan_chunks(message, pair, cols)
         self._chunks[message.ticket] = (chunks, geometry, cols)
         self._peer_agent[message.ticket] = message.buffer.agent_name
         if self._writer is not None and chunks:
@@ -326,22 +373,26 @@ class CtxRankCore(RankCore):
         for name in [n for n in self._geometry if n.startswith(prefix)]:
             del self._geometry[name]
 
-    def _plan_chunks(self, message: Open, pair: _Pair, cols: BlockColumns) -> list[ChunkPlan]:
-        """The WRITE chunks of one edge: our lease's blocks paired, in order, with
-        the OPEN's GEN block addresses. Whether those may be written at all is the
-        protocol's check (`CtxRank.receive_open`, right after this); a plan for an
-        OPEN it refuses is dropped. An edge the shard map does not have is
-        refused here (`UnknownEdgeError`, typed)."""
+    def _plan_chunks(
+        self, message: Open, pair: _Pair, cols: BlockColumns, lease: np.ndarray | None = None
+    ) -> list[ChunkPlan]:
+        """The WRITE chunks of one edge: our lease's blocks (`lease`: these
+        block ids instead, for a count before the lease exists) paired, in
+        order, with the OPEN's GEN block addresses. Whether those may be
+        written at all is the protocol's check (`CtxRank.receive_open`, right
+        after this); a plan for an OPEN it refuses is dropped. An edge the
+        shard map does not have is refused here (`UnknownEdgeError`, typed)."""
         ticket = message.ticket
-        if ticket.ctx != self.our or not self.pool.holds(ticket.parent):
-            # The protocol refuses it with a precise error (stale, unknown).
-            return [ChunkPlan((), np.zeros(0, np.int32), np.zeros(0, np.int32), 0)]
+        if lease is None:
+            if ticket.ctx != self.our or not self.pool.holds(ticket.parent):
+                # The protocol refuses it with a precise error (stale, unknown).
+                return [ChunkPlan((), np.zeros(0, np.int32), np.zeros(0, np.int32), 0)]
+            lease = self.pool.lease_of(ticket.parent).blocks
         # Block indices only: the addresses come from the GEN's registered
         # regions at post time (`_gen_geometry`), the OPEN's are checked against them.
-        lease = self.pool.lease_of(ticket.parent)
         n = min(len(lease), len(cols.blocks))  # unequal: the protocol refuses the OPEN right after
         pairs = np.empty((n, 2), dtype=np.int64)
-        pairs[:, 0] = lease.blocks[:n]
+        pairs[:, 0] = lease[:n]
         pairs[:, 1] = cols.blocks[:n]
         pieces = self._edge_pieces(ticket.edge, None, pair.instance)
         return plan_chunks(pieces, pairs, self._plan_bytes(pieces, message.buffer.agent_name, n * len(pieces)))
