@@ -5,7 +5,8 @@
 # Usage (repo root, .dev and .ab_base carried): [ROUNDS=2] bash bench/h200_ab.sh
 # (2 rounds write 7 files: the device returns at most 8.)
 # SCALE=1: the fleet's scale section instead (one run ~2 min per tree and
-# round), with THIRD_TREE (another carried tree) as a third arm if given.
+# round), with THIRD_TREE (another carried tree) as a third arm if given,
+# and HEAD_FLAGS (e.g. --scale-admit-at-open) added to the head arm only.
 set -euo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 site=$(mktemp -d); for f in .dev/*.txz; do tar xJf "$f" -C "$site"; done
@@ -33,7 +34,8 @@ if [ -n "${SCALE:-}" ]; then  # the fleet's scale section, alternating, ROUNDS t
   scale=(--sections scale --scale-sizes 1,2,4,1 --scale-clients 16 --sustain-s 5 --round-timeout-s 30 --control-frames ray)
   for round in $(seq 1 "${ROUNDS:-1}"); do
     run "$base_tree" "ab_base_scale_$round" "${scale[@]}"
-    run "$head_tree" "ab_head_scale_$round" "${scale[@]}"
+    # shellcheck disable=SC2086
+    run "$head_tree" "ab_head_scale_$round" "${scale[@]}" ${HEAD_FLAGS:-}
     if [ -n "${THIRD_TREE:-}" ]; then run "$THIRD_TREE" "ab_third_scale_$round" "${scale[@]}"; fi
   done
   ls -la "$out"; exit 0

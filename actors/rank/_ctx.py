@@ -216,8 +216,10 @@ class CtxRankCore(RankCore):
         self._pair_of[parent] = pair.instance
         if self.config.synthetic:
             self._prefill(parent)
+        # No report of its own: nothing waits on it, and every admitted
+        # parent makes news later (its completion, a cancel, a failure, the
+        # lease's end), whose report carries this too (reports are whole).
         self.member.follower.record_admitted(parent)
-        self._nudge()
         return actions
 
     def _receive_open(
