@@ -211,7 +211,7 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
     carrier: dict[str, Any] | None = None
     for n in sizes:
         with reporter.step(f"launching a {n}x{n} fleet (tp=1)", done=f"{n}x{n} fleet ready"):
-            fleet = await Fleet.launch(ctx=n, gen=n, admit_at_open=bool(getattr(args, "scale_admit_at_open", False)), **common)
+            fleet = await Fleet.launch(ctx=n, gen=n, admit_at_open=not getattr(args, "scale_admit_in_rounds", False), **common)
         if fleet.carrier is not None:
             carrier = fleet.carrier.as_dict()  # the node's answer: the same for every launch of the run
         try:
@@ -249,7 +249,11 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
     k = max(sizes)
     if k > 1:
         with reporter.step(f"launching {k} independent one-pair deployments", done="deployments ready"):
-            deps = await asyncio.gather(*(Deployment.launch(ctx_tp=1, gen_tp=1, **common) for _ in range(k)))
+            # The same admission as the fleets' (at the OPEN unless told otherwise): like for like.
+            direct = not getattr(args, "scale_admit_in_rounds", False)
+            deps = await asyncio.gather(
+                *(Deployment.launch(ctx_tp=1, gen_tp=1, admit_at_open=direct, **common) for _ in range(k))
+            )
         try:
             await asyncio.gather(*(d.handoff(rid("indep-warm"), tokens) for d in deps))
 
@@ -271,7 +275,7 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
         "clients_per_instance": per,
         "seconds": args.sustain_s,
         "control_frames": carrier,
-        "admit_at_open": bool(getattr(args, "scale_admit_at_open", False)),
+        "admit_at_open": not getattr(args, "scale_admit_in_rounds", False),
         "rows": rows,
     }
     if independent:

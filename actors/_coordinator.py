@@ -267,7 +267,7 @@ class CoordinatorCore:
         fleet: str | None = None,
         reattach: str | None = None,
         lazy_apply_s: float = LAZY_APPLY_S,
-        peers_admit_at_open: bool = False,
+        admits_at_open: bool = False,
     ) -> None:
         if ranks is None and (rank_factory is None or not tp):
             raise ValueError("give the rank handles, or a rank_factory and tp")
@@ -285,6 +285,8 @@ class CoordinatorCore:
         self.topology = topology
         self._handles: list[Any] = list(ranks) if ranks is not None else []
         self._tp = len(self._handles) if ranks is not None else int(tp or 0)
+        if admits_at_open and self._tp != 1:
+            raise ValueError(f"admits_at_open is for an instance of one rank, got tp={self._tp}")
         self._owns_ranks = ranks is None
         self._rank_factory = rank_factory
         self._round_timeout = float(round_timeout)
@@ -331,11 +333,17 @@ class CoordinatorCore:
         # already (`publish`); a submission claims it there (`claim_many`)
         # instead of admitting it. On the CTX side, the parents claimed once.
         self._peer_claims = peer_claims
-        # GEN of a fleet whose CTX ranks admit at the OPEN (one-rank
-        # instances, docs/design.md "Admission at the OPEN"): a submitted
-        # handoff asks no peer admission; the OPEN is it, and a refusal
+        # Admission at the OPEN (docs/design.md "Admission at the OPEN").
+        # CTX of one rank: that rank admits a parent at its first OPEN and
+        # reports it (`admits_at_open`; this coordinator joins the rank
+        # before it serves and closes its admission when it drains). GEN:
+        # per peer instance, whether it admits at the OPEN (asked once per
+        # peer incarnation, `_learn_direct`); a submitted handoff paired
+        # with one asks no peer admission: the OPEN is it, and a refusal
         # comes back as a REJECT (NOT_STARTED) that fails the handoff.
-        self._peers_admit_at_open = peers_admit_at_open
+        self._admits_at_open = admits_at_open
+        self._direct: dict[str, bool] = {}
+        self._asking_direct: set[str] = set()
         self._claimed: set[ParentKey] = set()
         # Submitted handoffs (`submit`): their outcome, resolved by the decision
         # that ends them; and the admissions the peer instance must admit too.
@@ -428,6 +436,12 @@ class CoordinatorCore:
                 epochs=dict(enumerate(self._epochs)),
                 topology_digest=self._digest,
             )
+            if self._admits_at_open:
+                # Our rank admits on its own: not before we took it in (a
+                # restarted one is joined by `_restart`).
+                await asyncio.gather(
+                    *(h.round_join.remote(self._leader.next_round, e) for h, e in zip(self._handles, self._epochs))
+                )
             self.state = TopologyState.RUNNING
             # Owned: kept in self._loop_task and cancelled by shutdown().
             self._loop_task = asyncio.get_running_loop().create_task(self._round_loop())
@@ -657,6 +671,32 @@ class CoordinatorCore:
     async def forget_peer(self, instance: str) -> None:
         """Peer instance `instance` left the fleet: drop its cached handle."""
         self._peers.pop(instance, None)
+        self._direct.pop(instance, None)
+
+    async def admits_at_open(self) -> bool:
+        """Whether this instance's rank admits a handoff at its first OPEN
+        (a GEN coordinator then asks it no admission)."""
+        return self._admits_at_open
+
+    def _ask_direct(self, admissions: list[AdmissionRequest]) -> None:
+        """Start learning whether the peer instances of `admissions` admit at
+        the OPEN (once per peer incarnation; until the answer, they are
+        asked to admit as usual: the two ways of admitting mix safely, a
+        CTX rank admits at an OPEN only a parent it does not hold)."""
+        for peer in {a.peer_instance for a in admissions}:
+            if peer not in self._direct and peer not in self._asking_direct:
+                self._asking_direct.add(peer)
+                self._own(self._learn_direct(peer))
+
+    async def _learn_direct(self, peer: str) -> None:
+        try:
+            async with asyncio.timeout(self._round_timeout * 2):
+                direct = bool(await self._peer_coordinator(peer).admits_at_open.remote())
+        except Exception:
+            direct = False  # gone, or does not say: admit it in its rounds
+        finally:
+            self._asking_direct.discard(peer)
+        self._direct[peer] = direct
 
     async def cancel_many(self, parents: Sequence[ParentKey]) -> list[str | None]:
         """`cancel` for many parents in one call (one Ray hop, one round)."""
@@ -738,6 +778,10 @@ class CoordinatorCore:
             self.state = TopologyState.DRAINING
         leader = self._leader
         assert leader is not None
+        if self._admits_at_open:
+            # No round of ours refuses an OPEN: our rank must. Its answer
+            # names what it admitted before, which we wait for too.
+            await asyncio.gather(*(self._close_admission(r) for r in range(self._tp)))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
 
@@ -754,6 +798,18 @@ class CoordinatorCore:
             except TimeoutError:
                 return not busy()
         return True
+
+    async def _close_admission(self, rank: int) -> None:
+        """Close rank `rank`'s admission at the OPEN (draining) and take in
+        its report; a rank that does not answer is the rounds' business."""
+        assert self._leader is not None
+        try:
+            async with asyncio.timeout(self._round_timeout):
+                report = await self._handles[rank].close_admission.remote()
+            if self._leader.report(report):
+                self._wakeup.set()
+        except Exception as exc:
+            self._rank_errors.append(f"close admission of rank {rank}: {exc!r}"[:500])
 
     async def run_round(self) -> RoundDecision:
         """Run one round now, with or without news; returns its decision or
@@ -836,6 +892,8 @@ class CoordinatorCore:
             "pending_admits": len(self._pending_admits),
             "pending_cancels": len(self._pending_cancels),
             "submitted": len(self._submitted),
+            "admits_at_open": self._admits_at_open,
+            "peers_admitting_at_open": sorted(p for p, direct in self._direct.items() if direct),
             "calls": dict(self.calls),
             "decided": dict(self._counts),
             "rejected_votes": dict(self._rejected_votes),
@@ -948,7 +1006,11 @@ class CoordinatorCore:
             self._pending_failures.clear()
             # Submitted handoffs need the peer instance to admit them too: ask
             # it now, in one call, while our ranks vote.
-            paired = [] if self._peers_admit_at_open else [a for a in admissions if a.parent in self._submitted]
+            paired = [
+                a for a in admissions if a.parent in self._submitted and not self._direct.get(a.peer_instance, False)
+            ]
+            if paired and not self._peer_claims:
+                self._ask_direct(paired)
             peer_answer = (
                 asyncio.ensure_future(self._peers_admit(paired)) if paired else None
             )
@@ -956,7 +1018,7 @@ class CoordinatorCore:
             want_votes, self._want_votes = self._want_votes, False
             if admissions or want_votes:
                 carried, self._carried = self._carried, None
-                outcome = await self._vote_phase(proposal, peer_answer, carried)
+                outcome = await self._vote_phase(proposal, peer_answer, carried, [a.parent for a in paired])
             else:
                 self._flush_carry()
                 # No lease to ask for: decide on the news the ranks pushed.
@@ -1231,7 +1293,12 @@ class CoordinatorCore:
         proposal: RoundProposal,
         peer_answer: asyncio.Future[set[ParentKey]] | None = None,
         carried: _Carried | None = None,
+        paired: Sequence[ParentKey] = (),
     ) -> RoundDecision | RoundTimedOut:
+        """Ask every rank's vote on ``proposal`` and decide. ``paired``: the
+        admissions the peer instances were asked to admit too (``peer_answer``,
+        their answer); one they did not admit is vetoed here. The others (a
+        peer that admits at the OPEN) are decided on our votes alone."""
         leader = self._leader
         assert leader is not None
         loop = asyncio.get_running_loop()
@@ -1279,8 +1346,7 @@ class CoordinatorCore:
         if not bad and not leader.missing():
             vetoed: frozenset[ParentKey] = frozenset()
             if peer_answer is not None:
-                paired = [a.parent for a in proposal.admissions if a.parent in self._submitted]
-                vetoed = pairing_veto(paired, await peer_answer)
+                vetoed = pairing_veto(list(paired), await peer_answer)
             return leader.close(loop.time(), vetoed=vetoed)
         return leader.abort(bad, loop.time())
 
@@ -1437,6 +1503,8 @@ class CoordinatorCore:
                             f"restarted rank reports {identity}, want {(rank, epoch)}"
                         )
                     await handle.round_join.remote(leader.next_round, epoch)
+                    if self._admits_at_open and self._draining:
+                        await handle.close_admission.remote()  # joined into a drain: it admits nothing
             except Exception as exc:
                 self._restart_failures += 1
                 self._rank_errors.append(f"restart rank {rank} epoch {epoch}: {exc!r}"[:500])

@@ -339,7 +339,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--ping-n", type=positive_int, default=1000, help="pipelined ping.remote() calls per rate sample")
     add("--scale-sizes", type=positive_ints, default="1,2,4,1", help="scale section: NxN fleets of tp=1 instances, in this order (1 again last: no size gains from the order)")
     add("--scale-clients", type=positive_int, default=4, help="scale section: clients per instance of a role")
-    add("--scale-admit-at-open", action="store_true", help="scale section: the fleets admit at the OPEN (experimental, docs/design.md); the independent pairs do not")
+    add("--scale-admit-in-rounds", action="store_true", help="scale section: every CTX instance admits in its rounds (the default: a one-rank CTX instance admits at the OPEN, the independent pairs too; docs/design.md)")
     add("--soak-s", type=positive_float, default=600.0, help="soak section: seconds of small handoffs under cancels")
     add("--soak-warmup-s", type=non_negative_float, default=180.0, help="soak section: seconds before the memory growth is measured (the bounded memories fill: 120 s retention)")
     add("--soak-clients", type=positive_int, default=4, help="soak section: concurrent clients")

@@ -142,6 +142,12 @@ class RoundMember:
         self.rounds_waited = 0
         self.rounds_voted = 0
         self.rounds_applied = 0
+        # Set by `round_join`: the coordinator took this incarnation into its
+        # rounds (at start, or after a restart). A rank that admits on its
+        # own (at the OPEN) admits nothing before (its reports would be
+        # refused, and a restart that fails would leave what it admitted
+        # with no leader).
+        self.joined = False
 
     @property
     def our_rank(self) -> int:
@@ -194,6 +200,7 @@ class RoundMember:
         calls this on a restarted rank so its first round is the leader's next."""
         self._check(epoch)
         self.follower.join(next_round)
+        self.joined = True
         self._advance()
         return next_round
 

@@ -272,6 +272,7 @@ class Deployment:
         self.unqualified_reasons: tuple[str, ...] = ()
         self.pool_blocks = 0
         self.synthetic = True
+        self._admit_at_open = False  # `launch(admit_at_open=True)`: the CTX rank admits at the OPEN
         #: The control-frame carrier taken at launch (actors/_carrier.py).
         self.carrier: CarrierChoice | None = None
         self._coords: dict[Role, Any] = {}
@@ -342,6 +343,7 @@ class Deployment:
         ctx_labels: dict[str, str] | None = None,
         gen_labels: dict[str, str] | None = None,
         placement_timeout_s: float = 120.0,
+        admit_at_open: bool = False,
     ) -> Deployment:
         """Start the actors on the current Ray cluster (`ray.init()` it first, or
         let this call start a local one).
@@ -401,7 +403,13 @@ class Deployment:
         started with `--labels`). A group not placed within
         `placement_timeout_s` raises `PlacementFailed` (a `LaunchFailed`)
         saying what was missing, and leaves no group behind; then the start
-        is bounded by `start_timeout_s`."""
+        is bounded by `start_timeout_s`.
+
+        `admit_at_open` (needs `ctx_tp=1`): the CTX rank admits a handoff
+        when its OPEN arrives, with no admission round of its own and no
+        call from the GEN coordinator to ask it (docs/design.md "Admission
+        at the OPEN"; a `Fleet` does this by default for its one-rank CTX
+        instances)."""
         self = cls()
         self.name = name or f"kvh-{uuid.uuid4().hex[:8]}"
         plans = self._plan(
@@ -435,6 +443,7 @@ class Deployment:
             ctx_labels=ctx_labels,
             gen_labels=gen_labels,
             placement_timeout_s=placement_timeout_s,
+            admit_at_open=admit_at_open,
         )
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
@@ -491,11 +500,17 @@ class Deployment:
         ctx_labels: Any = None,
         gen_labels: Any = None,
         placement_timeout_s: Any = 120.0,
+        admit_at_open: Any = False,
     ) -> list[tuple[TopologySpec, list[RankConfig], list[dict[str, Any]]]]:
         """Everything that can be checked without an actor: the specs, the
         shard map, the rank configs. Raises `InvalidConfig`."""
         _check_int("ctx_tp", ctx_tp, 1)
         _check_int("gen_tp", gen_tp, 1)
+        if not isinstance(admit_at_open, bool):
+            raise InvalidConfig(f"admit_at_open must be a bool, got {_short(admit_at_open)}")
+        if admit_at_open and ctx_tp != 1:
+            raise InvalidConfig(f"admit_at_open needs a CTX instance of one rank (ctx_tp=1), got ctx_tp={ctx_tp}")
+        self._admit_at_open = admit_at_open
         _check_int("pool_blocks", pool_blocks, 1)
         _check_int("chunk_bytes", chunk_bytes, 1)
         _check_int("max_restarts", max_restarts, 0)
@@ -574,6 +589,7 @@ class Deployment:
                     staged_below=staged_below,
                     staging_slot_bytes=staging_slot_bytes,
                     staged_min_descriptors=staged_min_descriptors,
+                    admit_at_open=admit_at_open and spec.role is Role.CTX,
                 )
                 for r in range(spec.tp)
             ]
@@ -666,6 +682,7 @@ class Deployment:
                 restart_timeout=start_timeout_s,
                 topology_digest=topology_digest(spec),
                 peer=peer,
+                admits_at_open=self._admit_at_open and spec.role is Role.CTX,
             )
         # `epochs` answers once every rank of that instance answered its identity
         # (constructed); a rank that died while starting makes it raise at once

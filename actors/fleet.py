@@ -27,7 +27,9 @@ What a fleet shares and what it does not
   once nothing with it is live.
 - The coordinators: the GEN coordinator of a handoff admits it in its own
   instance and, in the same round, asks the CTX instance the handoff names
-  (`<fleet>.coord.<id>`, one call per CTX instance per round).
+  (`<fleet>.coord.<id>`, one call per CTX instance per round), unless that
+  CTX instance has one rank: then its rank admits the handoff at its OPEN
+  (`admit_at_open`, the default; docs/design.md "Admission at the OPEN").
 
 Membership is by incarnation
 ----------------------------
@@ -177,7 +179,7 @@ class Fleet(Deployment):
         self._start_timeout_s = 600.0
         self._round_timeout_s = 5.0
         self._max_restarts = 3
-        self._admit_at_open = False
+        self._admit_at_open = True
         #: Handoff outcomes per pair of logical names: {"ctx0->gen1": Counter}.
         self.pair_outcomes: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         #: Membership events: (kind, instance name, seconds since launch).
@@ -214,7 +216,7 @@ class Fleet(Deployment):
         gen_resources: dict[str, float] | None = None,
         ctx_labels: dict[str, str] | None = None,
         gen_labels: dict[str, str] | None = None,
-        admit_at_open: bool = False,
+        admit_at_open: bool = True,
     ) -> Fleet:
         """Start a fleet: `ctx` and `gen` are the TP of each instance (a list)
         or how many tp=1 instances (an int). Instances are named ctx0, ctx1,
@@ -236,18 +238,19 @@ class Fleet(Deployment):
         every instance, those that join later included ("auto" is measured
         once, at launch).
 
-        `admit_at_open` (experimental; every CTX instance tp=1, those that
-        join later too): a CTX rank admits a handoff when its OPEN arrives,
-        and the GEN coordinator asks no peer admission (docs/design.md
-        "Admission at the OPEN"). A drained CTX instance is refused by the
-        fleet's routing only, not by its ranks."""
+        `admit_at_open` (the default): every CTX instance of one rank, those
+        that join later too, admits a handoff when its OPEN arrives instead
+        of in a round, and a GEN coordinator asks it no admission (learned
+        once per pair; docs/design.md "Admission at the OPEN"). CTX instances
+        of several ranks admit in their rounds either way. False: every CTX
+        instance admits in its rounds."""
         self = cls()
         self.name = name or f"kvh-{uuid.uuid4().hex[:8]}"
         ctx_tps = _tps("ctx", ctx)
         gen_tps = _tps("gen", gen)
-        if admit_at_open and set(ctx_tps) != {1}:
-            raise InvalidConfig(f"admit_at_open needs every CTX instance at tp=1, got {ctx_tps}")
-        self._admit_at_open = bool(admit_at_open)
+        if not isinstance(admit_at_open, bool):
+            raise InvalidConfig(f"admit_at_open must be a bool, got {_short(admit_at_open)}")
+        self._admit_at_open = admit_at_open
         _check_int("pool_blocks", pool_blocks, 1)
         _check_int("chunk_bytes", chunk_bytes, 1)
         _check_int("max_restarts", max_restarts, 0)
@@ -376,7 +379,7 @@ class Fleet(Deployment):
                 data_mode="direct",
                 coordinator=f"{self.name}.coord.{spec.instance_id}",
                 fleet=True,
-                admit_at_open=self._admit_at_open and role is Role.CTX,
+                admit_at_open=self._admits_at_open(role, tp),
             )
             for r in range(tp)
         ]
@@ -395,6 +398,10 @@ class Fleet(Deployment):
         self._instances[name] = inst
         self._by_id[spec.instance_id] = inst
         return inst
+
+    def _admits_at_open(self, role: Role, tp: int) -> bool:
+        """A CTX instance of one rank admits at the OPEN, unless turned off."""
+        return self._admit_at_open and role is Role.CTX and tp == 1
 
     async def _start_instance(self, inst: _Instance) -> None:
         """Place the instance's group, start its coordinator (which starts the
@@ -421,7 +428,7 @@ class Fleet(Deployment):
             restart_timeout=self._start_timeout_s,
             topology_digest=topology_digest(inst.spec),
             fleet=self.name,
-            peers_admit_at_open=self._admit_at_open and inst.role is Role.GEN,
+            admits_at_open=self._admits_at_open(inst.role, inst.tp),
         )
         deadline = loop.time() + self._start_timeout_s
         try:
@@ -460,8 +467,6 @@ class Fleet(Deployment):
         except ValueError:
             raise InvalidConfig(f"role must be 'ctx' or 'gen', got {_short(role)}") from None
         _check_int("tp", tp, 1)
-        if self._admit_at_open and role is Role.CTX and tp != 1:
-            raise InvalidConfig(f"this fleet admits at the OPEN: a CTX instance must have tp=1, got {tp}")
         if name is not None:
             if not isinstance(name, str) or not _NAME.match(name):
                 raise InvalidConfig(f"instance name must match {_NAME.pattern}, got {_short(name)}")

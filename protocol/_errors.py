@@ -18,6 +18,7 @@ __all__ = [
     "UnknownSessionError",
     "IllegalTransition",
     "PoolError",
+    "AdmissionRefused",
     "LeaseError",
     "RoundError",
     "TopologyError",
@@ -88,6 +89,13 @@ class IllegalTransition(ProtocolError):
 class PoolError(ProtocolError):
     """A block pool request that cannot be honoured (too few free blocks,
     wrong generation, a block not in the state the call needs)."""
+
+
+class AdmissionRefused(PoolError):
+    """An admission this rank will not make now, whatever its pool holds:
+    its admission is stopped (quarantine at its limit), its instance drains,
+    or it has not joined its instance's rounds yet. A REJECT carries it as
+    ``admission_stopped``."""
 
 
 class LeaseError(ProtocolError):

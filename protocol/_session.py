@@ -132,6 +132,7 @@ from typing import Any, Union
 import numpy as np
 
 from ._errors import (
+    AdmissionRefused,
     IllegalTransition,
     LeaseError,
     NegotiationError,
@@ -819,6 +820,8 @@ def reject_for(open_msg: Open, error: ProtocolError, our: Endpoint) -> Reject | 
         reason = RejectReason.DUPLICATE
     elif isinstance(error, UnknownSessionError):
         reason = RejectReason.UNKNOWN_SESSION
+    elif isinstance(error, AdmissionRefused):
+        reason = RejectReason.ADMISSION_STOPPED  # admitted nothing, checked nothing else
     elif isinstance(error, PoolError):
         reason = RejectReason.BAD_BUFFER_INFO
     elif isinstance(error, NegotiationError):
@@ -1628,7 +1631,7 @@ class CtxRank(_Rank):
             raise self._sessions.classify(ticket)
         _check_open_buffer(message, n_blocks, expected_agent=expected_agent, block_bytes=block_bytes, peer=peer)
         if self.admission_stopped():
-            raise PoolError("admission stopped: quarantine holds the limit of the pool")
+            raise AdmissionRefused("admission stopped: quarantine holds the limit of the pool")
         self._admit(ticket.parent, n_blocks, lease_deadline)  # a pool without room raises, unchanged
         if edges is not None:
             self._parents[ticket.parent].expected_edges = edges

@@ -28,6 +28,7 @@ from kvhandoff.actors.rank._config import RankConfig, _Pair, log
 from kvhandoff.actors.rank._core import RankCore
 from kvhandoff.protocol import (
     Action,
+    AdmissionRefused,
     AdmissionRequest,
     BlockColumns,
     ContextTicket,
@@ -38,10 +39,10 @@ from kvhandoff.protocol import (
     Open,
     ParentKey,
     PeerBuffer,
-    PoolError,
     PostChunk,
     Prepared,
     ProtocolError,
+    RankReport,
     RecentMemory,
     Role,
     StageAck,
@@ -91,6 +92,8 @@ class CtxRankCore(RankCore):
         self._writer: StagedWriter | None = None
         # Data phase per parent: [first post, last DONE, bytes] (perf_counter), bounded.
         self._xfer: RecentMemory[ParentKey, list[float]] = RecentMemory(max_bytes=_TIMING_BYTES)
+        # `close_admission`: the instance drains; no admission at an OPEN any more.
+        self._admission_closed = False
         super().__init__(config, epoch, tensors=tensors)  # last: it registers this rank
         if self.arena is not None:
             below = staged_below(self.buffer.device, config.staged_below)
@@ -197,6 +200,14 @@ class CtxRankCore(RankCore):
         nothing: the caller answers a REJECT), the synthetic prefill, and
         the admission in our next report."""
         parent = message.ticket.parent
+        # What a coordinator's round would refuse: nothing is admitted by an
+        # incarnation its coordinator has not taken into its rounds yet (at
+        # start, or after a restart: `round_join`), nor once the instance
+        # drains (`close_admission`; no coordinator round is left to refuse it).
+        if not self.member.joined or self._admission_closed:
+            why = "not_joined" if not self.member.joined else "draining"
+            self.counters[f"refused_at_open_{why}"] += 1
+            raise AdmissionRefused(f"admission at the OPEN refused: {why}")
         verdict = admission_verdict(
             stopped=self.side.admission_stopped(),
             peer=pair.instance,
@@ -207,7 +218,7 @@ class CtxRankCore(RankCore):
         )
         if not verdict.admit:
             self.counters[verdict.refusal] += 1
-            raise PoolError(f"admission at the OPEN refused: {verdict.refusal}")
+            raise AdmissionRefused(f"admission at the OPEN refused: {verdict.refusal}")
         n = blocks_for_tokens(self.config.layout, message.num_tokens)
         edges = len(pair.shards.edges_for_ctx_rank(self.config.rank))
         actions = self._receive_open(message, pair, now, admit=(n, now + self.config.lease_timeout_s, edges))
@@ -524,6 +535,14 @@ class CtxRankCore(RankCore):
         return self._xfer
 
     # -- benchmark baselines (same agent, same buffers, same descriptors) -----------------
+
+    async def close_admission(self) -> RankReport:
+        """The instance drains: admit nothing more at an OPEN (for good; a
+        parent held here goes on to its end). Returns the rank's report, so
+        its coordinator knows every parent admitted here before this call
+        and waits for them too."""
+        self._admission_closed = True
+        return self.member.report()
 
     async def raw_write(
         self,

@@ -1,20 +1,28 @@
 """Admission at the OPEN on real rank actors (docs/design.md "Admission at
-the OPEN"; `Fleet.launch(admit_at_open=True)`, experimental): one-rank CTX
-instances admit a handoff when its OPEN arrives, the GEN coordinators ask no
-peer admission, and the CTX coordinators learn of each admission from their
-rank's report.
+the OPEN"; a fleet's default): a CTX instance of one rank admits a handoff
+when its OPEN arrives, a GEN coordinator asks it no admission once it
+learned that of the pair, and the CTX coordinator learns of each admission
+from its rank's report. CTX instances of several ranks admit in rounds, in
+the same fleet.
 
 What would fail if it broke:
 
-* the handoffs over every pair (CTX tp=1 to GEN tp=1 and tp=2) complete
-  with verified bytes (S2) although no peer admission was asked, every
-  one of them admitted at its OPEN, and every pool is whole afterwards:
-  the CTX coordinators ended what they only heard of in reports (L1);
+* the handoffs over every pair of a mixed fleet (CTX tp=1 and tp=2, GEN
+  tp=1 and tp=2) complete with verified bytes (S2); those of the tp=1 CTX
+  instance are admitted at their OPENs with no peer admission and no vote
+  there, those of the tp=2 one in its rounds; every pool is whole
+  afterwards: the CTX coordinators ended what they only heard of in
+  reports (L1);
 * a CTX rank without room refuses an OPEN with a REJECT while another
   handoff holds its blocks mid-transfer: that handoff ends unserved, its GEN
   blocks come back, the held one completes, nothing leaks;
-* a fleet that cannot admit at the OPEN (a CTX instance of tp > 1) is
-  refused before any actor starts, and so is such an instance joining.
+* a draining CTX instance's rank refuses an OPEN that reaches it anyway
+  (a GEN coordinator asked directly, past the fleet's routing), and its
+  coordinator's drain waits for the handoff its rank admitted before (it
+  learns of it from the rank's answer, not from a report yet to come);
+* a rank its coordinator has not taken into its rounds admits nothing;
+* `admit_at_open=False` turns the path off, and a bad value is refused
+  before anything starts.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import pytest
 from kvhandoff.actors._dataplane import FaultPlan
 from kvhandoff.actors.deployment import InvalidConfig
 from kvhandoff.actors.fleet import Fleet
+from kvhandoff.protocol import ParentKey
 from kvhandoff.topology import KVLayout
 
 from .helpers import assert_clean, inside
@@ -74,33 +83,68 @@ async def settled(fleet: Fleet, ready=lambda stats: True, timeout: float = TIMEO
         await asyncio.sleep(0.05)
 
 
-def test_handoffs_over_every_pair_are_admitted_at_their_opens_without_a_peer_admission() -> None:
+def ids(fleet: Fleet) -> dict[str, str]:
+    return {i["id"]: i["instance_id"] for i in fleet.instances()}
+
+
+async def learned(fleet: Fleet, gens: list[str], direct: list[str], timeout: float = TIMEOUT) -> None:
+    """Warm every pair of `gens` with the CTX instances (one handoff each),
+    then wait until each GEN coordinator knows which of them admit at the
+    OPEN (`direct`): it asks once per pair, answered while the first handoff
+    runs."""
+    ctxs = [i["id"] for i in fleet.instances() if i["role"] == "ctx"]
+    warm = await asyncio.gather(
+        *(fleet.handoff(f"warm-{c}-{g}", TOKENS, ctx=c, gen=g, timeout=timeout) for c in ctxs for g in gens)
+    )
+    assert all(r.outcome == "completed" for r in warm), warm
+    want = sorted(ids(fleet)[c] for c in direct)
+    deadline = time.monotonic() + timeout
+    for g in gens:
+        while (await fleet.coordinator_of(g).stats.remote())["peers_admitting_at_open"] != want:
+            assert time.monotonic() < deadline, await fleet.coordinator_of(g).stats.remote()
+            await asyncio.sleep(0.02)
+
+
+def counter(stats: dict, instance: str, key: str) -> int:
+    return sum(s["counters"].get(key, 0) for s in stats["ranks"] if s["instance"] == instance)
+
+
+def coord_calls(stats: dict, instance: str, key: str) -> int:
+    return stats["coordinators"][instance]["calls"].get(key, 0)
+
+
+def test_every_pair_of_a_mixed_fleet_one_rank_ctx_admitted_at_its_opens_the_other_in_rounds() -> None:
     async def scenario():
-        fleet = await Fleet.launch(ctx=[1, 1], gen=[1, 2], pool_blocks=32, admit_at_open=True, **FLEET)
+        fleet = await Fleet.launch(ctx=[1, 2], gen=[1, 2], pool_blocks=32, **FLEET)
         try:
+            await learned(fleet, ["gen0", "gen1"], direct=["ctx0"])
+            before = await fleet.stats()
             pairs = [(c, g) for c in ("ctx0", "ctx1") for g in ("gen0", "gen1")]
             results = await asyncio.gather(
                 *(fleet.handoff(f"p{i}-{c}-{g}", TOKENS, ctx=c, gen=g, timeout=TIMEOUT) for i in range(2) for c, g in pairs)
             )
-            # The CTX coordinators heard of each handoff only in a report:
-            # they must still end all 8 (L1).
-            return results, await settled(fleet, lambda stats: ctx_completed(stats) == 8)
+            # The CTX coordinators heard of ctx0's handoffs only in a report:
+            # they must still end all 12 (4 warm, 8 here; L1).
+            return results, before, await settled(fleet, lambda stats: ctx_completed(stats) == 12)
         finally:
             await fleet.shutdown()
 
-    results, stats = run(scenario())
+    results, before, stats = run(scenario())
     assert [r.outcome for r in results] == ["completed"] * 8, results
     expected = 3 * (LAYOUT.num_layers * 2 * LAYOUT.num_kv_heads * LAYOUT.tokens_per_block * LAYOUT.head_dim * 2)
     assert all(r.bytes_verified == expected for r in results), results
-    coords = stats["coordinators"]
-    gen_coords = [c for name, c in coords.items() if name.startswith("gen")]
-    ctx_coords = [c for name, c in coords.items() if name.startswith("ctx")]
-    assert all(c["calls"].get("peer_admit_calls", 0) == 0 for c in gen_coords), [c["calls"] for c in gen_coords]
-    # The CTX coordinators admitted nothing in a round, and ended every handoff they heard of.
-    assert all(c["calls"].get("rank_vote_calls", 0) == 0 for c in ctx_coords), [c["calls"] for c in ctx_coords]
-    assert ctx_completed(stats) == 8, [c["decided"] for c in ctx_coords]
-    ctx_ranks = [s for s in stats["ranks"] if s["role"] == "ctx"]
-    assert sum(s["counters"].get("admitted_at_open", 0) for s in ctx_ranks) == 8, [s["counters"] for s in ctx_ranks]
+    # ctx0 (tp=1): 4 handoffs, every one admitted at its OPEN, no vote round there.
+    assert counter(stats, "ctx0", "admitted_at_open") - counter(before, "ctx0", "admitted_at_open") == 4, stats["ranks"]
+    assert coord_calls(stats, "ctx0", "rank_vote_calls") == coord_calls(before, "ctx0", "rank_vote_calls")
+    # ctx1 (tp=2): admitted in its rounds, at no OPEN.
+    assert counter(stats, "ctx1", "admitted_at_open") == 0
+    assert coord_calls(stats, "ctx1", "rank_vote_calls") > coord_calls(before, "ctx1", "rank_vote_calls")
+    assert stats["coordinators"]["ctx0"]["admits_at_open"] and not stats["coordinators"]["ctx1"]["admits_at_open"]
+    # The GEN coordinators asked ctx1 to admit its 4, ctx0 none of its 4:
+    # fewer peer admission calls than handoffs paired with a round.
+    asked = sum(coord_calls(stats, g, "peer_admit_calls") - coord_calls(before, g, "peer_admit_calls") for g in ("gen0", "gen1"))
+    assert 1 <= asked <= 4, asked
+    assert ctx_completed(stats) == 12, [c["decided"] for c in stats["coordinators"].values()]
     assert_clean(stats)
 
 
@@ -111,9 +155,14 @@ def test_a_ctx_rank_without_room_refuses_the_open_and_the_handoff_ends_cleanly()
     evidence) ends it unserved and its GEN blocks come back."""
 
     async def scenario():
-        fleet = await Fleet.launch(ctx=1, gen=2, pool_blocks=4, admit_at_open=True, fault_plan=FaultPlan(hold=True), **FLEET)
+        fleet = await Fleet.launch(ctx=1, gen=2, pool_blocks=4, fault_plan=FaultPlan(hold=True), **FLEET)
         try:
             ctx = (await fleet.instance_ranks("ctx0"))[0]
+            await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", False))
+            for g in ("gen0", "gen1"):  # one at a time: a pool holds one handoff
+                await learned(fleet, [g], direct=["ctx0"])
+            await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", True))
+            before = await ctx.stats.remote()
             held = asyncio.create_task(fleet.handoff("held", TOKENS, ctx="ctx0", gen="gen0", timeout=TIMEOUT))
             deadline = time.monotonic() + TIMEOUT
             while (await ctx.stats.remote())["in_flight_chunks"] == 0:
@@ -122,30 +171,145 @@ def test_a_ctx_rank_without_room_refuses_the_open_and_the_handoff_ends_cleanly()
             refused = await fleet.handoff("refused", TOKENS, ctx="ctx0", gen="gen1", timeout=TIMEOUT)
             during = await ctx.stats.remote()
             await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", False))
-            return await held, refused, during, await settled(fleet)
+            return await held, refused, before, during, await settled(fleet)
         finally:
             await fleet.shutdown()
 
-    held, refused, during, stats = run(scenario())
+    held, refused, before, during, stats = run(scenario())
     assert held.outcome == "completed", held
     assert refused.outcome != "completed" and refused.bytes_verified == 0, refused
-    assert during["counters"].get("refused_PoolError", 0) >= 1 and during["counters"].get("frames_reject", 0) >= 1, during["counters"]
+    c0, c1 = before["counters"], during["counters"]
+    assert c1.get("refused_PoolError", 0) > c0.get("refused_PoolError", 0), c1
+    assert c1.get("frames_reject", 0) > c0.get("frames_reject", 0), c1
     assert during["leased"] == 3, during  # the held handoff's blocks only
     ctx_rank = next(s for s in stats["ranks"] if s["role"] == "ctx")
-    assert ctx_rank["counters"].get("admitted_at_open", 0) == 1, ctx_rank["counters"]
+    assert ctx_rank["counters"].get("admitted_at_open", 0) == c0.get("admitted_at_open", 0) + 1, ctx_rank["counters"]
     assert_clean(stats)
 
 
-def test_a_fleet_that_cannot_admit_at_the_open_is_refused_before_anything_starts() -> None:
+def test_a_draining_ctx_rank_refuses_an_open_and_its_drain_waits_for_what_it_admitted() -> None:
     async def scenario():
-        with pytest.raises(InvalidConfig, match="tp=1"):
-            await Fleet.launch(ctx=[1, 2], gen=1, pool_blocks=8, admit_at_open=True, **FLEET)
-        fleet = await Fleet.launch(ctx=1, gen=1, pool_blocks=8, admit_at_open=True, **FLEET)
+        fleet = await Fleet.launch(ctx=1, gen=1, pool_blocks=16, fault_plan=FaultPlan(hold=True), **FLEET)
         try:
-            with pytest.raises(InvalidConfig, match="tp=1"):
-                await fleet.add_instance("ctx", tp=2)
-            return [i["id"] for i in fleet.instances()]
+            ctx = (await fleet.instance_ranks("ctx0"))[0]
+            await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", False))
+            await learned(fleet, ["gen0"], direct=["ctx0"])
+            await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", True))
+            held = asyncio.create_task(fleet.handoff("held", TOKENS, ctx="ctx0", gen="gen0", timeout=TIMEOUT))
+            deadline = time.monotonic() + TIMEOUT
+            while (await ctx.stats.remote())["in_flight_chunks"] == 0:
+                assert time.monotonic() < deadline and not held.done()
+                await asyncio.sleep(0.02)
+            coord = fleet.coordinator_of("ctx0")
+            # Its rank admitted "held" at the OPEN and reported nothing yet:
+            # the drain learns of it from the rank's answer and waits.
+            early = await coord.drain.remote(0.5)
+            # A handoff that reaches the rank anyway (a GEN coordinator asked
+            # directly, past the fleet's routing) is refused at its OPEN.
+            late = await fleet.coordinator_of("gen0").submit.remote(
+                ParentKey(request_id="late", ctx_attempt=1, gen_attempt=1), TOKENS, True, (), ids(fleet)["ctx0"]
+            )
+            during = await ctx.stats.remote()
+            await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", False))
+            result = await held
+            drained = await coord.drain.remote(TIMEOUT)
+            return early, late, during, result, drained, await settled(fleet)
         finally:
             await fleet.shutdown()
 
-    assert run(scenario()) == ["ctx0", "gen0"]
+    early, late, during, held, drained, stats = run(scenario())
+    assert early is False, "the drain did not wait for the handoff its rank admitted at the OPEN"
+    assert late != "completed", late
+    assert during["counters"].get("refused_at_open_draining", 0) >= 1, during["counters"]
+    assert during["counters"].get("admitted_at_open", 0) == 1, during["counters"]  # held (warm: in a round)
+    assert held.outcome == "completed" and drained is True, (held, drained)
+    assert_clean(stats)
+
+
+def test_a_rank_not_taken_into_its_coordinators_rounds_admits_nothing_at_an_open() -> None:
+    """A CTX rank admits at the OPEN only once its coordinator joined it (at
+    start, or after a restart): one that was not refuses, and the handoff
+    ends unserved with nothing held; joined again, it serves."""
+
+    async def scenario():
+        fleet = await Fleet.launch(ctx=1, gen=1, pool_blocks=16, **FLEET)
+        try:
+            ctx = (await fleet.instance_ranks("ctx0"))[0]
+            await learned(fleet, ["gen0"], direct=["ctx0"])
+            # Joined at start by its coordinator: it admits at the OPEN.
+            first = await fleet.handoff("first", TOKENS, ctx="ctx0", gen="gen0", timeout=TIMEOUT)
+            await inside(ctx, lambda ep: setattr(ep.member, "joined", False))
+            unjoined = await fleet.handoff("unjoined", TOKENS, ctx="ctx0", gen="gen0", timeout=TIMEOUT)
+            during = await ctx.stats.remote()
+            await inside(ctx, lambda ep: setattr(ep.member, "joined", True))
+            after = await fleet.handoff("after", TOKENS, ctx="ctx0", gen="gen0", timeout=TIMEOUT)
+            return first, unjoined, during, after, await settled(fleet)
+        finally:
+            await fleet.shutdown()
+
+    first, unjoined, during, after, stats = run(scenario())
+    assert first.outcome == "completed", first
+    assert unjoined.outcome != "completed" and unjoined.bytes_verified == 0, unjoined
+    assert during["counters"].get("refused_at_open_not_joined", 0) == 1, during["counters"]
+    assert during["counters"].get("admitted_at_open", 0) == 1, during["counters"]  # "first"
+    assert during["leased"] == 0, during
+    assert after.outcome == "completed", after
+    assert_clean(stats)
+
+
+def test_the_path_turns_off_and_a_bad_value_is_refused_before_anything_starts() -> None:
+    async def scenario():
+        with pytest.raises(InvalidConfig, match="admit_at_open"):
+            await Fleet.launch(ctx=1, gen=1, pool_blocks=8, admit_at_open="yes", **FLEET)
+        fleet = await Fleet.launch(ctx=1, gen=1, pool_blocks=8, admit_at_open=False, **FLEET)
+        try:
+            results = [await fleet.handoff(f"off{i}", TOKENS, timeout=TIMEOUT) for i in range(2)]
+            return results, [i["id"] for i in fleet.instances()], await settled(fleet)
+        finally:
+            await fleet.shutdown()
+
+    results, names, stats = run(scenario())
+    assert names == ["ctx0", "gen0"]
+    assert [r.outcome for r in results] == ["completed"] * 2, results
+    assert not stats["coordinators"]["ctx0"]["admits_at_open"]
+    assert stats["coordinators"]["gen0"]["peers_admitting_at_open"] == []
+    assert stats["coordinators"]["gen0"]["calls"].get("peer_admit_calls", 0) == 2
+    assert counter(stats, "ctx0", "admitted_at_open") == 0
+    assert_clean(stats)
+
+
+def test_a_pair_deployment_admits_at_the_open_when_asked_and_a_cancel_mid_transfer_ends_cleanly() -> None:
+    """`Deployment.launch(admit_at_open=True)` (ctx_tp=1 only): after the
+    first handoff (admitted in a round while the GEN coordinator asks), the
+    CTX rank admits at the OPEN; a client cancel of a handoff whose chunks
+    are held in flight ends it "cancelled" with every pool whole."""
+    from kvhandoff.actors.deployment import Deployment
+    from kvhandoff.protocol import Role
+
+    from .helpers import settled_stats
+
+    async def scenario():
+        with pytest.raises(InvalidConfig, match="ctx_tp=1"):
+            await Deployment.launch(ctx_tp=2, gen_tp=1, admit_at_open=True, **FLEET)
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=16, admit_at_open=True, fault_plan=FaultPlan(hold=True), **FLEET)
+        try:
+            (ctx,) = await dep.ranks(Role.CTX)
+            await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", False))
+            results = [await dep.handoff(f"d{i}", TOKENS, timeout=TIMEOUT) for i in range(3)]
+            await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", True))
+            held = asyncio.create_task(dep.handoff("held", TOKENS, timeout=TIMEOUT))
+            deadline = time.monotonic() + TIMEOUT
+            while (await ctx.stats.remote())["in_flight_chunks"] == 0:
+                assert time.monotonic() < deadline and not held.done()
+                await asyncio.sleep(0.02)
+            await dep.cancel("held")
+            await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", False))
+            return results, await held, await ctx.stats.remote(), await settled_stats(dep, timeout=TIMEOUT)
+        finally:
+            await dep.shutdown()
+
+    results, held, ctx, stats = run(scenario())
+    assert [r.outcome for r in results] == ["completed"] * 3, results
+    assert held.outcome == "cancelled", held
+    assert ctx["counters"].get("admitted_at_open", 0) >= 3, ctx["counters"]  # d1, d2 and held at least
+    assert_clean(stats)

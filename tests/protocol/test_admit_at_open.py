@@ -21,6 +21,7 @@ import pytest
 
 import kvhandoff.protocol as protocol
 from kvhandoff.protocol import (
+    AdmissionRefused,
     CancelReason,
     LeaseError,
     Open,
@@ -110,7 +111,9 @@ def test_a_rank_whose_admission_stopped_admits_nothing_at_an_open() -> None:
     pair.ctx.admit(other, 2, now=pair.now, lease_deadline=pair.now + 5.0)
     pair.ctx.pool.quarantine(other)
     assert pair.ctx.admission_stopped() and pair.ctx.pool.counts().free == 2  # room, but stopped
-    _refused(pair, open_msg, PoolError)
+    _refused(pair, open_msg, AdmissionRefused)
+    reject = reject_for(open_msg, AdmissionRefused("stopped"), pair.ctx.our)
+    assert reject is not None and reject.reason is RejectReason.ADMISSION_STOPPED
 
 
 def test_a_late_or_repeated_open_never_admits_an_ended_parent_again() -> None:
