@@ -6,7 +6,9 @@
 # (2 rounds write 7 files: the device returns at most 8.)
 # SCALE=1: the fleet's scale section instead (one run ~2 min per tree and
 # round), with THIRD_TREE (another carried tree) as a third arm if given,
-# and HEAD_FLAGS (e.g. --scale-admit-at-open) added to the head arm only.
+# HEAD_FLAGS / BASE_FLAGS added to that arm only, and BASE_TREE=head to run
+# both arms on this tree (e.g. BASE_FLAGS=--scale-admit-in-rounds: the fleet
+# with and without admission at the OPEN).
 set -euo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 site=$(mktemp -d); for f in .dev/*.txz; do tar xJf "$f" -C "$site"; done
@@ -15,6 +17,7 @@ ln -s "$PWD/pkg/__init__.py" "$head_tree/kvhandoff/__init__.py"
 for layer in protocol topology actors integrations tools; do ln -s "$PWD/$layer" "$head_tree/kvhandoff/$layer"; done
 base_tree=${BASE_TREE:-$PWD/.ab_base}
 head_tree=${HEAD_TREE:-$head_tree}  # another carried tree in place of this one
+if [ "${BASE_TREE:-}" = head ]; then base_tree=$head_tree; fi
 export NIXL_LOG_LEVEL=WARN
 run() {  # run TREE NAME ARGS...: one bench with TREE's kvhandoff first on the path
   local tree=$1 name=$2; shift 2
@@ -33,7 +36,8 @@ fi
 if [ -n "${SCALE:-}" ]; then  # the fleet's scale section, alternating, ROUNDS times
   scale=(--sections scale --scale-sizes 1,2,4,1 --scale-clients 16 --sustain-s 5 --round-timeout-s 30 --control-frames ray)
   for round in $(seq 1 "${ROUNDS:-1}"); do
-    run "$base_tree" "ab_base_scale_$round" "${scale[@]}"
+    # shellcheck disable=SC2086
+    run "$base_tree" "ab_base_scale_$round" "${scale[@]}" ${BASE_FLAGS:-}
     # shellcheck disable=SC2086
     run "$head_tree" "ab_head_scale_$round" "${scale[@]}" ${HEAD_FLAGS:-}
     if [ -n "${THIRD_TREE:-}" ]; then run "$THIRD_TREE" "ab_third_scale_$round" "${scale[@]}"; fi
