@@ -1045,6 +1045,8 @@ class Deployment:
             self._wait_on(ctx_ranks, parent, max(deadline - loop.time(), 0.0), absent="none"),
         )
         outcome = _overall(gen, ctx) if decided == "cancelled" else "failed"
+        if outcome == "rejected" and attempt.cancel_requested:
+            outcome = "cancelled"  # as for a refusal in a round: the client asked to end it
         result = HandoffResult(
             request_id=request_id,
             outcome=outcome,

@@ -19,6 +19,7 @@ __all__ = [
     "IllegalTransition",
     "PoolError",
     "AdmissionRefused",
+    "NoCapacity",
     "LeaseError",
     "RoundError",
     "TopologyError",
@@ -96,6 +97,11 @@ class AdmissionRefused(PoolError):
     its admission is stopped (quarantine at its limit), its instance drains,
     or it has not joined its instance's rounds yet. A REJECT carries it as
     ``admission_stopped``."""
+
+
+class NoCapacity(AdmissionRefused):
+    """An admission refused for want of free blocks (the pool holds fewer
+    than it needs now). A REJECT carries it as ``no_capacity``."""
 
 
 class LeaseError(ProtocolError):

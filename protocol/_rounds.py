@@ -762,6 +762,10 @@ class RoundFollower:
         self._failures: set[ParentKey] = set()
         self._prepared: set[ParentKey] = set()
         self._admitted: set[ParentKey] = set()
+        # Parents our leader holds in flight as far as we know: admitted by a
+        # decision we applied, until a decision ends them (`forget` keeps
+        # their union news: the leader waits for it).
+        self._known: set[ParentKey] = set()
         # (round, cancels, failures) of our latest vote: only those are cleared
         # by that round's decision, never intents recorded after it left.
         self._reported: tuple[int, frozenset[ParentKey], frozenset[ParentKey]] = (
@@ -804,21 +808,32 @@ class RoundFollower:
 
     def record_admitted(self, parent: ParentKey) -> None:
         """Report ``parent`` admitted by this rank alone (the rank is its
-        instance's whole intersection) until the rank no longer holds it or
-        a decision ends it: the leader takes it in flight from the report."""
+        instance's whole intersection) until a decision ends it, held here or
+        not (every admitted parent makes news that ends it there): the leader
+        takes it in flight from the report."""
         self._admitted.add(parent)
 
     def has_news(self) -> bool:
         return bool(self._cancels or self._completions or self._failures or self._prepared or self._admitted)
 
     def forget(self, alive: Callable[[ParentKey], bool]) -> None:
-        """Drop union intents about parents this rank no longer holds (nothing
-        is left to cancel or fail; a leader that never knew them drops them
-        anyway, and they must not ride in every report forever), and the
-        admissions of parents it no longer holds."""
-        self._cancels = {p for p in self._cancels if alive(p)}
-        self._failures = {p for p in self._failures if alive(p)}
-        self._admitted = {p for p in self._admitted if alive(p)}
+        """Drop union intents about parents this rank no longer holds and its
+        leader never took in flight (nothing is left to cancel or fail there,
+        and they must not ride in every report forever).
+
+        A parent the leader holds keeps its news until a decision ends it,
+        held here or not: a rank that released a parent (its quarantine
+        reclaimed by a death proof, say) before a round decided its cancel
+        must still report that cancel, or the leader waits for the parent
+        forever (L1). Those are the parents a decision admitted and the
+        parents this rank admitted alone (`record_admitted`, reported until
+        a decision ends them)."""
+
+        def keep(parent: ParentKey) -> bool:
+            return alive(parent) or parent in self._known or parent in self._admitted
+
+        self._cancels = {p for p in self._cancels if keep(p)}
+        self._failures = {p for p in self._failures if keep(p)}
 
     def report(self) -> RankReport:
         """This rank's current news as a `RankReport` (pushed between rounds)."""
@@ -922,6 +937,8 @@ class RoundFollower:
         # the decision; its vote on that round would now be stale.
         self.last_voted = max(self.last_voted, decision.round_no)
         settled = decision.settled()
+        self._known |= set(decision.admitted)
+        self._known -= settled
         self._prepared -= settled
         self._prepared.difference_update(decision.decided)
         self._completions -= settled

@@ -136,6 +136,7 @@ from ._errors import (
     IllegalTransition,
     LeaseError,
     NegotiationError,
+    NoCapacity,
     PoolError,
     ProtocolError,
     StaleError,
@@ -161,6 +162,7 @@ from ._registry import DuplicateSessionError, SessionRegistry, check_descriptors
 from ._ticket import ContextTicket, Endpoint, ParentKey, RankNamespace, Role
 
 __all__ = [
+    "ADMISSION_REFUSALS",
     "whole_block_misfits",
     "ParentState",
     "EdgeState",
@@ -800,6 +802,12 @@ class GenEdgeSpec:
     expected_bytes: int
 
 
+#: The REJECT reasons by which a CTX rank that admits at the OPEN refused to
+#: admit the parent (it holds nothing of it): the handoff is "rejected", as
+#: when an admission round refuses it, not cancelled.
+ADMISSION_REFUSALS = frozenset({RejectReason.NO_CAPACITY, RejectReason.ADMISSION_STOPPED})
+
+
 def reject_for(open_msg: Open, error: ProtocolError, our: Endpoint) -> Reject | None:
     """The REJECT a CTX actor (endpoint `our`) answers to an OPEN that `receive_open`
     refused, or None when the refusal must stay silent.
@@ -820,6 +828,8 @@ def reject_for(open_msg: Open, error: ProtocolError, our: Endpoint) -> Reject | 
         reason = RejectReason.DUPLICATE
     elif isinstance(error, UnknownSessionError):
         reason = RejectReason.UNKNOWN_SESSION
+    elif isinstance(error, NoCapacity):
+        reason = RejectReason.NO_CAPACITY  # too few free blocks: admitted nothing
     elif isinstance(error, AdmissionRefused):
         reason = RejectReason.ADMISSION_STOPPED  # admitted nothing, checked nothing else
     elif isinstance(error, PoolError):
@@ -1632,7 +1642,9 @@ class CtxRank(_Rank):
         _check_open_buffer(message, n_blocks, expected_agent=expected_agent, block_bytes=block_bytes, peer=peer)
         if self.admission_stopped():
             raise AdmissionRefused("admission stopped: quarantine holds the limit of the pool")
-        self._admit(ticket.parent, n_blocks, lease_deadline)  # a pool without room raises, unchanged
+        if n_blocks > self.pool.counts().free:
+            raise NoCapacity(f"cannot admit {n_blocks} blocks: only {self.pool.counts().free} free")
+        self._admit(ticket.parent, n_blocks, lease_deadline)  # any other refusal raises, unchanged
         if edges is not None:
             self._parents[ticket.parent].expected_edges = edges
         actions = self.prefilled(ticket.parent)

@@ -16,6 +16,7 @@ from kvhandoff.actors._stager import StagedReader, staged_below, staged_min_desc
 from kvhandoff.actors.rank._config import RankConfig, _loop_running, _Pair, log
 from kvhandoff.actors.rank._core import RankCore
 from kvhandoff.protocol import (
+    ADMISSION_REFUSALS,
     Action,
     AdmissionRequest,
     BlockDescriptor,
@@ -27,10 +28,13 @@ from kvhandoff.protocol import (
     Endpoint,
     GenEdgeSpec,
     GenRank,
+    LocalOutcome,
     MemoryKind,
+    Message,
     Negotiated,
     ParentKey,
     ProtocolError,
+    Reject,
     Role,
     RoundProposal,
     StageWrite,
@@ -122,6 +126,16 @@ class GenRankCore(RankCore):
 
     def _conservative(self) -> bool:
         return self.config.conservative or not active_cancel(self._negotiation)
+
+    def _receive(self, message: Message, now: float) -> list[Action]:
+        """A REJECT by which the CTX refused to admit the parent at its OPEN
+        (no room, admission stopped or draining) fixes this rank's local
+        outcome as "rejected" before the cancel it starts settles it: the
+        client's handoff is then "rejected", as when a round refuses it."""
+        actions = super()._receive(message, now)
+        if isinstance(message, Reject) and message.reason in ADMISSION_REFUSALS:
+            self._outcome.setdefault(message.ticket.parent, LocalOutcome.REJECTED, time.monotonic())
+        return actions
 
     def _perform_role(self, action: Action, now: float) -> list[Any]:
         match action:

@@ -14,8 +14,9 @@ What would fail if it broke:
   afterwards: the CTX coordinators ended what they only heard of in
   reports (L1);
 * a CTX rank without room refuses an OPEN with a REJECT while another
-  handoff holds its blocks mid-transfer: that handoff ends unserved, its GEN
-  blocks come back, the held one completes, nothing leaks;
+  handoff holds its blocks mid-transfer: that handoff ends "rejected" (as
+  a round's refusal), its GEN blocks come back, the held one completes,
+  nothing leaks;
 * a draining CTX instance's rank refuses an OPEN that reaches it anyway
   (a GEN coordinator asked directly, past the fleet's routing), and its
   coordinator's drain waits for the handoff its rank admitted before (it
@@ -177,9 +178,11 @@ def test_a_ctx_rank_without_room_refuses_the_open_and_the_handoff_ends_cleanly()
 
     held, refused, before, during, stats = run(scenario())
     assert held.outcome == "completed", held
-    assert refused.outcome != "completed" and refused.bytes_verified == 0, refused
+    # Refused by the CTX, as a round refuses it: "rejected", not "cancelled".
+    assert refused.outcome == "rejected" and refused.bytes_verified == 0, refused
+    assert refused.gen_outcomes == ("rejected",) and refused.ctx_outcomes == ("none",), refused
     c0, c1 = before["counters"], during["counters"]
-    assert c1.get("refused_PoolError", 0) > c0.get("refused_PoolError", 0), c1
+    assert c1.get("refused_NoCapacity", 0) > c0.get("refused_NoCapacity", 0), c1
     assert c1.get("frames_reject", 0) > c0.get("frames_reject", 0), c1
     assert during["leased"] == 3, during  # the held handoff's blocks only
     ctx_rank = next(s for s in stats["ranks"] if s["role"] == "ctx")
@@ -219,7 +222,7 @@ def test_a_draining_ctx_rank_refuses_an_open_and_its_drain_waits_for_what_it_adm
 
     early, late, during, held, drained, stats = run(scenario())
     assert early is False, "the drain did not wait for the handoff its rank admitted at the OPEN"
-    assert late != "completed", late
+    assert late == "cancelled", late  # the GEN coordinator's decision; a client sees "rejected" (the no-room test)
     assert during["counters"].get("refused_at_open_draining", 0) >= 1, during["counters"]
     assert during["counters"].get("admitted_at_open", 0) == 1, during["counters"]  # held (warm: in a round)
     assert held.outcome == "completed" and drained is True, (held, drained)
@@ -249,7 +252,7 @@ def test_a_rank_not_taken_into_its_coordinators_rounds_admits_nothing_at_an_open
 
     first, unjoined, during, after, stats = run(scenario())
     assert first.outcome == "completed", first
-    assert unjoined.outcome != "completed" and unjoined.bytes_verified == 0, unjoined
+    assert unjoined.outcome == "rejected" and unjoined.bytes_verified == 0, unjoined
     assert during["counters"].get("refused_at_open_not_joined", 0) == 1, during["counters"]
     assert during["counters"].get("admitted_at_open", 0) == 1, during["counters"]  # "first"
     assert during["leased"] == 0, during

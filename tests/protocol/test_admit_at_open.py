@@ -21,9 +21,11 @@ import pytest
 
 import kvhandoff.protocol as protocol
 from kvhandoff.protocol import (
+    ADMISSION_REFUSALS,
     AdmissionRefused,
     CancelReason,
     LeaseError,
+    NoCapacity,
     Open,
     ParentState,
     PoolError,
@@ -92,9 +94,12 @@ def _refused(pair: Pair, open_msg: Open, error: type[ProtocolError], n_blocks: i
 
 def test_a_pool_without_room_refuses_and_answers_a_reject_to_the_opens_ticket() -> None:
     pair, (open_msg,) = _direct(ctx_blocks=1)
-    _refused(pair, open_msg, PoolError)
-    reject = reject_for(open_msg, PoolError("no room"), pair.ctx.our)
-    assert reject is not None and reject.ticket == open_msg.ticket and reject.reason is RejectReason.BAD_BUFFER_INFO
+    _refused(pair, open_msg, NoCapacity)
+    reject = reject_for(open_msg, NoCapacity("no room"), pair.ctx.our)
+    assert reject is not None and reject.ticket == open_msg.ticket and reject.reason is RejectReason.NO_CAPACITY
+    # A refusal to admit: the GEN side ends it "rejected", not "cancelled".
+    assert reject.reason in ADMISSION_REFUSALS
+    assert reject_for(open_msg, PoolError("bad blocks"), pair.ctx.our).reason not in ADMISSION_REFUSALS
 
 
 def test_an_open_of_another_size_or_incarnation_is_refused() -> None:
@@ -113,7 +118,7 @@ def test_a_rank_whose_admission_stopped_admits_nothing_at_an_open() -> None:
     assert pair.ctx.admission_stopped() and pair.ctx.pool.counts().free == 2  # room, but stopped
     _refused(pair, open_msg, AdmissionRefused)
     reject = reject_for(open_msg, AdmissionRefused("stopped"), pair.ctx.our)
-    assert reject is not None and reject.reason is RejectReason.ADMISSION_STOPPED
+    assert reject is not None and reject.reason is RejectReason.ADMISSION_STOPPED and reject.reason in ADMISSION_REFUSALS
 
 
 def test_a_late_or_repeated_open_never_admits_an_ended_parent_again() -> None:

@@ -296,7 +296,11 @@ def test_a_parent_proposed_in_the_open_round_or_in_flight_is_not_taken_twice() -
     assert leader.in_flight == {pk("b")}
 
 
-def test_the_follower_reports_an_admission_made_alone_until_it_ends_or_is_not_held() -> None:
+def test_the_follower_reports_an_admission_made_alone_until_a_decision_ends_it() -> None:
+    """Held here or not: the rank released "b" (cancelled) before its report
+    went out, and the leader must still learn of it and of its cancel, or
+    it never takes it in flight to end it (or holds it for good if an
+    earlier report named it)."""
     follower = RoundFollower(0, 0)
     follower.record_admitted(pk("a"))
     follower.record_admitted(pk("b"))
@@ -304,5 +308,42 @@ def test_the_follower_reports_an_admission_made_alone_until_it_ends_or_is_not_he
     assert follower.report().admitted == (pk("a"), pk("b"))
     follower.apply(RoundDecision(round_no=1, completed=(pk("a"),)))
     assert follower.report().admitted == (pk("b"),)
-    follower.forget(lambda p: p != pk("b"))
+    follower.record_cancel(pk("b"))
+    follower.forget(lambda p: False)  # released here
+    got = follower.report()
+    assert got.admitted == (pk("b"),) and got.cancels == (pk("b"),)
+    leader = RoundLeader(1)
+    assert leader.report(got)
+    decision = decide_from_reports(leader)
+    assert decision.cancelled == (pk("b"),) and leader.in_flight == set()
+    follower.apply(RoundDecision(round_no=2, cancelled=(pk("b"),)))
     assert follower.report().admitted == () and not follower.has_news()
+
+
+def test_a_cancel_of_a_parent_the_rank_released_rides_until_the_leader_decides_it() -> None:
+    """A GEN rank quarantined a parent (its writer died), recorded the
+    cancel, and reclaimed it at the death proof before a round decided the
+    cancel; a decision about something else came meanwhile. The leader
+    still holds the parent: the cancel must stay in the rank's reports until
+    a decision ends it (it was dropped, and the handoff hung: L1)."""
+    leader = RoundLeader(1)
+    follower = RoundFollower(0, 0)
+    proposal = leader.open_round([AdmissionRequest(parent=pk("p"), num_tokens=16)], now=0.0, timeout=T)
+    leader.receive_vote(follower.vote_with_news(proposal, admit_ok=[pk("p")]), 0.0)
+    admitted = leader.close()
+    follower.apply(admitted)
+    assert leader.in_flight == {pk("p")}
+    follower.record_cancel(pk("p"))
+    follower.apply(RoundDecision(round_no=2))  # a round that did not see the cancel
+    follower.forget(lambda p: False)  # reclaimed and released here
+    leader.open_round(now=0.0, timeout=T)  # round 2, empty
+    leader.votes_from_reports(0.0)
+    assert leader.close().round_no == 2
+    got = follower.report()
+    assert got.cancels == (pk("p"),), "the cancel of a parent the leader holds was forgotten"
+    assert leader.report(got) and leader.reports_decide()
+    decision = decide_from_reports(leader)
+    assert decision.cancelled == (pk("p"),) and leader.in_flight == set()
+    follower.apply(decision)
+    follower.forget(lambda p: False)
+    assert not follower.has_news()
