@@ -7,7 +7,7 @@ Every test drives `RoundLeader` / `RoundFollower` with plain floats for time.
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvhandoff.protocol import (
@@ -347,3 +347,80 @@ def test_a_cancel_of_a_parent_the_rank_released_rides_until_the_leader_decides_i
     follower.apply(decision)
     follower.forget(lambda p: False)
     assert not follower.has_news()
+
+
+# -- rounds that are not atomic: news recorded while a round is open ----------------------
+
+_OPS = st.lists(
+    st.tuples(st.sampled_from(["cancel", "release", "send", "deliver", "open", "close", "apply"]), st.integers(0, 1)),
+    max_size=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_OPS)
+@example([("open", 0), ("cancel", 0), ("release", 0), ("close", 0), ("apply", 0)])  # the chaos run's hang
+def test_every_cancel_a_rank_records_is_decided_whatever_the_interleaving(ops) -> None:
+    """A one-rank instance with two parents in flight. The runtime's rounds
+    are not atomic: between a round's opening and the rank's apply of its
+    decision, the rank records cancels, releases parents (a quarantine
+    reclaimed at a death proof), and its reports travel late. Whatever the
+    interleaving, once the traffic drains, every parent whose cancel the
+    rank recorded has been decided (L1). With `forget` dropping news of
+    every parent no longer held, a round that opened before the cancel and
+    was applied after the release lost it, and the parent stayed in flight
+    at the leader for good."""
+    leader = RoundLeader(1)
+    follower = RoundFollower(0, 0)
+    parents = [pk("a"), pk("b")]
+    proposal = leader.open_round([AdmissionRequest(parent=p, num_tokens=16) for p in parents], now=0.0, timeout=T)
+    leader.receive_vote(follower.vote_with_news(proposal, admit_ok=parents), 0.0)
+    follower.apply(leader.close())
+    held = set(parents)
+    cancelled: set[ParentKey] = set()
+    wire: list[RankReport] = []  # reports sent, in order, not delivered yet
+    decided: list[RoundDecision] = []  # closed, not applied yet (at most one)
+    open_round = False
+
+    def apply_next() -> None:
+        decision = decided.pop(0)
+        follower.apply(decision)
+        held.difference_update(decision.settled())
+        follower.forget(held.__contains__)
+
+    for op, i in ops:
+        parent = parents[i]
+        if op == "cancel" and parent in held and parent in leader.in_flight:
+            follower.record_cancel(parent)
+            cancelled.add(parent)
+        elif op == "release" and parent in cancelled and parent in held:
+            held.discard(parent)  # the rank let it go before any decision said so
+        elif op == "send":
+            wire.append(follower.report())
+        elif op == "deliver" and wire:
+            leader.report(wire.pop(0))
+        elif op == "open" and not open_round and not decided:
+            leader.open_round(now=0.0, timeout=T)
+            open_round = True
+        elif op == "close" and open_round:
+            leader.votes_from_reports(0.0)
+            decided.append(leader.close())
+            open_round = False
+        elif op == "apply" and decided:
+            apply_next()
+    # Drain: the reports in flight arrive, the open round ends, and the rank
+    # goes on reporting and the leader on deciding until nothing changes.
+    while wire:
+        leader.report(wire.pop(0))
+    if open_round:
+        leader.votes_from_reports(0.0)
+        decided.append(leader.close())
+    while decided:
+        apply_next()
+    for _ in range(3):
+        leader.report(follower.report())
+        leader.open_round(now=0.0, timeout=T)
+        leader.votes_from_reports(0.0)
+        decided.append(leader.close())
+        apply_next()
+    assert not (cancelled & leader.in_flight), f"cancels never decided: {cancelled & leader.in_flight}"
