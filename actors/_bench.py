@@ -188,6 +188,7 @@ class _Bench:
                     gpus_per_rank=a.gpus_per_rank,
                     control_frames=a.control_frames,
                     start_timeout_s=a.start_timeout,
+                    admit_at_open=False if getattr(a, "admit_in_rounds", False) else None,
                     synthetic=False,  # time the protocol and the data plane, not the test pattern
                 )
         except Exception as exc:  # InvalidConfig, LaunchFailed: one line, no traceback
@@ -900,6 +901,8 @@ class _Bench:
                 "repeats": a.repeats,
                 "chunk_mib": a.chunk_mib,
                 "data_mode": a.data_mode,
+                # A one-rank CTX instance admits at the OPEN unless asked otherwise.
+                "admit_in_rounds": bool(getattr(a, "admit_in_rounds", False)),
                 "staging_window": a.staging_window,
                 "staging_slot_mib": a.staging_slot_mib,
                 "data_layout_block_bytes": block_bytes(DATA_LAYOUT, 1),

@@ -211,7 +211,7 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
     carrier: dict[str, Any] | None = None
     for n in sizes:
         with reporter.step(f"launching a {n}x{n} fleet (tp=1)", done=f"{n}x{n} fleet ready"):
-            fleet = await Fleet.launch(ctx=n, gen=n, admit_at_open=not getattr(args, "scale_admit_in_rounds", False), **common)
+            fleet = await Fleet.launch(ctx=n, gen=n, admit_at_open=not _in_rounds(args), **common)
         if fleet.carrier is not None:
             carrier = fleet.carrier.as_dict()  # the node's answer: the same for every launch of the run
         try:
@@ -250,7 +250,7 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
     if k > 1:
         with reporter.step(f"launching {k} independent one-pair deployments", done="deployments ready"):
             # The same admission as the fleets' (at the OPEN unless told otherwise): like for like.
-            direct = not getattr(args, "scale_admit_in_rounds", False)
+            direct = not _in_rounds(args)
             deps = await asyncio.gather(
                 *(Deployment.launch(ctx_tp=1, gen_tp=1, admit_at_open=direct, **common) for _ in range(k))
             )
@@ -275,7 +275,7 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
         "clients_per_instance": per,
         "seconds": args.sustain_s,
         "control_frames": carrier,
-        "admit_at_open": not getattr(args, "scale_admit_in_rounds", False),
+        "admit_at_open": not _in_rounds(args),
         "rows": rows,
     }
     if independent:
@@ -340,3 +340,9 @@ def scale_targets(scale_out: dict[str, Any], cpu_note: str, add: Callable[..., N
     if ratio is not None:
         n = scale_out["independent"]["deployments"]
         add(f"fleet {n}x{n} / {n} independent pairs, handoffs/s", ratio, ">=", 1.0, cpu_note)
+
+
+def _in_rounds(args: Any) -> bool:
+    """Does the scale section admit in rounds (`--admit-in-rounds` or
+    `--scale-admit-in-rounds`)?"""
+    return bool(getattr(args, "admit_in_rounds", False) or getattr(args, "scale_admit_in_rounds", False))

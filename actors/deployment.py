@@ -343,7 +343,7 @@ class Deployment:
         ctx_labels: dict[str, str] | None = None,
         gen_labels: dict[str, str] | None = None,
         placement_timeout_s: float = 120.0,
-        admit_at_open: bool = False,
+        admit_at_open: bool | None = None,
     ) -> Deployment:
         """Start the actors on the current Ray cluster (`ray.init()` it first, or
         let this call start a local one).
@@ -405,11 +405,11 @@ class Deployment:
         saying what was missing, and leaves no group behind; then the start
         is bounded by `start_timeout_s`.
 
-        `admit_at_open` (needs `ctx_tp=1`): the CTX rank admits a handoff
-        when its OPEN arrives, with no admission round of its own and no
-        call from the GEN coordinator to ask it (docs/design.md "Admission
-        at the OPEN"; a `Fleet` does this by default for its one-rank CTX
-        instances)."""
+        `admit_at_open` (the default when `ctx_tp=1`; True needs it): the
+        CTX rank admits a handoff when its OPEN arrives, with no admission
+        round of its own and no call from the GEN coordinator to ask it
+        (docs/design.md "Admission at the OPEN"), as a `Fleet` does for its
+        one-rank CTX instances. False admits in rounds on both instances."""
         self = cls()
         self.name = name or f"kvh-{uuid.uuid4().hex[:8]}"
         plans = self._plan(
@@ -500,14 +500,16 @@ class Deployment:
         ctx_labels: Any = None,
         gen_labels: Any = None,
         placement_timeout_s: Any = 120.0,
-        admit_at_open: Any = False,
+        admit_at_open: Any = None,
     ) -> list[tuple[TopologySpec, list[RankConfig], list[dict[str, Any]]]]:
         """Everything that can be checked without an actor: the specs, the
         shard map, the rank configs. Raises `InvalidConfig`."""
         _check_int("ctx_tp", ctx_tp, 1)
         _check_int("gen_tp", gen_tp, 1)
+        if admit_at_open is None:
+            admit_at_open = ctx_tp == 1  # the default: as a fleet's one-rank CTX instances
         if not isinstance(admit_at_open, bool):
-            raise InvalidConfig(f"admit_at_open must be a bool, got {_short(admit_at_open)}")
+            raise InvalidConfig(f"admit_at_open must be a bool or None, got {_short(admit_at_open)}")
         if admit_at_open and ctx_tp != 1:
             raise InvalidConfig(f"admit_at_open needs a CTX instance of one rank (ctx_tp=1), got ctx_tp={ctx_tp}")
         self._admit_at_open = admit_at_open

@@ -281,11 +281,12 @@ def test_the_path_turns_off_and_a_bad_value_is_refused_before_anything_starts() 
     assert_clean(stats)
 
 
-def test_a_pair_deployment_admits_at_the_open_when_asked_and_a_cancel_mid_transfer_ends_cleanly() -> None:
-    """`Deployment.launch(admit_at_open=True)` (ctx_tp=1 only): after the
-    first handoff (admitted in a round while the GEN coordinator asks), the
-    CTX rank admits at the OPEN; a client cancel of a handoff whose chunks
-    are held in flight ends it "cancelled" with every pool whole."""
+def test_a_pair_deployment_admits_at_the_open_by_default_and_a_cancel_mid_transfer_ends_cleanly() -> None:
+    """A `Deployment` of a one-rank CTX instance admits at the OPEN by
+    default (explicit True needs ctx_tp=1; a bad value is refused): after
+    the first handoff (admitted in a round while the GEN coordinator asks),
+    the CTX rank admits at the OPEN; a client cancel of a handoff whose
+    chunks are held in flight ends it "cancelled" with every pool whole."""
     from kvhandoff.actors.deployment import Deployment
     from kvhandoff.protocol import Role
 
@@ -294,7 +295,9 @@ def test_a_pair_deployment_admits_at_the_open_when_asked_and_a_cancel_mid_transf
     async def scenario():
         with pytest.raises(InvalidConfig, match="ctx_tp=1"):
             await Deployment.launch(ctx_tp=2, gen_tp=1, admit_at_open=True, **FLEET)
-        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=16, admit_at_open=True, fault_plan=FaultPlan(hold=True), **FLEET)
+        with pytest.raises(InvalidConfig, match="admit_at_open"):
+            await Deployment.launch(ctx_tp=1, gen_tp=1, admit_at_open=1, **FLEET)
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=16, fault_plan=FaultPlan(hold=True), **FLEET)
         try:
             (ctx,) = await dep.ranks(Role.CTX)
             await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", False))

@@ -424,10 +424,13 @@ def test_a_one_rank_ctx_decides_alone_and_parks_an_early_open(ray_cluster: Any) 
     report on its path). Its coordinator answers the GEN instance at the
     admission decision, so the GEN's OPEN can reach the rank before the
     rank applied the admission: the OPEN waits there (parked, not refused)
-    and the handoff completes with every byte verified."""
+    and the handoff completes with every byte verified. (Admission in
+    rounds: at the OPEN, the default, no admission waits to be applied.)"""
 
     async def scenario() -> tuple[Any, ...]:
-        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=64, round_timeout_s=ROUND_TIMEOUT)
+        dep = await Deployment.launch(
+            ctx_tp=1, gen_tp=1, pool_blocks=64, round_timeout_s=ROUND_TIMEOUT, admit_at_open=False
+        )
         try:
             await dep.set_trace(1)
             # Three handoffs: the shortest path of them is the design's (a
@@ -541,14 +544,21 @@ def test_gen_rank_killed_under_load_gives_outcomes_not_exceptions(ray_cluster: A
 # -- 11, 15: a dead coordinator; stats and shutdown -----------------------------------------
 
 
-def test_dead_coordinator_fails_handoffs_cleanly_and_stats_still_work(ray_cluster: Any) -> None:
+@pytest.mark.parametrize("admit_at_open", [False, True], ids=["rounds", "at_open"])
+def test_dead_coordinator_fails_handoffs_cleanly_and_stats_still_work(ray_cluster: Any, admit_at_open: bool) -> None:
     """With the CTX coordinator (and so its ranks) dead, each handoff returns
-    "failed" and the GEN side never admits it (no GEN block stays leased); stats() reports the dead coordinator and the live GEN rank; after
-    shutdown() every call raises DeploymentClosed, and shutdown() is idempotent."""
+    "failed" and no GEN block stays leased: admitting in rounds, the GEN
+    side never admits one (its round needs the dead CTX coordinator's
+    admission); admitting at the OPEN, the GEN instance admits alone, its
+    OPENs find the dead rank, and each ends failed. stats() reports the
+    dead coordinator and the live GEN rank; after shutdown() every call
+    raises DeploymentClosed, and shutdown() is idempotent."""
     import ray
 
     async def scenario() -> tuple[list[Any], dict, Deployment]:
-        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=64, round_timeout_s=ROUND_TIMEOUT)
+        dep = await Deployment.launch(
+            ctx_tp=1, gen_tp=1, pool_blocks=64, round_timeout_s=ROUND_TIMEOUT, admit_at_open=admit_at_open
+        )
         try:
             assert (await dep.handoff("before", TOKENS, timeout=TIMEOUT)).outcome == "completed"
             coordinator = dep.coordinator(Role.CTX)
@@ -574,10 +584,18 @@ def test_dead_coordinator_fails_handoffs_cleanly_and_stats_still_work(ray_cluste
     assert stats["coordinators"]["ctx"]["state"] == "unreachable"
     assert stats["coordinators"]["gen"]["state"] == "running"
     decided = stats["coordinators"]["gen"]["decided"]
-    # GEN never admitted them: its round needs the CTX instance's admission
-    # too, and the dead CTX coordinator's is a failure (vetoed, "failed").
-    assert decided.get("admitted", 0) == 1, decided  # "before" only
-    assert decided.get("rejected", 0) == len(results), decided
+    if not admit_at_open:
+        # GEN never admitted them: its round needs the CTX instance's admission
+        # too, and the dead CTX coordinator's is a failure (vetoed, "failed").
+        assert decided.get("admitted", 0) == 1, decided  # "before" only
+        assert decided.get("rejected", 0) == len(results), decided
+    else:
+        # Admitted alone, OPENs to the dead rank: every one admitted ended
+        # (failed, or cancelled by the client once the call failed).
+        assert stats["coordinators"]["gen"]["peers_admitting_at_open"], stats["coordinators"]["gen"]
+        assert decided.get("admitted", 0) + decided.get("rejected", 0) == len(results) + 1, decided
+        ended = decided.get("failed", 0) + decided.get("cancelled", 0)
+        assert ended == decided.get("admitted", 0) - 1, decided  # all but "before"
     assert stats["coordinators"]["gen"]["in_flight"] == 0, stats["coordinators"]["gen"]
     gen = [s for s in stats["ranks"] if s.get("role") == "gen"]
     assert len(gen) == 1 and "error" not in gen[0] and gen[0]["leased"] == 0, gen
