@@ -22,9 +22,6 @@ What would fail if it broke:
   coordinator's drain waits for the handoff its rank admitted before (it
   learns of it from the rank's answer, not from a report yet to come);
 * a rank its coordinator has not taken into its rounds admits nothing;
-* a one-rank GEN instance paired with such a CTX instance admits alone
-  (`admit_alone`, no round): the traced path is six hops with no vote, a
-  refusal for want of room is "rejected" with nothing held;
 * `admit_at_open=False` turns the path off, and a bad value is refused
   before anything starts.
 """
@@ -144,10 +141,6 @@ def test_every_pair_of_a_mixed_fleet_one_rank_ctx_admitted_at_its_opens_the_othe
     assert counter(stats, "ctx1", "admitted_at_open") == 0
     assert coord_calls(stats, "ctx1", "rank_vote_calls") > coord_calls(before, "ctx1", "rank_vote_calls")
     assert stats["coordinators"]["ctx0"]["admits_at_open"] and not stats["coordinators"]["ctx1"]["admits_at_open"]
-    # gen0 (tp=1) admitted its two with ctx0 alone, gen1 (tp=2) none: rounds.
-    assert counter(stats, "gen0", "admitted_alone") - counter(before, "gen0", "admitted_alone") == 2, stats["ranks"]
-    assert counter(stats, "gen1", "admitted_alone") == 0
-    assert stats["coordinators"]["gen0"]["admits_alone"] and not stats["coordinators"]["gen1"]["admits_alone"]
     # The GEN coordinators asked ctx1 to admit its 4, ctx0 none of its 4:
     # fewer peer admission calls than handoffs paired with a round.
     asked = sum(coord_calls(stats, g, "peer_admit_calls") - coord_calls(before, g, "peer_admit_calls") for g in ("gen0", "gen1"))
@@ -325,106 +318,4 @@ def test_a_pair_deployment_admits_at_the_open_by_default_and_a_cancel_mid_transf
     assert [r.outcome for r in results] == ["completed"] * 3, results
     assert held.outcome == "cancelled", held
     assert ctx["counters"].get("admitted_at_open", 0) >= 3, ctx["counters"]  # d1, d2 and held at least
-    assert_clean(stats)
-
-
-def test_a_one_rank_gen_instance_admits_alone_in_six_hops_and_refuses_without_room() -> None:
-    """With a CTX peer that admits at the OPEN, a pair deployment's one-rank
-    GEN instance admits with no round: its coordinator hands the submission
-    to the rank (`admit_alone`), and the rank's answer brings its report, so
-    the leader has the parent in flight before anything else. After the
-    first handoff (admitted in a round while the GEN coordinator learns how
-    the peer admits), the traced path is submit, admit_alone, OPEN,
-    TERMINAL, report, outcome: 6 hops, no vote. With a handoff's chunks held
-    in flight, a second one finds too few free GEN blocks: the rank refuses
-    it, "rejected", nothing held; every pool is whole at the end."""
-    from kvhandoff.actors.deployment import Deployment
-    from kvhandoff.protocol import Role
-
-    from .helpers import settled_stats
-
-    async def scenario():
-        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=4, fault_plan=FaultPlan(hold=True), **FLEET)
-        try:
-            (ctx,), (gen,) = await dep.ranks(Role.CTX), await dep.ranks(Role.GEN)
-            await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", False))
-            await dep.set_trace(1)
-            results, traces = [], []
-            for i in range(4):
-                results.append(await dep.handoff(f"a{i}", TOKENS, timeout=TIMEOUT))
-                traces.append(await dep.trace(f"a{i}"))
-                deadline = time.monotonic() + TIMEOUT
-                # A pool holds one handoff: the next one's OPEN must find the
-                # CTX rank whole (it releases at the RECEIPT, after the answer).
-                while (await ctx.stats.remote())["free"] != 4:
-                    assert time.monotonic() < deadline, "the CTX rank never released its blocks"
-                    await asyncio.sleep(0.01)
-            await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", True))
-            held = asyncio.create_task(dep.handoff("held", TOKENS, timeout=TIMEOUT))
-            deadline = time.monotonic() + TIMEOUT
-            while (await ctx.stats.remote())["in_flight_chunks"] == 0:
-                assert time.monotonic() < deadline and not held.done()
-                await asyncio.sleep(0.02)
-            refused = await dep.handoff("refused", TOKENS, timeout=TIMEOUT)
-            during = await gen.stats.remote()
-            await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", False))
-            return results, traces, await held, refused, during, await settled_stats(dep, timeout=TIMEOUT)
-        finally:
-            await dep.shutdown()
-
-    results, traces, held, refused, during, stats = run(scenario())
-    assert [r.outcome for r in results] == ["completed"] * 4, results
-    assert all(t is not None for t in traces)
-    alone = min(traces[1:], key=lambda t: t.hops)  # a report can race one hop longer on a busy box
-    steps = [h.what for h in alone.path]
-    assert alone.hops <= 6 and "admit_alone" in steps and "round_vote" not in steps, alone.path
-    assert held.outcome == "completed", held
-    assert refused.outcome == "rejected" and refused.bytes_verified == 0, refused
-    assert during["leased"] == 3, during  # the held handoff's blocks only
-    assert during["counters"].get("admit_refused", 0) >= 1, during["counters"]
-    gen = next(s for s in stats["ranks"] if s["role"] == "gen")
-    assert gen["counters"].get("admitted_alone", 0) >= 4, gen["counters"]  # a1-a3 and held at least
-    decided = stats["coordinators"]["gen"]["decided"]
-    assert decided.get("admitted", 0) <= 1, decided  # in a round: the first handoff at most
-    assert_clean(stats)
-
-
-def test_a_cancel_right_after_an_admission_alone_is_decided_by_the_gen_coordinator() -> None:
-    """The rank's answer to `admit_alone` brings the admission to the GEN
-    coordinator's leader: a cancel sent to that coordinator next (and
-    nowhere else) is decided "cancelled" even though the rank has sent
-    nothing yet (its OPEN is held back: no report, no frame), and the
-    handoff never runs. Were the leader to learn of the parent only from a
-    later report, it would drop the cancel (default-deny: `cancel` answers
-    None) and the handoff would complete."""
-    from kvhandoff.actors._phases import _defer_opens, _deferred, _run_deferred
-    from kvhandoff.actors.deployment import Deployment
-    from kvhandoff.actors.rank import on_endpoint_loop
-    from kvhandoff.protocol import Role
-
-    from .helpers import settled_stats
-
-    async def scenario():
-        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=16, **FLEET)
-        try:
-            assert (await dep.handoff("first", TOKENS, timeout=TIMEOUT)).outcome == "completed"
-            (gen,) = await dep.ranks(Role.GEN)
-            coordinator = dep.coordinator(Role.GEN)
-            await gen.__ray_call__.remote(on_endpoint_loop, _defer_opens, "alone")
-            parent = ParentKey(request_id="alone", ctx_attempt=1000, gen_attempt=1000)
-            submitted = coordinator.submit.remote(parent, TOKENS, True)
-            deadline = time.monotonic() + TIMEOUT
-            while not await gen.__ray_call__.remote(on_endpoint_loop, _deferred, "alone"):
-                assert time.monotonic() < deadline, "the GEN rank never admitted it"
-                await asyncio.sleep(0.01)
-            cancelled = await coordinator.cancel.remote(parent)
-            await gen.__ray_call__.remote(on_endpoint_loop, _run_deferred, "alone")
-            calls = (await coordinator.stats.remote())["calls"]
-            return cancelled, await submitted, calls, await settled_stats(dep, timeout=TIMEOUT)
-        finally:
-            await dep.shutdown()
-
-    cancelled, outcome, calls, stats = run(scenario())
-    assert calls.get("rank_admit_alone", 0) >= 1, calls
-    assert cancelled == "cancelled" and outcome == "cancelled", (cancelled, outcome)
     assert_clean(stats)
