@@ -354,6 +354,11 @@ class CoordinatorCore:
         # themselves once verified (`release_when_ready`) when they complete.
         self._admit_at_decision: set[ParentKey] = set()
         self._complete_at_decision: set[ParentKey] = set()
+        # Submissions into an engine's own blocks: their caller waits until
+        # the GEN ranks gave the blocks back (the engine may reuse them only
+        # then), which they do when they apply the completion. Its apply is
+        # never delayed to ride with a later round (`_may_wait`).
+        self._returns_awaited: set[ParentKey] = set()
         self._owned: set[asyncio.Task[Any]] = set()
         # Submitted parents the peer failed to admit (it raised): "failed", not "rejected".
         self._peer_failed: set[ParentKey] = set()
@@ -650,6 +655,8 @@ class CoordinatorCore:
         self._queue_admission(parent, num_tokens, release_when_ready, blocks, peer_instance)
         if release_when_ready:
             self._complete_at_decision.add(parent)
+            if blocks:
+                self._returns_awaited.add(parent)
         self._peer_of.remember(parent, peer_instance, time.monotonic())
         outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._submitted[parent] = outcome
@@ -1100,6 +1107,8 @@ class CoordinatorCore:
             return False
         if decision.admitted or decision.rejected or decision.cancelled or decision.failed or decision.decided:
             return False
+        if not self._returns_awaited.isdisjoint(decision.completed):
+            return False  # an engine waits for these blocks to come back
         return not any(parent in self._submitted for parent in decision.completed)
 
     def _carry_apply(self, decision: RoundDecision, *, lazy: bool = False) -> list[tuple[int, int, Any]]:
@@ -1418,6 +1427,7 @@ class CoordinatorCore:
             if name == "admitted":
                 continue
             self._complete_at_decision.discard(parent)
+            self._returns_awaited.discard(parent)
             submitted = self._submitted.pop(parent, None)
             name = paired_outcome(name, parent in self._peer_failed)
             self._peer_failed.discard(parent)
@@ -1645,6 +1655,7 @@ class CoordinatorCore:
         for parent, (_, future, _, _, _) in admits.items():
             self._admit_at_decision.discard(parent)
             self._complete_at_decision.discard(parent)
+            self._returns_awaited.discard(parent)
             if not future.done():
                 future.set_exception(error)
             submitted = self._submitted.pop(parent, None)
@@ -1657,6 +1668,7 @@ class CoordinatorCore:
     def _fail_pending(self, error: Exception) -> None:
         self._fail_admits(error)
         self._complete_at_decision.clear()
+        self._returns_awaited.clear()
         submitted, self._submitted = self._submitted, {}
         for future in submitted.values():
             if not future.done():

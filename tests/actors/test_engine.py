@@ -183,9 +183,15 @@ async def _handoff(eng: Engine, request_id: str, seed: int, tokens: int, *, canc
 
 
 async def test_publish_receive_moves_the_engines_own_bytes(engine: Engine) -> None:
+    before = (await engine.dep.stats())["coordinators"]["gen"]["calls"]
     for i, tokens in enumerate((1, 4, 5, 17, 40)):
         assert await _handoff(engine, f"req-{i}", seed=100 + i, tokens=tokens) == "completed"
     await engine.check_clean()
+    # A receive waits until its blocks are back, which they are when the GEN
+    # ranks apply the completion: that apply never waits for a later round.
+    calls = (await engine.dep.stats())["coordinators"]["gen"]["calls"]
+    assert calls.get("applies_delayed", 0) == before.get("applies_delayed", 0), calls
+    assert calls["answered_at_decision"] - before.get("answered_at_decision", 0) == 5, calls
 
 
 async def test_a_ticket_is_claimed_once_and_retries_are_new_attempts(engine: Engine) -> None:
