@@ -268,6 +268,7 @@ class CoordinatorCore:
         reattach: str | None = None,
         lazy_apply_s: float = LAZY_APPLY_S,
         admits_at_open: bool = False,
+        admits_alone: bool = False,
     ) -> None:
         if ranks is None and (rank_factory is None or not tp):
             raise ValueError("give the rank handles, or a rank_factory and tp")
@@ -287,6 +288,8 @@ class CoordinatorCore:
         self._tp = len(self._handles) if ranks is not None else int(tp or 0)
         if admits_at_open and self._tp != 1:
             raise ValueError(f"admits_at_open is for an instance of one rank, got tp={self._tp}")
+        if admits_alone and self._tp != 1:
+            raise ValueError(f"admits_alone is for an instance of one rank, got tp={self._tp}")
         self._owns_ranks = ranks is None
         self._rank_factory = rank_factory
         self._round_timeout = float(round_timeout)
@@ -342,6 +345,11 @@ class CoordinatorCore:
         # with one asks no peer admission: the OPEN is it, and a refusal
         # comes back as a REJECT (NOT_STARTED) that fails the handoff.
         self._admits_at_open = admits_at_open
+        # A GEN instance of one rank hands a submission paired with such a
+        # peer to its rank (`_admit_alone`): no admission round at all. Its
+        # calls still out, per parent (a cancel of it waits for its answer).
+        self._admits_alone = admits_alone
+        self._alone_calls: dict[ParentKey, asyncio.Future[None]] = {}
         self._direct: dict[str, bool] = {}
         self._asking_direct: set[str] = set()
         self._claimed: set[ParentKey] = set()
@@ -387,6 +395,7 @@ class CoordinatorCore:
         self._round_seconds: collections.deque[float] = collections.deque(maxlen=1024)
         self._rank_errors: collections.deque[str] = collections.deque(maxlen=32)
         self._decisions_logged = 0
+        self._last_decided = 0  # the last round decided (an admission alone waits for its apply)
         # Recent decisions (debugging, tests) and decided outcomes (late
         # `outcome` calls), each bounded by age and bytes (`RecentMemory`).
         self._decision_log: RecentMemory[int, RoundDecision] = RecentMemory(max_bytes=_DECISION_LOG_BYTES)
@@ -441,7 +450,7 @@ class CoordinatorCore:
                 epochs=dict(enumerate(self._epochs)),
                 topology_digest=self._digest,
             )
-            if self._admits_at_open:
+            if self._admits_at_open or self._admits_alone:
                 # Our rank admits on its own: not before we took it in (a
                 # restarted one is joined by `_restart`).
                 await asyncio.gather(
@@ -652,7 +661,20 @@ class CoordinatorCore:
         self._raise_if_draining()
         if self.state is TopologyState.RECOVERING:
             return "rejected"
-        self._queue_admission(parent, num_tokens, release_when_ready, blocks, peer_instance)
+        alone = (
+            self._admits_alone
+            and not self._peer_claims
+            and self._direct.get(peer_instance, False)
+            and self._idle_for_alone()
+        )
+        if alone:
+            _check_request(parent, num_tokens)
+            blocks = _check_blocks(blocks)
+            self._check_admissible(parent)
+            if parent in self._alone_calls or parent in self._submitted:
+                raise RoundError(f"parent {parent!r} is already pending or in flight")
+        else:
+            self._queue_admission(parent, num_tokens, release_when_ready, blocks, peer_instance)
         if release_when_ready:
             self._complete_at_decision.add(parent)
             if blocks:
@@ -660,8 +682,71 @@ class CoordinatorCore:
         self._peer_of.remember(parent, peer_instance, time.monotonic())
         outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._submitted[parent] = outcome
-        self._wakeup.set()
+        if alone:
+            request = AdmissionRequest(
+                parent=parent,
+                num_tokens=num_tokens,
+                release_when_ready=release_when_ready,
+                blocks=blocks,
+                peer_instance=peer_instance,
+            )
+            self._alone_calls[parent] = asyncio.ensure_future(self._admit_alone(request))
+        else:
+            self._wakeup.set()
         return await outcome
+
+    def _idle_for_alone(self) -> bool:
+        """May a submission be admitted alone now? Only while nothing else is
+        pending here: no admission queued, no round running, no other
+        admission alone out. Under load a round admits the whole batch with
+        one call per rank, and the rank sends their OPENs in one frame call
+        per peer; an admission alone is one call per handoff, and its OPENs
+        go in a frame call of their own. Measured on the GPU host at 16
+        clients per instance with every admission alone: rank frame calls per
+        handoff 0.6 -> 2.0 and a third of a pair's rate lost. So a lone
+        handoff takes the short path (two hops fewer) and a busy instance
+        batches."""
+        return not self._pending_admits and not self._alone_calls and not self._round_lock.locked()
+
+    async def _admit_alone(self, request: AdmissionRequest) -> None:
+        """Hand ``request`` to this one-rank instance's rank, which admits it
+        with no round (`admit_alone`; its CTX peer admits at the OPEN). The
+        rank's report comes back with its answer and goes to the leader
+        first, so the parent is in flight before a cancel of it (which waits
+        for this call) is proposed. A refusal answers "rejected"; a rank
+        that failed or restarted meanwhile, "failed" (whatever it admitted
+        died with it: a new incarnation is a new pool)."""
+        parent = request.parent
+        self.calls["rank_admit_alone"] += 1
+        if self.trace.every:
+            self.trace.record(parent.request_id, f"{SENT}admit_alone", "local")
+        # A decision kept to ride with a vote goes now (no vote will come):
+        # the blocks its completions return must be free for this admission,
+        # which the rank takes only once it applied every decision up to here.
+        self._flush_carry()
+        try:
+            admitted, report = await self._handles[0].admit_alone.remote(request, self._epochs[0], self._last_decided)
+        except Exception as exc:
+            self._rank_errors.append(f"rank 0: admit_alone({parent!r}): {exc!r}")
+            admitted, report, outcome = False, None, "failed"
+        else:
+            outcome = "rejected"
+        finally:
+            self._alone_calls.pop(parent, None)
+        if report is not None and self._leader is not None:
+            try:
+                if self._leader.report(report):
+                    self._wakeup.set()
+            except RoundError:
+                admitted, outcome = False, "failed"  # another incarnation's: it restarted meanwhile
+        if admitted:
+            return  # in flight: the decision that ends it answers the submission
+        self._counts["rejected" if outcome == "rejected" else "failed"] += 1
+        self._outcomes.remember(parent, outcome, time.monotonic())
+        self._complete_at_decision.discard(parent)
+        submitted = self._submitted.pop(parent, None)
+        if submitted is not None and not submitted.done():
+            submitted.set_result(outcome)
 
     def _peer_coordinator(self, instance: str = "") -> Any:
         """The coordinator of peer instance `instance` ("": the configured peer)."""
@@ -742,6 +827,9 @@ class CoordinatorCore:
         round's decision ("cancelled", "failed", ...) or None if the
         coordinator does not know the parent."""
         await self._ensure_started()
+        alone = self._alone_calls.get(parent)
+        if alone is not None:
+            await asyncio.shield(alone)  # the parent is in flight (or refused) once it answers
         if self._peer_name is not None or parent in self._peer_of:
             # We admit in the peer instance too: cancel there as well. Sent
             # after any admission we asked it for (tasks start in creation
@@ -834,6 +922,7 @@ class CoordinatorCore:
         return list(self._decision_log.values())
 
     def _log_decision(self, decision: RoundDecision) -> None:
+        self._last_decided = max(self._last_decided, decision.round_no)
         self._decisions_logged += 1
         self._decision_log.remember(self._decisions_logged, decision, time.monotonic())
 
@@ -900,6 +989,7 @@ class CoordinatorCore:
             "pending_cancels": len(self._pending_cancels),
             "submitted": len(self._submitted),
             "admits_at_open": self._admits_at_open,
+            "admits_alone": self._admits_alone,
             "peers_admitting_at_open": sorted(p for p, direct in self._direct.items() if direct),
             "calls": dict(self.calls),
             "decided": dict(self._counts),

@@ -229,6 +229,21 @@ class RoundMember:
                         self._advanced = asyncio.Event()
                     await self._advanced.wait()
 
+    async def wait_applied(self, round_no: int) -> None:
+        """Wait (bounded like `_turn`) until decision ``round_no`` is applied
+        here: a call outside the rounds that depends on what the decisions
+        sent before it did (an admission alone needs the blocks they
+        return) and may overtake them (Ray does not order one caller's calls
+        into an async actor). A decision that never comes (its rank is being
+        replaced) costs the bound, then the call goes on."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._order_wait_s):
+                while self.follower.next_round <= round_no and self._broken is None:
+                    self.rounds_waited += 1
+                    if self._advanced is None:
+                        self._advanced = asyncio.Event()
+                    await self._advanced.wait()
+
     async def round_vote(
         self, proposal: RoundProposal, epoch: int | None = None, decision: RoundDecision | None = None
     ) -> RoundVote:

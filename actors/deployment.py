@@ -685,6 +685,8 @@ class Deployment:
                 topology_digest=topology_digest(spec),
                 peer=peer,
                 admits_at_open=self._admit_at_open and spec.role is Role.CTX,
+                # ... and then a GEN instance of one rank admits alone: no round.
+                admits_alone=self._admit_at_open and spec.role is Role.GEN and spec.tp == 1,
             )
         # `epochs` answers once every rank of that instance answered its identity
         # (constructed); a rank that died while starting makes it raise at once

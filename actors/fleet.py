@@ -429,6 +429,8 @@ class Fleet(Deployment):
             topology_digest=topology_digest(inst.spec),
             fleet=self.name,
             admits_at_open=self._admits_at_open(inst.role, inst.tp),
+            # A GEN instance of one rank admits alone with such a CTX peer.
+            admits_alone=self._admit_at_open and inst.role is Role.GEN and inst.tp == 1,
         )
         deadline = loop.time() + self._start_timeout_s
         try:

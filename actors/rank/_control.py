@@ -17,6 +17,7 @@ from kvhandoff.actors.rank._config import _loop_running, log
 from kvhandoff.actors.rank._state import _RankState
 from kvhandoff.protocol import (
     Action,
+    AdmissionRequest,
     AdmissionStop,
     CancelDeferred,
     CancelIntent,
@@ -120,43 +121,47 @@ class _ControlPlane(_RankState):
     def _vote(self, proposal: RoundProposal) -> VoteNews:
         now = time.monotonic()
         deadline = now + self.config.lease_timeout_s
-        ok = []
         stopped = self.side.admission_stopped()
-        for request in proposal.admissions:
-            peer = request.peer_instance or ("" if self.config.fleet else self._default_peer)
-            pair = self._pairs.get(peer) if peer else None
-            verdict = admission_verdict(
-                stopped=stopped,
-                peer=peer,
-                paired=pair is not None,
-                left=pair is not None and pair.left,
-                admits_unpaired=self.admits_unpaired,
-                negotiation=pair.negotiation if pair is not None else None,
-            )
-            if not verdict.admit:
-                # Refused before any lease or DMA (an unpaired admission, a
-                # published engine ticket, is checked at its first OPEN).
-                self.counters[verdict.refusal] += 1
-                if verdict.renegotiate and pair is not None:
-                    self._renegotiate(pair)
-                continue
-            try:
-                n = blocks_for_tokens(self.config.layout, request.num_tokens)
-                self._admit(request, n, now, deadline, pair)
-            except PoolError:
-                self.counters["admit_refused"] += 1
-                continue
-            except Exception as exc:
-                # Whatever one admission carries (a size no layout accepts, ...),
-                # it refuses that admission only; it never breaks the rank.
-                self.counters[f"admit_refused_{type(exc).__name__}"] += 1
-                log.warning("rank %s: admission of %s refused: %r", self.ns, request.parent, exc)
-                continue
-            self._tokens[request.parent] = request.num_tokens
-            if peer:
-                self._pair_of[request.parent] = peer
-            ok.append(request.parent)
+        ok = [r.parent for r in proposal.admissions if self._lease_for(r, now, deadline, stopped)]
         return VoteNews(admit_ok=tuple(ok))
+
+    def _lease_for(self, request: AdmissionRequest, now: float, deadline: float, stopped: bool) -> bool:
+        """One admission's verdict and lease, as a vote makes them: True when
+        leased (tentatively, until a decision admits or withdraws it); a
+        refusal is counted and holds nothing."""
+        peer = request.peer_instance or ("" if self.config.fleet else self._default_peer)
+        pair = self._pairs.get(peer) if peer else None
+        verdict = admission_verdict(
+            stopped=stopped,
+            peer=peer,
+            paired=pair is not None,
+            left=pair is not None and pair.left,
+            admits_unpaired=self.admits_unpaired,
+            negotiation=pair.negotiation if pair is not None else None,
+        )
+        if not verdict.admit:
+            # Refused before any lease or DMA (an unpaired admission, a
+            # published engine ticket, is checked at its first OPEN).
+            self.counters[verdict.refusal] += 1
+            if verdict.renegotiate and pair is not None:
+                self._renegotiate(pair)
+            return False
+        try:
+            n = blocks_for_tokens(self.config.layout, request.num_tokens)
+            self._admit(request, n, now, deadline, pair)
+        except PoolError:
+            self.counters["admit_refused"] += 1
+            return False
+        except Exception as exc:
+            # Whatever one admission carries (a size no layout accepts, ...),
+            # it refuses that admission only; it never breaks the rank.
+            self.counters[f"admit_refused_{type(exc).__name__}"] += 1
+            log.warning("rank %s: admission of %s refused: %r", self.ns, request.parent, exc)
+            return False
+        self._tokens[request.parent] = request.num_tokens
+        if peer:
+            self._pair_of[request.parent] = peer
+        return True
 
     def _apply(self, decision: RoundDecision) -> None:
         now = time.monotonic()

@@ -34,8 +34,10 @@ from kvhandoff.protocol import (
     Negotiated,
     ParentKey,
     ProtocolError,
+    RankReport,
     Reject,
     Role,
+    RoundError,
     RoundProposal,
     StageWrite,
     active_cancel,
@@ -114,6 +116,41 @@ class GenRankCore(RankCore):
         self.side.admit(request.parent, blocks, now=now, deadline=deadline, blocks=request.blocks)
         if request.release_when_ready:
             self._release_when_ready.add(request.parent)
+
+    async def admit_alone(
+        self, request: AdmissionRequest, epoch: int | None = None, applied: int = 0
+    ) -> tuple[bool, RankReport | None]:
+        """Admit ``request`` as the GEN instance's only rank, with no round:
+        its coordinator hands it a submission whose CTX instance admits at
+        the OPEN (docs/design.md "Admission at the OPEN"). The verdict and
+        lease of a vote, then what an applied admission does (install, send
+        the OPENs), and `record_admitted`. Returns whether it admitted, and
+        this rank's report, which the leader takes in before it hears
+        anything else of the parent (a cancel the caller sends next finds it
+        in flight). Refused: nothing is held. Raises `StaleEpochError` for
+        another incarnation and `RoundError` for a rank of several or one
+        its coordinator has not taken into its rounds (nothing changes).
+        ``applied``: the last round its coordinator decided; the admission
+        waits until that decision is applied here (bounded), so the blocks
+        a completion returns are free for it, as for a vote its apply rides
+        with."""
+        if self.trace.every:
+            self.trace.record(request.parent.request_id, "admit_alone", "call", self._coordinator_actor)
+        self.member._check(epoch)
+        await self.member.wait_applied(applied)
+        self.member._check(epoch)
+        if self.config.spec.tp != 1 or not self.member.joined:
+            raise RoundError(f"rank {self.ns}: admission alone needs the joined rank of a one-rank instance")
+        self._run_deferred()  # what the last apply returned is free to lease
+        now = time.monotonic()
+        if self.side.is_admitted(request.parent) or request.parent in self.side.parents():
+            raise RoundError(f"rank {self.ns}: {request.parent!r} is admitted here already")
+        if not self._lease_for(request, now, now + self.config.lease_timeout_s, self.side.admission_stopped()):
+            return False, None
+        self.counters["admitted_alone"] += 1
+        self.member.follower.record_admitted(request.parent)
+        self._admitted(request.parent, now)
+        return True, self.member.report()
 
     def _admitted(self, parent: ParentKey, now: float) -> None:
         # Admitted by both instances (the CTX ranks applied theirs before this

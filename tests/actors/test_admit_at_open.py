@@ -22,6 +22,9 @@ What would fail if it broke:
   coordinator's drain waits for the handoff its rank admitted before (it
   learns of it from the rank's answer, not from a report yet to come);
 * a rank its coordinator has not taken into its rounds admits nothing;
+* a one-rank GEN instance paired with such a CTX instance admits alone
+  (`admit_alone`, no round): the traced path is six hops with no vote, a
+  refusal for want of room is "rejected" with nothing held;
 * `admit_at_open=False` turns the path off, and a bad value is refused
   before anything starts.
 """
@@ -124,28 +127,38 @@ def test_every_pair_of_a_mixed_fleet_one_rank_ctx_admitted_at_its_opens_the_othe
             results = await asyncio.gather(
                 *(fleet.handoff(f"p{i}-{c}-{g}", TOKENS, ctx=c, gen=g, timeout=TIMEOUT) for i in range(2) for c, g in pairs)
             )
+            middle = await fleet.stats()
+            # One more on its own: gen0 is idle, so it admits it alone.
+            results.append(await fleet.handoff("lone", TOKENS, ctx="ctx0", gen="gen0", timeout=TIMEOUT))
             # The CTX coordinators heard of ctx0's handoffs only in a report:
-            # they must still end all 12 (4 warm, 8 here; L1).
-            return results, before, await settled(fleet, lambda stats: ctx_completed(stats) == 12)
+            # they must still end all 13 (4 warm, 9 here; L1).
+            return results, before, middle, await settled(fleet, lambda stats: ctx_completed(stats) == 13)
         finally:
             await fleet.shutdown()
 
-    results, before, stats = run(scenario())
-    assert [r.outcome for r in results] == ["completed"] * 8, results
+    results, before, middle, stats = run(scenario())
+    assert [r.outcome for r in results] == ["completed"] * 9, results
     expected = 3 * (LAYOUT.num_layers * 2 * LAYOUT.num_kv_heads * LAYOUT.tokens_per_block * LAYOUT.head_dim * 2)
     assert all(r.bytes_verified == expected for r in results), results
-    # ctx0 (tp=1): 4 handoffs, every one admitted at its OPEN, no vote round there.
-    assert counter(stats, "ctx0", "admitted_at_open") - counter(before, "ctx0", "admitted_at_open") == 4, stats["ranks"]
+    # ctx0 (tp=1): 5 handoffs, every one admitted at its OPEN, no vote round there.
+    assert counter(stats, "ctx0", "admitted_at_open") - counter(before, "ctx0", "admitted_at_open") == 5, stats["ranks"]
     assert coord_calls(stats, "ctx0", "rank_vote_calls") == coord_calls(before, "ctx0", "rank_vote_calls")
     # ctx1 (tp=2): admitted in its rounds, at no OPEN.
     assert counter(stats, "ctx1", "admitted_at_open") == 0
     assert coord_calls(stats, "ctx1", "rank_vote_calls") > coord_calls(before, "ctx1", "rank_vote_calls")
     assert stats["coordinators"]["ctx0"]["admits_at_open"] and not stats["coordinators"]["ctx1"]["admits_at_open"]
+    # gen0 (tp=1) admits with ctx0 alone while idle (of the burst, at most
+    # the two with ctx0; busy, it batches), the lone one alone; gen1 (tp=2)
+    # never: rounds.
+    assert counter(middle, "gen0", "admitted_alone") - counter(before, "gen0", "admitted_alone") <= 2, middle["ranks"]
+    assert counter(stats, "gen0", "admitted_alone") - counter(middle, "gen0", "admitted_alone") == 1, stats["ranks"]
+    assert counter(stats, "gen1", "admitted_alone") == 0
+    assert stats["coordinators"]["gen0"]["admits_alone"] and not stats["coordinators"]["gen1"]["admits_alone"]
     # The GEN coordinators asked ctx1 to admit its 4, ctx0 none of its 4:
     # fewer peer admission calls than handoffs paired with a round.
     asked = sum(coord_calls(stats, g, "peer_admit_calls") - coord_calls(before, g, "peer_admit_calls") for g in ("gen0", "gen1"))
     assert 1 <= asked <= 4, asked
-    assert ctx_completed(stats) == 12, [c["decided"] for c in stats["coordinators"].values()]
+    assert ctx_completed(stats) == 13, [c["decided"] for c in stats["coordinators"].values()]
     assert_clean(stats)
 
 
@@ -318,4 +331,150 @@ def test_a_pair_deployment_admits_at_the_open_by_default_and_a_cancel_mid_transf
     assert [r.outcome for r in results] == ["completed"] * 3, results
     assert held.outcome == "cancelled", held
     assert ctx["counters"].get("admitted_at_open", 0) >= 3, ctx["counters"]  # d1, d2 and held at least
+    assert_clean(stats)
+
+
+def test_a_one_rank_gen_instance_admits_alone_in_six_hops_and_refuses_without_room() -> None:
+    """With a CTX peer that admits at the OPEN, a pair deployment's one-rank
+    GEN instance admits with no round: its coordinator hands the submission
+    to the rank (`admit_alone`), and the rank's answer brings its report, so
+    the leader has the parent in flight before anything else. After the
+    first handoff (admitted in a round while the GEN coordinator learns how
+    the peer admits), the traced path is submit, admit_alone, OPEN,
+    TERMINAL, report, outcome: 6 hops, no vote. With a handoff's chunks held
+    in flight, a second one finds too few free GEN blocks: the rank refuses
+    it, "rejected", nothing held; every pool is whole at the end."""
+    from kvhandoff.actors.deployment import Deployment
+    from kvhandoff.protocol import Role
+
+    from .helpers import settled_stats
+
+    async def scenario():
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=4, fault_plan=FaultPlan(hold=True), **FLEET)
+        try:
+            (ctx,), (gen,) = await dep.ranks(Role.CTX), await dep.ranks(Role.GEN)
+            await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", False))
+            await dep.set_trace(1)
+            results, traces = [], []
+            for i in range(4):
+                results.append(await dep.handoff(f"a{i}", TOKENS, timeout=TIMEOUT))
+                traces.append(await dep.trace(f"a{i}"))
+                deadline = time.monotonic() + TIMEOUT
+                # A pool holds one handoff: the next one's OPEN must find the
+                # CTX rank whole (it releases at the RECEIPT, after the answer).
+                while (await ctx.stats.remote())["free"] != 4:
+                    assert time.monotonic() < deadline, "the CTX rank never released its blocks"
+                    await asyncio.sleep(0.01)
+            await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", True))
+            held = asyncio.create_task(dep.handoff("held", TOKENS, timeout=TIMEOUT))
+            deadline = time.monotonic() + TIMEOUT
+            while (await ctx.stats.remote())["in_flight_chunks"] == 0:
+                assert time.monotonic() < deadline and not held.done()
+                await asyncio.sleep(0.02)
+            refused = await dep.handoff("refused", TOKENS, timeout=TIMEOUT)
+            during = await gen.stats.remote()
+            await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", False))
+            return results, traces, await held, refused, during, await settled_stats(dep, timeout=TIMEOUT)
+        finally:
+            await dep.shutdown()
+
+    results, traces, held, refused, during, stats = run(scenario())
+    assert [r.outcome for r in results] == ["completed"] * 4, results
+    assert all(t is not None for t in traces)
+    alone = min(traces[1:], key=lambda t: t.hops)  # a report can race one hop longer on a busy box
+    steps = [h.what for h in alone.path]
+    assert alone.hops <= 6 and "admit_alone" in steps and "round_vote" not in steps, alone.path
+    assert held.outcome == "completed", held
+    assert refused.outcome == "rejected" and refused.bytes_verified == 0, refused
+    assert during["leased"] == 3, during  # the held handoff's blocks only
+    assert during["counters"].get("admit_refused", 0) >= 1, during["counters"]
+    gen = next(s for s in stats["ranks"] if s["role"] == "gen")
+    assert gen["counters"].get("admitted_alone", 0) >= 4, gen["counters"]  # a1-a3 and held at least
+    decided = stats["coordinators"]["gen"]["decided"]
+    assert decided.get("admitted", 0) <= 1, decided  # in a round: the first handoff at most
+    assert_clean(stats)
+
+
+def test_a_cancel_right_after_an_admission_alone_is_decided_by_the_gen_coordinator() -> None:
+    """The rank's answer to `admit_alone` brings the admission to the GEN
+    coordinator's leader: a cancel sent to that coordinator next (and
+    nowhere else) is decided "cancelled" even though the rank has sent
+    nothing yet (its OPEN is held back: no report, no frame), and the
+    handoff never runs. Were the leader to learn of the parent only from a
+    later report, it would drop the cancel (default-deny: `cancel` answers
+    None) and the handoff would complete."""
+    from kvhandoff.actors._phases import _defer_opens, _deferred, _run_deferred
+    from kvhandoff.actors.deployment import Deployment
+    from kvhandoff.actors.rank import on_endpoint_loop
+    from kvhandoff.protocol import Role
+
+    from .helpers import settled_stats
+
+    async def scenario():
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=16, **FLEET)
+        try:
+            assert (await dep.handoff("first", TOKENS, timeout=TIMEOUT)).outcome == "completed"
+            (gen,) = await dep.ranks(Role.GEN)
+            coordinator = dep.coordinator(Role.GEN)
+            await gen.__ray_call__.remote(on_endpoint_loop, _defer_opens, "alone")
+            parent = ParentKey(request_id="alone", ctx_attempt=1000, gen_attempt=1000)
+            submitted = coordinator.submit.remote(parent, TOKENS, True)
+            deadline = time.monotonic() + TIMEOUT
+            while not await gen.__ray_call__.remote(on_endpoint_loop, _deferred, "alone"):
+                assert time.monotonic() < deadline, "the GEN rank never admitted it"
+                await asyncio.sleep(0.01)
+            cancelled = await coordinator.cancel.remote(parent)
+            await gen.__ray_call__.remote(on_endpoint_loop, _run_deferred, "alone")
+            calls = (await coordinator.stats.remote())["calls"]
+            return cancelled, await submitted, calls, await settled_stats(dep, timeout=TIMEOUT)
+        finally:
+            await dep.shutdown()
+
+    cancelled, outcome, calls, stats = run(scenario())
+    assert calls.get("rank_admit_alone", 0) >= 1, calls
+    assert cancelled == "cancelled" and outcome == "cancelled", (cancelled, outcome)
+    assert_clean(stats)
+
+
+def test_a_busy_gen_instance_batches_in_rounds_and_a_lone_handoff_goes_alone() -> None:
+    """Admission alone is for an idle GEN coordinator only: sixteen
+    handoffs submitted at once find it busy (a round running, admissions
+    queued, an admission alone out), so most join one round that admits
+    them together, one call per rank; a lone handoff afterwards goes alone
+    again. Were every submission admitted alone, a busy instance would pay
+    one rank call and one frame call per handoff (the GPU host lost a third
+    of a pair's rate so)."""
+    from kvhandoff.actors.deployment import Deployment
+    from kvhandoff.protocol import Role
+
+    from .helpers import settled_stats
+
+    burst = 16
+
+    async def scenario():
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=64, **FLEET)
+        try:
+            coordinator = dep.coordinator(Role.GEN)
+            assert (await dep.handoff("warm", TOKENS, timeout=TIMEOUT)).outcome == "completed"
+            before = await coordinator.stats.remote()
+            results = await asyncio.gather(*(dep.handoff(f"b{i}", TOKENS, timeout=TIMEOUT) for i in range(burst)))
+            middle = await coordinator.stats.remote()
+            lone = await dep.handoff("lone", TOKENS, timeout=TIMEOUT)
+            after = await coordinator.stats.remote()
+            return before, results, middle, lone, after, await settled_stats(dep, timeout=TIMEOUT)
+        finally:
+            await dep.shutdown()
+
+    before, results, middle, lone, after, stats = run(scenario())
+    assert [r.outcome for r in results] == ["completed"] * burst, results
+    assert lone.outcome == "completed", lone
+
+    def delta(a: dict, b: dict, key: str) -> int:
+        return b["calls"].get(key, 0) - a["calls"].get(key, 0)
+
+    alone = delta(before, middle, "rank_admit_alone")
+    in_rounds = middle["decided"].get("admitted", 0) - before["decided"].get("admitted", 0)
+    assert alone + in_rounds == burst, (alone, in_rounds)
+    assert alone < burst // 2 and in_rounds > burst // 2, (alone, in_rounds)
+    assert delta(middle, after, "rank_admit_alone") == 1, after["calls"]
     assert_clean(stats)

@@ -289,18 +289,23 @@ def _coordinator_lazy_apply(seconds: float) -> Any:
     return apply
 
 
-def test_blocks_a_riding_completion_returns_are_free_for_the_vote_it_rides_with(ray_cluster: Any) -> None:
+@pytest.mark.parametrize("admit_at_open", [False, True], ids=["rides_with_a_vote", "flushed_for_an_admission_alone"])
+def test_blocks_a_riding_completion_returns_are_free_for_the_vote_it_rides_with(ray_cluster: Any, admit_at_open: bool) -> None:
     """A GEN rank returns a finished handoff's blocks nobody consumes after
     the completion's apply. When that apply rides inside the next round's
     vote call, they must be free before the vote: a GEN pool that holds one
     request at a time still admits the next one. Here the GEN coordinator's
-    window is wide, so the completion surely rides with the next admission,
+    window is wide, so the completion surely waits for the next admission,
     and the CTX rank is seen whole before it comes (only the GEN's blocks
-    are in question)."""
+    are in question). A GEN rank that admits alone (no vote to ride with):
+    the waiting apply goes first, and the rank admits only once it applied
+    it."""
     blocks = 4
 
     async def scenario() -> tuple[list[Any], dict]:
-        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=blocks, round_timeout_s=120.0, control_frames="ray")
+        dep = await Deployment.launch(
+            ctx_tp=1, gen_tp=1, pool_blocks=blocks, round_timeout_s=120.0, control_frames="ray", admit_at_open=admit_at_open
+        )
         try:
             gen_coordinator = dep.coordinator(Role.GEN)
             await gen_coordinator.__ray_call__.remote(_coordinator_lazy_apply(60.0))
@@ -319,4 +324,7 @@ def test_blocks_a_riding_completion_returns_are_free_for_the_vote_it_rides_with(
 
     results, calls = asyncio.run(scenario())
     assert [r.outcome for r in results] == ["completed"] * 3, results
-    assert calls.get("applies_delayed", 0) >= 2 and calls.get("applies_carried", 0) >= 2, calls
+    if admit_at_open:
+        assert calls.get("applies_delayed", 0) >= 2 and calls.get("rank_admit_alone", 0) >= 2, calls
+    else:
+        assert calls.get("applies_delayed", 0) >= 2 and calls.get("applies_carried", 0) >= 2, calls

@@ -549,8 +549,9 @@ def test_dead_coordinator_fails_handoffs_cleanly_and_stats_still_work(ray_cluste
     """With the CTX coordinator (and so its ranks) dead, each handoff returns
     "failed" and no GEN block stays leased: admitting in rounds, the GEN
     side never admits one (its round needs the dead CTX coordinator's
-    admission); admitting at the OPEN, the GEN instance admits alone, its
-    OPENs find the dead rank, and each ends failed. stats() reports the
+    admission); admitting at the OPEN, the GEN side admits each (alone or
+    in a round of its own), its OPENs find the dead rank, and each ends
+    failed. stats() reports the
     dead coordinator and the live GEN rank; after shutdown() every call
     raises DeploymentClosed, and shutdown() is idempotent."""
     import ray
@@ -590,12 +591,19 @@ def test_dead_coordinator_fails_handoffs_cleanly_and_stats_still_work(ray_cluste
         assert decided.get("admitted", 0) == 1, decided  # "before" only
         assert decided.get("rejected", 0) == len(results), decided
     else:
-        # Admitted alone, OPENs to the dead rank: every one admitted ended
-        # (failed, or cancelled by the client once the call failed).
+        # The GEN side admitted each with no word from the CTX coordinator
+        # (alone while idle, else in a round of its own with no peer
+        # admission), its OPEN found the dead rank: every one ended
+        # (failed, or cancelled by the client once its call failed).
         assert stats["coordinators"]["gen"]["peers_admitting_at_open"], stats["coordinators"]["gen"]
-        assert decided.get("admitted", 0) + decided.get("rejected", 0) == len(results) + 1, decided
-        ended = decided.get("failed", 0) + decided.get("cancelled", 0)
-        assert ended == decided.get("admitted", 0) - 1, decided  # all but "before"
+        assert decided.get("rejected", 0) == 0, decided
+        # (counted by the coordinator: the rank may be a later incarnation by
+        # now, restarted to reclaim what it quarantined for the dead writer;
+        # "before" was admitted alone or, while learning the peer, in a round)
+        calls = stats["coordinators"]["gen"]["calls"]
+        admitted = calls.get("rank_admit_alone", 0) + decided.get("admitted", 0)
+        assert admitted == len(results) + 1, (calls, decided)
+        assert decided.get("failed", 0) + decided.get("cancelled", 0) == len(results), decided
     assert stats["coordinators"]["gen"]["in_flight"] == 0, stats["coordinators"]["gen"]
     gen = [s for s in stats["ranks"] if s.get("role") == "gen"]
     assert len(gen) == 1 and "error" not in gen[0] and gen[0]["leased"] == 0, gen
