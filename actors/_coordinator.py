@@ -720,19 +720,30 @@ class CoordinatorCore:
         self.calls["rank_admit_alone"] += 1
         if self.trace.every:
             self.trace.record(parent.request_id, f"{SENT}admit_alone", "local")
-        # A decision kept to ride with a vote goes now (no vote will come):
-        # the blocks its completions return must be free for this admission,
-        # which the rank takes only once it applied every decision up to here.
-        self._flush_carry()
+        # A decision kept to ride with a vote rides with this call instead
+        # (no vote will come), to the incarnation it was decided for: the
+        # rank applies it first, so the blocks its completions return are
+        # free for this admission. Else the rank admits only once it applied
+        # every decision up to here (one may still be on its way).
+        carried, self._carried = self._carried, None
+        epoch = self._epochs[0]
+        rides = carried.decision if carried is not None and carried.epochs[0] == epoch else None
+        replied: Any = StaleEpochError(epoch, carried.epochs[0]) if carried is not None and rides is None else None
         try:
-            admitted, report = await self._handles[0].admit_alone.remote(request, self._epochs[0], self._last_decided)
+            admitted, report = await self._handles[0].admit_alone.remote(request, epoch, self._last_decided, rides)
+            if rides is not None:
+                replied = rides.round_no
+                self.calls["applies_carried"] += 1
         except Exception as exc:
+            replied = exc
             self._rank_errors.append(f"rank 0: admit_alone({parent!r}): {exc!r}")
             admitted, report, outcome = False, None, "failed"
         else:
             outcome = "rejected"
         finally:
             self._alone_calls.pop(parent, None)
+            if carried is not None and not carried.replies[0].done():
+                carried.replies[0].set_result(replied)
         if report is not None and self._leader is not None:
             try:
                 if self._leader.report(report):

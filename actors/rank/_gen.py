@@ -37,6 +37,7 @@ from kvhandoff.protocol import (
     RankReport,
     Reject,
     Role,
+    RoundDecision,
     RoundError,
     RoundProposal,
     StageWrite,
@@ -118,7 +119,11 @@ class GenRankCore(RankCore):
             self._release_when_ready.add(request.parent)
 
     async def admit_alone(
-        self, request: AdmissionRequest, epoch: int | None = None, applied: int = 0
+        self,
+        request: AdmissionRequest,
+        epoch: int | None = None,
+        applied: int = 0,
+        decision: RoundDecision | None = None,
     ) -> tuple[bool, RankReport | None]:
         """Admit ``request`` as the GEN instance's only rank, with no round:
         its coordinator hands it a submission whose CTX instance admits at
@@ -133,11 +138,16 @@ class GenRankCore(RankCore):
         ``applied``: the last round its coordinator decided; the admission
         waits until that decision is applied here (bounded), so the blocks
         a completion returns are free for it, as for a vote its apply rides
-        with."""
+        with. ``decision``, when given, is the last one decided, riding with
+        this call instead of going alone: applied first, in its turn, as
+        `round_vote` applies the one riding with it."""
         if self.trace.every:
             self.trace.record(request.parent.request_id, "admit_alone", "call", self._coordinator_actor)
         self.member._check(epoch)
-        await self.member.wait_applied(applied)
+        if decision is not None:
+            await self.member.round_apply(decision, epoch)
+        else:
+            await self.member.wait_applied(applied)
         self.member._check(epoch)
         if self.config.spec.tp != 1 or not self.member.joined:
             raise RoundError(f"rank {self.ns}: admission alone needs the joined rank of a one-rank instance")

@@ -289,7 +289,7 @@ def _coordinator_lazy_apply(seconds: float) -> Any:
     return apply
 
 
-@pytest.mark.parametrize("admit_at_open", [False, True], ids=["rides_with_a_vote", "flushed_for_an_admission_alone"])
+@pytest.mark.parametrize("admit_at_open", [False, True], ids=["rides_with_a_vote", "rides_with_an_admission_alone"])
 def test_blocks_a_riding_completion_returns_are_free_for_the_vote_it_rides_with(ray_cluster: Any, admit_at_open: bool) -> None:
     """A GEN rank returns a finished handoff's blocks nobody consumes after
     the completion's apply. When that apply rides inside the next round's
@@ -298,8 +298,8 @@ def test_blocks_a_riding_completion_returns_are_free_for_the_vote_it_rides_with(
     window is wide, so the completion surely waits for the next admission,
     and the CTX rank is seen whole before it comes (only the GEN's blocks
     are in question). A GEN rank that admits alone (no vote to ride with):
-    the waiting apply goes first, and the rank admits only once it applied
-    it."""
+    the waiting apply rides with the admission alone instead, applied
+    before it."""
     blocks = 4
 
     async def scenario() -> tuple[list[Any], dict]:
@@ -326,5 +326,7 @@ def test_blocks_a_riding_completion_returns_are_free_for_the_vote_it_rides_with(
     assert [r.outcome for r in results] == ["completed"] * 3, results
     if admit_at_open:
         assert calls.get("applies_delayed", 0) >= 2 and calls.get("rank_admit_alone", 0) >= 2, calls
+        # ... each waiting apply rode with the next admission alone: no call of its own.
+        assert calls.get("applies_carried", 0) >= 2, calls
     else:
         assert calls.get("applies_delayed", 0) >= 2 and calls.get("applies_carried", 0) >= 2, calls
