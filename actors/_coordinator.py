@@ -697,8 +697,8 @@ class CoordinatorCore:
 
     def _idle_for_alone(self) -> bool:
         """May a submission be admitted alone now? Only while nothing else is
-        pending here: no admission queued, no round running, no other
-        admission alone out. Under load a round admits the whole batch with
+        under way here: no other submission waiting for its outcome, no
+        admission queued, no round running, no admission alone out. Under load a round admits the whole batch with
         one call per rank, and the rank sends their OPENs in one frame call
         per peer; an admission alone is one call per handoff, and its OPENs
         go in a frame call of their own. Measured on the GPU host at 16
@@ -706,7 +706,7 @@ class CoordinatorCore:
         handoff 0.6 -> 2.0 and a third of a pair's rate lost. So a lone
         handoff takes the short path (two hops fewer) and a busy instance
         batches."""
-        return not self._pending_admits and not self._alone_calls and not self._round_lock.locked()
+        return not self._submitted and not self._pending_admits and not self._alone_calls and not self._round_lock.locked()
 
     async def _admit_alone(self, request: AdmissionRequest) -> None:
         """Hand ``request`` to this one-rank instance's rank, which admits it
