@@ -341,19 +341,19 @@ def test_a_one_rank_gen_instance_admits_alone_in_six_hops_and_refuses_without_ro
     the leader has the parent in flight before anything else. After the
     first handoff (admitted in a round while the GEN coordinator learns how
     the peer admits), the traced path is submit, admit_alone, OPEN,
-    TERMINAL, report, outcome: 6 hops, no vote. With a handoff's chunks held
-    in flight, a second one finds too few free GEN blocks: the rank refuses
-    it, "rejected", nothing held; every pool is whole at the end."""
+    TERMINAL, report, outcome: 6 hops, no vote. With a finished handoff's
+    blocks kept for its consumer, the next one finds too few free GEN
+    blocks: the rank refuses it alone, "rejected", nothing held; every pool
+    is whole at the end."""
     from kvhandoff.actors.deployment import Deployment
     from kvhandoff.protocol import Role
 
     from .helpers import settled_stats
 
     async def scenario():
-        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=4, fault_plan=FaultPlan(hold=True), **FLEET)
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=4, **FLEET)
         try:
             (ctx,), (gen,) = await dep.ranks(Role.CTX), await dep.ranks(Role.GEN)
-            await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", False))
             await dep.set_trace(1)
             results, traces = [], []
             for i in range(4):
@@ -365,16 +365,18 @@ def test_a_one_rank_gen_instance_admits_alone_in_six_hops_and_refuses_without_ro
                 while (await ctx.stats.remote())["free"] != 4:
                     assert time.monotonic() < deadline, "the CTX rank never released its blocks"
                     await asyncio.sleep(0.01)
-            await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", True))
-            held = asyncio.create_task(dep.handoff("held", TOKENS, timeout=TIMEOUT))
-            deadline = time.monotonic() + TIMEOUT
-            while (await ctx.stats.remote())["in_flight_chunks"] == 0:
-                assert time.monotonic() < deadline and not held.done()
-                await asyncio.sleep(0.02)
+            # A handoff kept for its consumer holds 3 of the GEN rank's 4
+            # blocks once it is over: the coordinator is idle, so the next
+            # one goes alone, and the rank refuses it for want of room.
+            coordinator = dep.coordinator(Role.GEN)
+            kept = ParentKey(request_id="kept", ctx_attempt=1000, gen_attempt=1000)
+            held = await coordinator.submit.remote(kept, TOKENS, False)
+            before = (await coordinator.stats.remote())["calls"].get("rank_admit_alone", 0)
             refused = await dep.handoff("refused", TOKENS, timeout=TIMEOUT)
+            went_alone = (await coordinator.stats.remote())["calls"].get("rank_admit_alone", 0) - before
             during = await gen.stats.remote()
-            await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", False))
-            return results, traces, await held, refused, during, await settled_stats(dep, timeout=TIMEOUT)
+            await gen.free.remote(kept)
+            return results, traces, held, (refused, went_alone), during, await settled_stats(dep, timeout=TIMEOUT)
         finally:
             await dep.shutdown()
 
@@ -384,9 +386,11 @@ def test_a_one_rank_gen_instance_admits_alone_in_six_hops_and_refuses_without_ro
     alone = min(traces[1:], key=lambda t: t.hops)  # a report can race one hop longer on a busy box
     steps = [h.what for h in alone.path]
     assert alone.hops <= 6 and "admit_alone" in steps and "round_vote" not in steps, alone.path
-    assert held.outcome == "completed", held
+    assert held == "completed", held
+    refused, went_alone = refused
     assert refused.outcome == "rejected" and refused.bytes_verified == 0, refused
-    assert during["leased"] == 3, during  # the held handoff's blocks only
+    assert went_alone == 1, went_alone  # refused by the rank alone, not in a round
+    assert during["leased"] == 3, during  # the kept handoff's blocks only
     assert during["counters"].get("admit_refused", 0) >= 1, during["counters"]
     gen = next(s for s in stats["ranks"] if s["role"] == "gen")
     assert gen["counters"].get("admitted_alone", 0) >= 4, gen["counters"]  # a1-a3 and held at least
