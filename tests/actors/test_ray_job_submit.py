@@ -64,14 +64,25 @@ def head():
         "RAY_AUTH_MODE": "token",  # what `ray start` turns on anyway; named, so nothing warns
         "NIXL_LOG_LEVEL": "WARN",
     }
-    dashboard = _free_port()
-    args = [
-        str(BIN / "ray"), "start", "--head", "--num-cpus=2", "--disable-usage-stats",
-        f"--temp-dir={tmp}", f"--port={_free_port()}", "--include-dashboard=true",
-        f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={_free_port()}",
-        f"--ray-client-server-port={_free_port()}", f"--metrics-export-port={_free_port()}",
-    ]
-    started = subprocess.run(args, env=env, capture_output=True, text=True, timeout=START_DEADLINE_S)
+    deadline = time.monotonic() + START_DEADLINE_S
+    for attempt in range(3):
+        dashboard = _free_port()
+        args = [
+            str(BIN / "ray"), "start", "--head", "--num-cpus=2", "--disable-usage-stats",
+            f"--temp-dir={tmp}", f"--port={_free_port()}", "--include-dashboard=true",
+            f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={_free_port()}",
+            f"--ray-client-server-port={_free_port()}", f"--metrics-export-port={_free_port()}",
+        ]
+        left = max(deadline - time.monotonic(), 30.0)
+        started = subprocess.run(args, env=env, capture_output=True, text=True, timeout=left)
+        if started.returncode == 0 or attempt == 2 or time.monotonic() > deadline:
+            break
+        # Ray's own start deadlines can expire on a loaded 2-core box (seen
+        # in CI: "Failed to get node info ... Deadline Exceeded"): a slow
+        # start is not a failure. Take down what started and start again.
+        for pid in _ours(tag):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
     try:
         assert started.returncode == 0, started.stderr[-3000:]
         yield f"http://127.0.0.1:{dashboard}", env
