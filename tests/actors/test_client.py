@@ -577,12 +577,14 @@ def test_dead_coordinator_fails_handoffs_cleanly_and_stats_still_work(ray_cluste
             )
             # Blocks quarantined for the dead writer come back by the GEN
             # rank's reclaim restart, some time after the outcomes: wait for
-            # the pool to be whole (bounded), not just for no lease.
+            # the restart to end and the pool to be whole (bounded), not just
+            # for no lease.
             deadline = time.monotonic() + IDLE_BOUND
             while True:
                 stats = await until_idle(dep)
                 gen = [s for s in stats["ranks"] if s.get("role") == "gen" and "error" not in s]
-                if gen and all(s["free"] == s["pool"] for s in gen):
+                running = stats["coordinators"]["gen"].get("state") == "running"
+                if running and gen and all(s["free"] == s["pool"] for s in gen):
                     return results, stats, dep
                 assert time.monotonic() < deadline, gen
                 await asyncio.sleep(0.05)
@@ -591,7 +593,11 @@ def test_dead_coordinator_fails_handoffs_cleanly_and_stats_still_work(ray_cluste
             await dep.shutdown()
 
     results, stats, dep = run(scenario())
-    assert all(isinstance(r, HandoffResult) and r.outcome == "failed" for r in results), results
+    # Admitting at the OPEN, the first failed OPEN quarantines GEN blocks for
+    # the dead writer and the GEN rank's reclaim restart follows: a handoff
+    # still queued for a round then is refused ("rejected") instead.
+    endings = ("failed",) if not admit_at_open else ("failed", "cancelled", "rejected")
+    assert all(isinstance(r, HandoffResult) and r.outcome in endings for r in results), results
     assert stats["coordinators"]["ctx"]["state"] == "unreachable"
     assert stats["coordinators"]["gen"]["state"] == "running"
     decided = stats["coordinators"]["gen"]["decided"]
@@ -604,16 +610,17 @@ def test_dead_coordinator_fails_handoffs_cleanly_and_stats_still_work(ray_cluste
         # The GEN side admitted each with no word from the CTX coordinator
         # (alone while idle, else in a round of its own with no peer
         # admission), its OPEN found the dead rank: every one ended
-        # (failed, or cancelled by the client once its call failed).
+        # (failed, cancelled by the client once its call failed, or refused
+        # while the GEN rank restarted to reclaim its quarantined blocks).
         assert stats["coordinators"]["gen"]["peers_admitting_at_open"], stats["coordinators"]["gen"]
-        assert decided.get("rejected", 0) == 0, decided
         # (counted by the coordinator: the rank may be a later incarnation by
         # now, restarted to reclaim what it quarantined for the dead writer;
         # "before" was admitted alone or, while learning the peer, in a round)
         calls = stats["coordinators"]["gen"]["calls"]
         admitted = calls.get("rank_admit_alone", 0) + decided.get("admitted", 0)
-        assert admitted == len(results) + 1, (calls, decided)
-        assert decided.get("failed", 0) + decided.get("cancelled", 0) == len(results), decided
+        assert admitted >= 2, (calls, decided)  # "before" and at least the first of the eight
+        ended = sum(r.outcome in ("failed", "cancelled") for r in results)
+        assert ended >= 1 and decided.get("failed", 0) + decided.get("cancelled", 0) >= ended, (decided, results)
     assert stats["coordinators"]["gen"]["in_flight"] == 0, stats["coordinators"]["gen"]
     gen = [s for s in stats["ranks"] if s.get("role") == "gen"]
     assert len(gen) == 1 and "error" not in gen[0] and gen[0]["leased"] == 0, gen
