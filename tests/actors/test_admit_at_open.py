@@ -175,6 +175,10 @@ def test_a_ctx_rank_without_room_refuses_the_open_and_the_handoff_ends_cleanly()
             await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", False))
             for g in ("gen0", "gen1"):  # one at a time: a pool holds one handoff
                 await learned(fleet, [g], direct=["ctx0"])
+                # A completed handoff's CTX blocks come back at the decision's
+                # apply, after the client's answer: the next warm handoff's
+                # OPEN must find them free.
+                assert all(s["leased"] == 0 for s in (await settled(fleet))["ranks"])
             await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", True))
             before = await ctx.stats.remote()
             held = asyncio.create_task(fleet.handoff("held", TOKENS, ctx="ctx0", gen="gen0", timeout=TIMEOUT))
