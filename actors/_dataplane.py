@@ -764,9 +764,6 @@ class NixlTransport:
     def send_notif(self, peer: str, message: bytes) -> None:
         self.agent.send_notif(peer, message)
 
-    def notifications(self) -> dict[str, list[bytes]]:
-        return {str(k): list(v) for k, v in self.agent.get_new_notifs().items()}
-
     def close(self) -> None:
         for prepared in self._prepared.values():
             self._release_dlist(prepared.remote)

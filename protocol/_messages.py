@@ -223,7 +223,12 @@ class Open(_Msg, frozen=True, tag="open"):
 
 class Ready(_Msg, frozen=True, tag="ready"):
     ticket: ContextTicket
-    round_no: U63 = 0  # CTX agreement round that decided the parent
+    #: Reserved: no build sets it (a READY follows the decision of a round
+    #: or of an admission at the OPEN, and the GEN side needs neither's
+    #: number). It stays in the schema because every build encodes it (0)
+    #: and the schema refuses unknown fields: removing it would make this
+    #: build refuse the READY of every earlier one.
+    round_no: U63 = 0
 
 
 class Cancel(_Msg, frozen=True, tag="cancel"):

@@ -178,7 +178,6 @@ __all__ = [
     "render_state_tables",
     "SendMessage",
     "PostChunk",
-    "StopPosting",
     "Drain",
     "Release",
     "Quarantine",
@@ -295,7 +294,7 @@ class Effect(enum.Enum):
     SEND_READY = "send READY"  # CTX: publish READY to the GEN rank
     POST = "post chunks"  # CTX: post chunks up to the window
     SEND_TERMINAL = "send TERMINAL"  # CTX: send TERMINAL with the new state's evidence
-    STOP_AND_DRAIN = "stop posting, drain"  # CTX: StopPosting + Drain(posted chunks)
+    STOP_AND_DRAIN = "stop posting, drain"  # CTX: Drain(posted chunks); nothing more is posted
     SEND_CANCEL = "send CANCEL"  # GEN: ask the CTX rank to stop
     SEND_RECEIPT = "send RECEIPT"  # GEN: acknowledge the bytes
     SEND_OPEN = "send OPEN"  # GEN: propose every edge
@@ -650,13 +649,6 @@ class PostChunk:
 
 
 @dataclass(frozen=True, slots=True)
-class StopPosting:
-    """CTX: post no further chunk for this edge (already implied by the protocol)."""
-
-    ticket: ContextTicket
-
-
-@dataclass(frozen=True, slots=True)
 class Drain:
     """CTX: keep polling the posted chunks `in_flight` and report each; call
     `expire(now)` after `deadline` (the edge becomes UNKNOWN if any is left)."""
@@ -749,7 +741,6 @@ class Prepared:
 Action = Union[
     SendMessage,
     PostChunk,
-    StopPosting,
     Drain,
     Release,
     Quarantine,
@@ -1958,10 +1949,7 @@ class CtxRank(_Rank):
             return [SendMessage(to, Terminal(ticket=edge.ticket, evidence=kind, bytes_done=nbytes))]
         if effect is _FX.STOP_AND_DRAIN:
             assert edge.deadline is not None
-            return [
-                StopPosting(edge.ticket),
-                Drain(edge.ticket, tuple(sorted(edge.in_flight)), edge.deadline),
-            ]
+            return [Drain(edge.ticket, tuple(sorted(edge.in_flight)), edge.deadline)]
         raise AssertionError(f"unhandled ctx edge effect {effect}")  # pragma: no cover
 
     def _post_more(self, edge: _Edge) -> list[Action]:

@@ -45,7 +45,6 @@ from kvhandoff.protocol import (
     RoundProposal,
     SendMessage,
     Step,
-    StopPosting,
     admission_verdict,
     apply_step,
     decision_steps,
@@ -323,7 +322,7 @@ class _ControlPlane(_RankState):
             match action:
                 case SendMessage(to=to, message=message):
                     refs.append(self._send(to, message))
-                case StopPosting() | Drain():
+                case Drain():
                     self._wake.set()  # the poll loop drains what is posted
                 case Release(parent=parent, blocks=blocks, reclaimed=reclaimed):
                     self._releasing(parent, blocks)

@@ -122,7 +122,7 @@ class Side:
     def progress(self) -> int:
         """Progress this agent's worker (agents have no progress thread: a
         WRITE's target progresses, as a GEN rank's poll loop does)."""
-        return sum(len(v) for v in self.transport.notifications().values())
+        return sum(len(v) for v in self.transport.agent.get_new_notifs().values())
 
     def partial_left(self) -> int:
         return self.transport.progress_partial()

@@ -193,7 +193,7 @@ def _transfer(ctx_kind: str, gen_kind: str, layout: KVLayout, dtype: torch.dtype
             if all(ch.poll() in (XferState.DONE, XferState.ERR) for ch in chunks):
                 break
             for t in gen:  # the targets progress (agents have no progress thread)
-                t.notifications()
+                t.agent.get_new_notifs()
         assert {ch.state for ch in chunks} == {XferState.DONE}
         assert all(ch.release() for ch in chunks)
         for g, t in enumerate(gen):

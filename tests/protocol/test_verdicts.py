@@ -22,9 +22,10 @@ from kvhandoff.protocol import (
     NotNegotiatedError,
     ParentSettled,
     ParentState,
+    Quarantine,
+    Release,
     Role,
     RoundFollower,
-    StopPosting,
     VersionMismatchError,
     admission_verdict,
     report_of,
@@ -120,7 +121,8 @@ def test_a_settle_whose_bytes_do_not_verify_fails_and_overrides() -> None:
 
 
 def test_other_actions_tell_the_rounds_nothing() -> None:
-    assert report_of(StopPosting(P), _never) is None
+    assert report_of(Release(P, ()), _never) is None
+    assert report_of(Quarantine(P, (), "unproven"), _never) is None
 
 
 @pytest.mark.parametrize("news", list(News))
