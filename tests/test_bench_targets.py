@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from kvhandoff.actors._bench import _host_staged_ceiling, _targets
+from kvhandoff.actors._bench import _host_staged_ceiling, _targets, render
 
 
 def _row(copy: float, contiguous: float, direct: float, staged: float) -> dict:
@@ -223,3 +223,37 @@ def test_scale_work_counts_each_process_kinds_cpu_and_the_host_is_read() -> None
     scale["rows"][0]["cpu_per_handoff"] = {"front_ends_us": 900.0, "host_us": 12500.0, "host_busy_cores": 1.6}
     headers, rows = scale_table(scale)
     assert headers[-2:] == ["host CPU ms / handoff", "busy cores"] and rows[0][-2:] == ["12.50", "1.6"]
+
+
+def test_a_target_not_met_says_why_under_the_table() -> None:
+    """A missed sustained-rate target carries the reason (the calls a
+    handoff costs, and no pipelining with one client); the rendered table
+    numbers it and prints it under the targets; a met target carries none."""
+    control = _control(1.0) | {
+        "sustained_over_pipelined_best": 0.1,
+        "per_handoff": {"ray_calls": 7.2},
+        "sustained": [{"concurrency": 1}],
+    }
+    out = {"machine": {"cpus": 2, "memory": "DRAM", "loadavg_start": (0.5,), "loadavg_end": (0.7,)},
+           "config": {"ctx_tp": 1, "gen_tp": 1}, "control": control, "notes": [], "wall_s": 17.0, "command_s": 21.0}
+    out["targets"] = _targets(out)
+    sustained = next(t for t in out["targets"] if t["target"].startswith("sustained"))
+    assert sustained["met"] is False and "about 7 Ray calls" in sustained["why"]
+    assert "at most 1 client" in sustained["why"]
+    assert all("why" not in t for t in out["targets"] if t["met"])
+    text = render({k: v for k, v in out.items() if k != "control"})  # the targets' part
+    assert "| NOT met (1) |" in text and "(1) why not met: a small handoff costs about 7 Ray calls" in text
+    assert "21 s in all (17 s measuring)" in text
+    control["sustained"] = [{"concurrency": 1}, {"concurrency": 8}]
+    assert "nothing is pipelined" not in next(t for t in _targets(out) if t["target"].startswith("sustained"))["why"]
+
+
+def test_a_gpu_host_bound_missed_on_a_small_box_says_so_and_a_slow_end_to_end_names_the_control_time() -> None:
+    row = {"size_mib": 64, "e2e_over_raw_best": 0.5, "data_over_raw_best": 0.97,
+           "e2e": {"best_s": 0.012}, "control_overhead": {"p50_s": 0.006}, "control_overhead_over_ping_p50": 5.0}
+    targets = {t["target"]: t for t in _targets({"machine": {"cpus": 2}, "data": [row]})}
+    overhead = targets["control overhead (e2e - data phase) p50 @ 64 MiB / ping p50"]
+    assert overhead["met"] is False and "this one has 2 CPUs" in overhead["why"]
+    e2e = targets["handoff e2e / raw NIXL @ 64 MiB (best)"]
+    assert e2e["met"] is False and "6.0 ms p50" in e2e["why"] and "50% of the best end to end" in e2e["why"]
+    assert "why" not in targets["handoff data phase / raw NIXL @ 64 MiB (best)"]  # met
