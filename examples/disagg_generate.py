@@ -284,7 +284,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         ray.kill(w)
     return {
         "prompts": len(prompts),
-        "prompt_lengths": sorted({len(p) for p in prompts}),
+        "prompt_lengths": [len(p) for p in prompts],  # one per prompt, in order
         "completed": counts["completed"],
         "cancelled": counts["cancelled"],
         "rejected": counts["rejected"],
@@ -348,7 +348,23 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for key, value in report.items():
             print(f"{key:>18}: {value}")
+    print(verdict(report), file=sys.stderr if args.json else sys.stdout)
     return 0 if ok else 1
+
+
+def verdict(report: dict[str, Any]) -> str:
+    """The run in one line: were the completed requests token-exact, did
+    anything leak, was an invariant broken."""
+    exact, done = report["token_exact"], report["completed"]
+    if report["ok"]:
+        return (
+            f"ok: all {done} completed requests decoded token-exact "
+            f"({report['cancelled']} cancelled), 0 blocks leaked, no invariant violated"
+        )
+    wrong = [f"{done - exact} of {done} completed requests not token-exact"] if exact != done else []
+    wrong += [f"{report['leaked_blocks']} blocks leaked"] if report["leaked_blocks"] else []
+    wrong += [f"{len(report['violations'])} invariant violations"] if report["violations"] else []
+    return "NOT ok: " + ", ".join(wrong)
 
 
 if __name__ == "__main__":
