@@ -4,8 +4,10 @@ The engine API (`EngineDeployment`, rank endpoints an engine's own actors
 host over their own KV tensors: `EndpointHost`, `ctx_endpoint`,
 `gen_endpoint`), kvhandoff's own rank actors (a host of a `CtxRankCore` or
 `GenRankCore` as created by `RankActor`, over memory it allocates), a
-`Coordinator` per instance, the NIXL data plane, the synthetic `Deployment`
-client API (used by the CLI, the Ray job and the notebook) and the CLI.
+`Coordinator` per instance, the NIXL data plane and the synthetic
+`Deployment` client API (used by the CLI, the Ray job and the notebook).
+Only what runs in production: the `kvhandoff` command and its bench, demo
+and test harness live in `kvhandoff.cli`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# The names load on first use (PEP 562), so `import kvhandoff.actors.cli` and
+# The names load on first use (PEP 562), so `import kvhandoff.cli` and
 # `kvhandoff --help` import no Ray, torch or NIXL. Each public name and the
 # submodule that defines it:
 _SOURCES = {

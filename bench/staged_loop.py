@@ -14,7 +14,7 @@ import sys
 import time
 
 from kvhandoff.actors import Deployment
-from kvhandoff.actors._bench import _handoff, _progressing
+from kvhandoff.cli._bench import _handoff, _progressing
 from kvhandoff.protocol import Role
 from kvhandoff.topology import KVLayout, block_bytes
 

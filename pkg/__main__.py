@@ -1,3 +1,3 @@
-from kvhandoff.actors.cli import main
+from kvhandoff.cli import main
 
 raise SystemExit(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from kvhandoff.actors._bench import _host_staged_ceiling, _targets, render
+from kvhandoff.cli._bench import _host_staged_ceiling, _targets, render
 
 
 def _row(copy: float, contiguous: float, direct: float, staged: float) -> dict:
@@ -82,7 +82,7 @@ def test_scale_targets_use_the_best_one_pair_rate_of_the_run() -> None:
 
 
 def test_scale_table_lists_every_size_and_the_independent_pairs() -> None:
-    from kvhandoff.actors._bench_scale import scale_table
+    from kvhandoff.cli._bench_scale import scale_table
 
     headers, rows = scale_table(_scale([(1, 50.0), (2, 190.0), (4, 300.0), (1, 100.0)], independent=320.0))
     assert headers[0] == "setup" and [r[0] for r in rows] == ["fleet 1x1", "fleet 2x2", "fleet 4x4", "fleet 1x1", "4 independent pairs"]
@@ -139,7 +139,7 @@ def test_the_control_overhead_target_is_per_size_over_a_ping() -> None:
 
 
 def test_the_soak_target_is_the_largest_served_slope_after_the_warm_up() -> None:
-    from kvhandoff.actors._bench_soak import GROWTH_BOUND, slope, soak_table
+    from kvhandoff.cli._bench_soak import GROWTH_BOUND, slope, soak_table
 
     # A slope is bytes per handoff, least squares: a flat line with one jump
     # reads small; a steady climb reads its rate.
@@ -166,7 +166,7 @@ def test_the_soak_target_is_the_largest_served_slope_after_the_warm_up() -> None
 
 
 def test_the_soak_warm_up_lasts_until_every_bounded_memory_forgets() -> None:
-    from kvhandoff.actors._bench_soak import memories_full
+    from kvhandoff.cli._bench_soak import memories_full
 
     def memory(entries: int, by_age: int = 0, by_bytes: int = 0) -> dict[str, int]:
         return {"entries": entries, "bytes": 100 * entries, "dropped_by_age": by_age, "dropped_by_bytes": by_bytes}
@@ -185,7 +185,7 @@ def test_the_soak_warm_up_lasts_until_every_bounded_memory_forgets() -> None:
 def test_scale_table_shows_the_fleet_on_its_own_pairs_beside_the_independent_pairs() -> None:
     """The diagnostic row (the largest fleet, each front end on one pair)
     sits between the fleets and the independent pairs; it sets no target."""
-    from kvhandoff.actors._bench_scale import scale_table, scale_targets
+    from kvhandoff.cli._bench_scale import scale_table, scale_targets
 
     scale = _scale([(1, 50.0), (4, 300.0)], independent=320.0)
     scale["own_pairs"] = {"instances": 4, "pairs": 4, "clients": 16, "handoffs_per_s": 310.0, "latency_p50_s": 0.02}
@@ -203,7 +203,7 @@ def test_scale_work_counts_each_process_kinds_cpu_and_the_host_is_read() -> None
     host's busy CPU time from /proc/stat, which only grows."""
     import asyncio
 
-    from kvhandoff.actors._bench_scale import _host_busy_s, _per_handoff, _work, scale_table
+    from kvhandoff.cli._bench_scale import _host_busy_s, _per_handoff, _work, scale_table
 
     def stats(cpu: float) -> dict:
         return {

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 import kvhandoff
-from kvhandoff.actors import _flags, cli
+import kvhandoff.cli as cli
+from kvhandoff.cli import _flags
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("ray", "torch", "nixl", "nixl_cu12", "nixl_cu13", "numpy")
@@ -53,7 +54,7 @@ def test_parsing_imports_no_ray_torch_nixl_or_numpy(argv: list[str]) -> None:
     code = (
         "import atexit, json, sys\n"
         "atexit.register(lambda: print('MODULES=' + json.dumps(sorted(sys.modules))))\n"
-        "from kvhandoff.actors.cli import main\n"
+        "from kvhandoff.cli import main\n"
         f"main({argv!r})\n"
     )
     proc = _run(code)
@@ -72,7 +73,7 @@ def test_a_tp_the_heads_do_not_split_over_is_refused_before_ray_starts(flag: str
     code = (
         "import atexit, json, sys\n"
         "atexit.register(lambda: print('MODULES=' + json.dumps(sorted(sys.modules))))\n"
-        "from kvhandoff.actors.cli import main\n"
+        "from kvhandoff.cli import main\n"
         f"sys.exit(main(['demo', {flag!r}, '{tp}']))\n"
     )
     proc = _run(code)
@@ -97,7 +98,7 @@ def test_the_actors_package_loads_its_names_on_first_use() -> None:
 
 def test_version_is_the_installed_distributions() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "kvhandoff.actors.cli", "--version"],
+        [sys.executable, "-m", "kvhandoff.cli", "--version"],
         capture_output=True, text=True, timeout=60, cwd=ROOT, env=_env(),
     )
     assert proc.returncode == 0, proc.stderr
@@ -204,7 +205,7 @@ def test_no_escape_sequence_after_the_last_line_in_a_terminal() -> None:
     pty = pytest.importorskip("pty")
     code = (
         "import ray.autoscaler._private.cli_logger\n"  # what ray.init imports: colorama.init()
-        "from kvhandoff.actors.cli import _no_color_reset_at_exit\n"
+        "from kvhandoff.cli import _no_color_reset_at_exit\n"
         "print('last line', flush=True)\n"
         "_no_color_reset_at_exit()\n"
     )
@@ -247,7 +248,7 @@ def test_joining_an_address_where_nothing_listens_fails_at_once_in_one_line(comm
         code = (
             "import atexit, json, sys\n"
             "atexit.register(lambda: print('MODULES=' + json.dumps(sorted(sys.modules))))\n"
-            "from kvhandoff.actors.cli import main\n"
+            "from kvhandoff.cli import main\n"
             f"sys.exit(main([{command!r}, '--address', {address!r}]))\n"
         )
         env = _env()
@@ -277,7 +278,7 @@ def test_joining_a_listener_that_is_not_ray_fails_in_one_line() -> None:
         env.pop("RAY_ADDRESS", None)
         start = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, "-m", "kvhandoff.actors.cli", "demo", "--address", address],
+            [sys.executable, "-m", "kvhandoff.cli", "demo", "--address", address],
             capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
         )
         elapsed = time.monotonic() - start
@@ -289,7 +290,7 @@ def test_joining_a_listener_that_is_not_ray_fails_in_one_line() -> None:
 
 
 def test_probe_answers_refused_at_once_and_retries_only_silence() -> None:
-    from kvhandoff.actors._address import probe
+    from kvhandoff.cli._address import probe
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
@@ -327,7 +328,7 @@ def test_probe_answers_refused_at_once_and_retries_only_silence() -> None:
 
 
 def test_which_addresses_are_probed() -> None:
-    from kvhandoff.actors import _address
+    from kvhandoff.cli import _address
 
     assert _address.host_port("127.0.0.1:6379") == ("127.0.0.1", 6379)
     assert _address.host_port("[::1]:6379") == ("::1", 6379)
@@ -353,7 +354,7 @@ def test_which_addresses_are_probed() -> None:
 
 
 def test_a_failed_join_names_the_token_only_when_the_token_was_refused() -> None:
-    from kvhandoff.actors._address import init_error
+    from kvhandoff.cli._address import init_error
 
     try:
         try:
@@ -378,7 +379,7 @@ class _Terminal(io.StringIO):
 
 
 def test_progress_is_plain_lines_when_not_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvhandoff.actors._console import Reporter
+    from kvhandoff.cli._console import Reporter
 
     monkeypatch.setenv("TERM", "xterm")
     stream = io.StringIO()
@@ -399,7 +400,7 @@ def test_progress_is_plain_lines_when_not_a_terminal(monkeypatch: pytest.MonkeyP
 
 
 def test_progress_is_silent_when_quiet_and_live_in_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvhandoff.actors._console import Reporter
+    from kvhandoff.cli._console import Reporter
 
     quiet = io.StringIO()
     reporter = Reporter("kvhandoff demo", quiet=True, stream=quiet)
@@ -435,7 +436,7 @@ def test_progress_is_silent_when_quiet_and_live_in_a_terminal(monkeypatch: pytes
 
 
 def test_a_short_run_cancels_in_every_way() -> None:
-    from kvhandoff.actors._demo import DELAYED, EXACT_PHASES, plan_workload
+    from kvhandoff.cli._demo import DELAYED, EXACT_PHASES, plan_workload
 
     ways = {*EXACT_PHASES, DELAYED}
     for seed in range(20):
@@ -452,7 +453,7 @@ def test_a_short_run_cancels_in_every_way() -> None:
 
 
 def _report(requests: int = 3, cancel_rate: float = 0.3):  # type: ignore[no-untyped-def]
-    from kvhandoff.actors._demo import DemoReport, Finished, plan_workload
+    from kvhandoff.cli._demo import DemoReport, Finished, plan_workload
 
     plan = plan_workload(requests, cancel_rate, 0, exact_phases=True)
     results = [
@@ -478,7 +479,7 @@ def _report(requests: int = 3, cancel_rate: float = 0.3):  # type: ignore[no-unt
 
 
 def test_summary_explains_its_numbers_and_its_time_adds_up() -> None:
-    from kvhandoff.actors._demo import render_summary
+    from kvhandoff.cli._demo import render_summary
 
     report = _report(requests=8)
     text = render_summary(report)
@@ -496,7 +497,7 @@ def test_summary_explains_its_numbers_and_its_time_adds_up() -> None:
 
 
 def test_summary_says_why_a_short_run_misses_a_way() -> None:
-    from kvhandoff.actors._demo import render_summary
+    from kvhandoff.cli._demo import render_summary
 
     report = _report(requests=3)
     notes = report.to_json()["notes"]

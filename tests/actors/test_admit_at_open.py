@@ -411,9 +411,9 @@ def test_a_cancel_right_after_an_admission_alone_is_decided_by_the_gen_coordinat
     handoff never runs. Were the leader to learn of the parent only from a
     later report, it would drop the cancel (default-deny: `cancel` answers
     None) and the handoff would complete."""
-    from kvhandoff.actors._phases import _defer_opens, _deferred, _run_deferred
     from kvhandoff.actors.deployment import Deployment
     from kvhandoff.actors.rank import on_endpoint_loop
+    from kvhandoff.cli._phases import _defer_opens, _deferred, _run_deferred
     from kvhandoff.protocol import Role
 
     from .helpers import settled_stats

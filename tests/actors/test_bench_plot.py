@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvhandoff.actors._plots import missing, write_plots
+from kvhandoff.cli._plots import missing, write_plots
 from tests.actors.test_cli import ROOT, _env
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -50,7 +50,7 @@ def test_a_report_without_the_sections_draws_nothing(tmp_path: Path) -> None:
 def test_plot_without_matplotlib_exits_2_before_anything_starts(tmp_path: Path) -> None:
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"
-        "from kvhandoff.actors.cli import main\n"
+        "from kvhandoff.cli import main\n"
         f"sys.exit(main(['bench', '--plot', {str(tmp_path)!r}]))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env())
@@ -69,7 +69,7 @@ def test_bench_plot_writes_the_plots_of_a_real_run(tmp_path: Path) -> None:
         "--plot", str(out),
     ]
     proc = subprocess.run(
-        [sys.executable, "-m", "kvhandoff.actors.cli", *argv], capture_output=True, text=True, timeout=600, cwd=ROOT, env=_env()
+        [sys.executable, "-m", "kvhandoff.cli", *argv], capture_output=True, text=True, timeout=600, cwd=ROOT, env=_env()
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)

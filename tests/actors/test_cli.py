@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvhandoff.actors._demo import (
+from kvhandoff.cli._demo import (
     DELAYED,
     EXACT_PHASES,
     DemoReport,
@@ -73,7 +73,7 @@ def test_demo_json_reports_every_field_and_holds_the_invariants() -> None:
         "10",
     ]
     proc = subprocess.run(
-        [sys.executable, "-m", "kvhandoff.actors.cli", *argv],
+        [sys.executable, "-m", "kvhandoff.cli", *argv],
         capture_output=True,
         text=True,
         timeout=150,
@@ -126,7 +126,7 @@ def test_fleet_demo_with_chaos_reports_the_storm_and_fails_no_bystander() -> Non
     argv = ["demo", "--json", "--requests", str(requests), "--ctx-instances", "2", "--gen-instances", "2"]
     argv += ["--ctx-tp", "2,1", "--gen-tp", "1", "--chaos", "--concurrency", "6", "--pool-blocks", "256"]
     proc = subprocess.run(
-        [sys.executable, "-m", "kvhandoff.actors.cli", *argv],
+        [sys.executable, "-m", "kvhandoff.cli", *argv],
         capture_output=True, text=True, timeout=400, cwd=ROOT, env=_env(),
     )
     lines = proc.stdout.strip().splitlines()
@@ -169,7 +169,7 @@ def test_ray_job_example_runs_and_leaks_nothing() -> None:
 
 def _cli(*argv: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvhandoff.actors.cli", *argv],
+        [sys.executable, "-m", "kvhandoff.cli", *argv],
         capture_output=True,
         text=True,
         timeout=timeout,

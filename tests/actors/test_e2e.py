@@ -17,8 +17,8 @@ import time
 import pytest
 
 from kvhandoff.actors._dataplane import FaultPlan
-from kvhandoff.actors._phases import handoff_cancel_at, until_posted
 from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment
+from kvhandoff.cli._phases import handoff_cancel_at, until_posted
 from kvhandoff.protocol import (
     BlockDescriptor,
     BufferInfo,

@@ -23,11 +23,11 @@ from kvhandoff.actors import (
     Deployment,  # noqa: F401  (the package imports cleanly)
     RoundTimeout,
 )
-from kvhandoff.actors._phases import hold_frames, release_frames
 from kvhandoff.actors.deployment import InvalidConfig, InvalidRequest
 from kvhandoff.actors.endpoint import EnginePlan, ctx_endpoint, gen_endpoint
 from kvhandoff.actors.engine import EngineDeployment, PublishRefused, StaleTicket
 from kvhandoff.actors.rank import EndpointHost, endpoint_actor
+from kvhandoff.cli._phases import hold_frames, release_frames
 from kvhandoff.protocol import HandoffTicket, Role, TicketError
 from kvhandoff.topology import KVLayout, heads_per_rank
 
@@ -470,8 +470,8 @@ async def test_the_engine_cost_bench_runs_a_hosted_endpoint_under_load(ray_clust
     import argparse
     import itertools
 
-    from kvhandoff.actors._bench_engine import engine_cost, engine_targets
-    from kvhandoff.actors._console import Reporter
+    from kvhandoff.cli._bench_engine import engine_cost, engine_targets
+    from kvhandoff.cli._console import Reporter
 
     ids = itertools.count()
     out = await engine_cost(

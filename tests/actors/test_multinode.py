@@ -36,7 +36,7 @@ import pytest
 
 from kvhandoff.actors import Deployment, LaunchFailed, PlacementFailed
 from kvhandoff.actors._dataplane import FaultPlan
-from kvhandoff.actors._phases import CANCEL_PHASES, handoff_cancel_at
+from kvhandoff.cli._phases import CANCEL_PHASES, handoff_cancel_at
 from kvhandoff.protocol import Role
 
 from .helpers import assert_clean, gen_bytes, inside, settled_stats

@@ -30,8 +30,8 @@ import msgspec
 import pytest
 
 from kvhandoff.actors._dataplane import FaultPlan
-from kvhandoff.actors._phases import handoff_cancel_at, hold_frames, release_frames
 from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment
+from kvhandoff.cli._phases import handoff_cancel_at, hold_frames, release_frames
 from kvhandoff.protocol import (
     ABI_MSGPACK_V1,
     ALL_CAPABILITIES,

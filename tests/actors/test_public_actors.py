@@ -24,7 +24,7 @@ def test_public_names_exist() -> None:
 def test_cancel_phases_are_exactly_the_documented_ones() -> None:
     """The harness's CANCEL_PHASES names exactly the phases its docstring
     documents (each `- "phase":` item), plus None for "no cancel"."""
-    from kvhandoff.actors import _phases
+    from kvhandoff.cli import _phases
 
     doc = inspect.getdoc(_phases) or ""
     documented = set(re.findall(r'^- "([a-z_]+)":', doc, flags=re.MULTILINE))
@@ -36,7 +36,7 @@ def test_cancel_phases_are_exactly_the_documented_ones() -> None:
 
 def test_test_hooks_are_not_in_the_public_api() -> None:
     """Cancel phases, frame holds and posted-chunk polls live in the harness
-    (actors/_phases.py), not in `Deployment` or the rank actor's methods."""
+    (cli/_phases.py), not in `Deployment` or the rank actor's methods."""
     params = inspect.signature(actors.Deployment.handoff).parameters
     assert set(params) == {"self", "request_id", "num_tokens", "timeout"}, params
     from kvhandoff.actors.rank import CtxRankCore, GenRankCore, RankCore
@@ -80,7 +80,7 @@ def test_harness_refuses_an_unknown_cancel_phase_before_any_actor_call(phase: ob
     """An unknown phase raises ValueError naming the valid ones before any
     call: a deployment that was never launched would fail any call, so
     reaching one would show up here as a different error."""
-    from kvhandoff.actors._phases import handoff_cancel_at
+    from kvhandoff.cli._phases import handoff_cancel_at
 
     deployment = actors.Deployment()
     with pytest.raises(ValueError, match="phase must be one of") as info:

@@ -20,7 +20,8 @@ import msgspec
 import pytest
 
 from kvhandoff.actors._dataplane import FaultPlan
-from kvhandoff.actors._phases import (
+from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment
+from kvhandoff.cli._phases import (
     defer_opens,
     handoff_cancel_at,
     held_frames,
@@ -28,7 +29,6 @@ from kvhandoff.actors._phases import (
     release_frames,
     run_deferred_opens,
 )
-from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment
 from kvhandoff.protocol import Cancel as CancelMsg
 from kvhandoff.protocol import (
     CancelReason,

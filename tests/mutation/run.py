@@ -53,9 +53,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 MUTANTS = pathlib.Path(__file__).with_name("mutants.toml")
 DEFAULT_TESTS = "tests/protocol"
 # What the scratch copy needs: the layer folders, the tests and what they read.
-COPY = ("pkg", "protocol", "topology", "actors", "tools", "tests", "docs", "examples", "pyproject.toml")
+COPY = ("pkg", "protocol", "topology", "actors", "cli", "tools", "tests", "docs", "examples", "pyproject.toml")
 # The import package `kvhandoff` as the editable install maps it (pyproject package-dir).
-PACKAGE_DIRS = {"protocol": "protocol", "topology": "topology", "actors": "actors", "tools": "tools"}
+PACKAGE_DIRS = {"protocol": "protocol", "topology": "topology", "actors": "actors", "cli": "cli", "tools": "tools"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -247,7 +247,7 @@ def test_planted_mutants_are_in_the_catalogue() -> None:
 
 def test_the_command_prints_the_documented_json() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "kvhandoff.actors.cli", "explore", "--config", "smoke", "--json"],
+        [sys.executable, "-m", "kvhandoff.cli", "explore", "--config", "smoke", "--json"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr

@@ -87,3 +87,20 @@ def test_tools_import_the_protocol_only() -> None:
     assert not bad, f"tools/ imports I/O or the actors layer: {bad}"
     for layer in ("protocol", "topology"):
         assert not {m for m in _imports(layer) if m.startswith("kvhandoff.tools")}, layer
+
+
+def test_production_layers_import_no_tool() -> None:
+    """The runtime (protocol/, topology/, actors/ with actors/rank/,
+    integrations/) imports nothing from the command and its harness (cli/)
+    or the explorer (tools/), and parses no command line: a tool that
+    moves back into the runtime folder fails here."""
+    for layer in ("protocol", "topology", "actors", "integrations"):
+        for path in (ROOT / layer).rglob("*.py"):
+            modules: set[str] = set()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    modules.update(alias.name for alias in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    modules.add(node.module)
+            bad = {m for m in modules if m.startswith(("kvhandoff.cli", "kvhandoff.tools")) or m == "argparse"}
+            assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"

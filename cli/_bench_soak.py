@@ -41,9 +41,9 @@ import tracemalloc
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvhandoff.actors._console import Reporter
 from kvhandoff.actors._metrics import resident_bytes
 from kvhandoff.actors.deployment import Deployment
+from kvhandoff.cli._console import Reporter
 from kvhandoff.protocol import CLOSED_SESSION_MEMORY, RETAIN_S, Role
 from kvhandoff.topology import KVLayout
 

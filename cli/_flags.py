@@ -2,8 +2,8 @@
 
 `kvhandoff --help` builds every parser: this module imports only the standard
 library (no Ray, torch, NIXL or numpy: a test checks it), so help and flag
-errors come back at once. The subcommands' bodies (`actors/_demo.py`,
-`actors/_bench.py`) are imported only after the flags parsed, and take their
+errors come back at once. The subcommands' bodies (`cli/_demo.py`,
+`cli/_bench.py`) are imported only after the flags parsed, and take their
 defaults from here.
 
 Every count is checked by its type: argparse refuses a bad value with exit

@@ -5,9 +5,9 @@
     kvhandoff explore [--json]      every interleaving of small handoff worlds (no Ray)
     kvhandoff --version
 
-Parsing is light: the flags live in `actors/_flags.py`, which imports no Ray,
+Parsing is light: the flags live in `cli/_flags.py`, which imports no Ray,
 torch, NIXL or numpy, so `--help`, `--version` and a bad flag answer at once.
-Each subcommand's body (`actors/_demo.py`, `actors/_bench.py`,
+Each subcommand's body (`cli/_demo.py`, `cli/_bench.py`,
 `tools/explore.py`: `run(args) -> exit status`) is imported only once its
 flags parsed.
 """
@@ -35,7 +35,7 @@ def version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of every subcommand (imports nothing heavy)."""
-    from kvhandoff.actors import _flags
+    from kvhandoff.cli import _flags
 
     parser = argparse.ArgumentParser(
         prog="kvhandoff", description="Cancellation-safe KV-cache handoff (Ray + NIXL)."
@@ -84,14 +84,14 @@ def main(argv: list[str] | None = None) -> int:
         # Joining a cluster (--address, RAY_ADDRESS): nothing Ray answers there
         # is one line and exit status 2, in seconds (issue 20). Before Ray is
         # imported: it reads the connect bounds this sets then.
-        from kvhandoff.actors._address import check_join
+        from kvhandoff.cli._address import check_join
 
         error = check_join(args, os.environ)
         if error is not None:
             print(f"kvhandoff {args.command}: {error}", file=sys.stderr)
             return 2
         # Only now the heavy part: Ray, torch, NIXL.
-        command = importlib.import_module(f"kvhandoff.actors._{args.command}")
+        command = importlib.import_module(f"kvhandoff.cli._{args.command}")
         return int(command.run(args))
     finally:
         _no_color_reset_at_exit()
@@ -122,6 +122,3 @@ def _no_color_reset_at_exit() -> None:
     if reset_all is not None:
         atexit.unregister(reset_all)
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -10,7 +10,7 @@ What it does, with no flags:
    bounded number in flight, and `--cancel-rate` of them (30%) cancelled. The
    cancels are spread over every phase: at least one in each way as soon as
    there are enough requests, then half at an exact phase (the harness in
-   actors/_phases.py: before OPEN, before READY, mid-DMA, after completion)
+   cli/_phases.py: before OPEN, before READY, mid-DMA, after completion)
    and half by a concurrent `cancel()` after a random delay, which lands
    wherever the request happens to be (admission included);
 4. waits (bounded) until no rank holds a leased block, stops what it started,
@@ -26,7 +26,7 @@ What it does, with no flags:
 Exit status: 0 when every invariant holds, 1 when one does not (each is
 printed), 2 when the deployment could not be launched.
 
-Progress goes to stderr (actors/_console.py): a live display in a terminal,
+Progress goes to stderr (cli/_console.py): a live display in a terminal,
 plain lines otherwise. The summary goes to stdout: tables whose parts add up
 to the wall time and whose notes say what each count means, the expected
 refusals of a clean run included. `--json` prints exactly one JSON object on
@@ -49,12 +49,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvhandoff.actors._console import Reporter, is_terminal
-from kvhandoff.actors._flags import MAX_TOKENS, MIN_TOKENS, REQUEST_TIMEOUT_S
+from kvhandoff.cli._console import Reporter, is_terminal
+from kvhandoff.cli._flags import MAX_TOKENS, MIN_TOKENS, REQUEST_TIMEOUT_S
 
 __all__ = ["run", "plan_workload", "Planned", "DemoReport"]
 
-#: The exact phases the harness (actors/_phases.py) reaches (docs/design.md "Lifecycle").
+#: The exact phases the harness (cli/_phases.py) reaches (docs/design.md "Lifecycle").
 EXACT_PHASES = ("before_open", "before_ready", "mid_dma", "after_complete")
 #: A concurrent `cancel()` after a random delay: lands in whatever phase the
 #: request is in (admission, OPEN, READY, DMA, completion or after the end).
@@ -315,7 +315,7 @@ def _percentile(sorted_values: list[float], pct: float) -> float | None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit status (0 only if every invariant holds).
 
-    `args` are the `kvhandoff demo` flags (actors/_flags.py)."""
+    `args` are the `kvhandoff demo` flags (cli/_flags.py)."""
     # Before Ray (and therefore any worker) starts: workers inherit it.
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     fleet = getattr(args, "ctx_instances", 1) > 1 or getattr(args, "gen_instances", 1) > 1
@@ -360,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
                 started_ray = True
     except Exception as exc:  # one line; the token hint only for a token refused
         if joining:
-            from kvhandoff.actors._address import init_error
+            from kvhandoff.cli._address import init_error
 
             line = init_error(exc, address or os.environ.get("RAY_ADDRESS", ""), os.environ)
         else:
@@ -374,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
         # prints there meanwhile (its raylet's warnings) goes to stderr.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
             if fleet:
-                from kvhandoff.actors._fleet_demo import run_fleet
+                from kvhandoff.cli._fleet_demo import run_fleet
 
                 report = asyncio.run(run_fleet(args, reporter))
             else:
@@ -401,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
             # Errors go to stderr too, so that `--json` callers see why it failed.
             print(f"kvhandoff demo: invariant violated: {violation}", file=sys.stderr)
     elif fleet:
-        from kvhandoff.actors._fleet_demo import print_summary as print_fleet_summary
+        from kvhandoff.cli._fleet_demo import print_summary as print_fleet_summary
 
         print_fleet_summary(report)
     else:
@@ -557,7 +557,7 @@ async def run_workload(
 
 
 async def _handoff(dep: Any, planned: Planned, timeout: float) -> Any:
-    from kvhandoff.actors._phases import handoff_cancel_at
+    from kvhandoff.cli._phases import handoff_cancel_at
 
     if planned.cancel is None:
         return await dep.handoff(planned.request_id, planned.num_tokens, timeout=timeout)

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvhandoff.actors._console import Reporter
+from kvhandoff.cli._console import Reporter
 from kvhandoff.topology import KVLayout
 
 __all__ = ["scale", "scale_targets"]

@@ -1,6 +1,6 @@
 """`kvhandoff demo --ctx-instances N --gen-instances M`: the demo on a fleet.
 
-The same workload as the one-pair demo (actors/_demo.py: log-uniform sizes,
+The same workload as the one-pair demo (cli/_demo.py: log-uniform sizes,
 `--cancel-rate` of them cancelled by a concurrent `cancel()` after a random
 delay, so the cancels land in every phase), run through a `Fleet`
 (actors/fleet.py): the built-in chooser pairs each request with a GEN
@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvhandoff.actors._console import Reporter
+from kvhandoff.cli._console import Reporter
 
 __all__ = ["run_fleet", "FleetReport", "tps"]
 
@@ -153,14 +153,14 @@ class FleetReport:
 
 async def run_fleet(args: argparse.Namespace, reporter: Reporter) -> FleetReport:
     """Launch the fleet, run the workload (and the storm), settle, report."""
-    from kvhandoff.actors._demo import DELAYED, plan_workload
     from kvhandoff.actors.fleet import Fleet, InstanceUnavailable
+    from kvhandoff.cli._demo import DELAYED, plan_workload
 
     n, m = args.ctx_instances, args.gen_instances
     ctx_tps, gen_tps = tps(args.ctx_tp, n), tps(args.gen_tp, m)
     durations: dict[str, float] = {}
     t = time.perf_counter()
-    from kvhandoff.actors._demo import _LaunchFailed
+    from kvhandoff.cli._demo import _LaunchFailed
 
     gpus_per_rank = getattr(args, "gpus_per_rank", 0.0) or 1.0
     if args.memory == "VRAM" and not getattr(args, "gpus_per_rank", 0.0):

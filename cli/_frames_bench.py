@@ -43,10 +43,9 @@ from typing import Any
 
 import ray
 
+from kvhandoff.actors._dataplane import KVBuffer, NixlTransport
+from kvhandoff.actors._frames import NixlNotifChannel
 from kvhandoff.protocol import FRAME_HEADER_LEN, FRAME_MAGIC
-
-from ._dataplane import KVBuffer, NixlTransport
-from ._frames import NixlNotifChannel
 
 __all__ = ["FramePeer", "payload", "measure"]
 

@@ -42,10 +42,10 @@ from typing import Any
 import ray
 import torch
 
-from kvhandoff.actors._console import Reporter
 from kvhandoff.actors.endpoint import EnginePlan, ctx_endpoint, gen_endpoint
 from kvhandoff.actors.engine import EngineDeployment
 from kvhandoff.actors.rank import EndpointHost, endpoint_actor
+from kvhandoff.cli._console import Reporter
 from kvhandoff.protocol import Role
 from kvhandoff.topology import KVLayout, heads_per_rank
 

@@ -63,12 +63,12 @@ from typing import Any
 
 import ray
 
-from kvhandoff.actors._console import Reporter
-from kvhandoff.actors._flags import SECTIONS
 from kvhandoff.actors._stager import STAGED_BELOW, staged_min_descriptors
 from kvhandoff.actors._trace import hop_summary
 from kvhandoff.actors.deployment import Deployment, HandoffResult
 from kvhandoff.actors.rank import on_endpoint_loop
+from kvhandoff.cli._console import Reporter
+from kvhandoff.cli._flags import SECTIONS
 from kvhandoff.protocol import Role
 from kvhandoff.topology import KVLayout, block_bytes, memory_pieces, shard_map
 
@@ -841,8 +841,8 @@ class _Bench:
     # -- 5. control frames: one-way Ray calls vs NIXL notifications -------------------
 
     async def frames(self) -> dict[str, Any]:
-        """actors/_frames_bench.py: two actors, no deployment."""
-        from kvhandoff.actors._frames_bench import measure
+        """cli/_frames_bench.py: two actors, no deployment."""
+        from kvhandoff.cli._frames_bench import measure
 
         a = self.args
         return await measure(a.frames_bytes, a.frames_n, a.frames_burst)
@@ -979,17 +979,17 @@ class _Bench:
             with self._section("crossover", "staged vs direct by request size (descriptors per edge)"):
                 out["crossover"] = await self.crossover()
         if "scale" in sections:
-            from kvhandoff.actors._bench_scale import scale
+            from kvhandoff.cli._bench_scale import scale
 
             with self._section("scale", "aggregate handoff rate of NxN fleets vs independent pairs"):
                 out["scale"] = await scale(a, self.reporter, self.rid)
         if "engine" in sections:
-            from kvhandoff.actors._bench_engine import engine_cost
+            from kvhandoff.cli._bench_engine import engine_cost
 
             with self._section("engine", "the engine's Python beside no endpoint, an idle one, one under load"):
                 out["engine"] = await engine_cost(a, self.reporter, self.rid)
         if "soak" in sections:
-            from kvhandoff.actors._bench_soak import soak
+            from kvhandoff.cli._bench_soak import soak
 
             with self._section("soak", f"{a.soak_s:.0f} s of handoffs under cancels: does memory stay flat?"):
                 out["soak"] = await soak(a, self.reporter, self.rid)
@@ -1234,16 +1234,16 @@ def _targets(out: dict[str, Any]) -> list[dict[str, Any]]:
                 add("control time p50 of an 8,192-block request / a 128-block one",
                     row["over_first_p50"], "<=", 1.5)
     if out.get("scale"):
-        from kvhandoff.actors._bench_scale import scale_targets
+        from kvhandoff.cli._bench_scale import scale_targets
 
         cores = out.get("machine", {}).get("cpus") or 0
         scale_targets(out["scale"], "GPU host target (16 cores)" if cores < 16 else "", add)
     if out.get("engine"):
-        from kvhandoff.actors._bench_engine import engine_targets
+        from kvhandoff.cli._bench_engine import engine_targets
 
         engine_targets(out["engine"], add)
     if out.get("soak"):
-        from kvhandoff.actors._bench_soak import soak_targets
+        from kvhandoff.cli._bench_soak import soak_targets
 
         soak_targets(out["soak"], add)
     cancel = out.get("cancel")
@@ -1569,12 +1569,12 @@ def render(out: dict[str, Any]) -> str:
             verdict += f" ({len(whys)})"
         rows.append([t["target"], t["value"], f"{t['op']} {_fmt(t['bound'])}", verdict, t["note"]])
     if out.get("scale"):
-        from kvhandoff.actors._bench_scale import scale_table
+        from kvhandoff.cli._bench_scale import scale_table
 
         scale_headers, scale_rows = scale_table(out["scale"])
         parts.append(_table("Scale: aggregate small-handoff rate of fleets (tp=1 instances)", scale_headers, scale_rows))
     if out.get("soak"):
-        from kvhandoff.actors._bench_soak import soak_table
+        from kvhandoff.cli._bench_soak import soak_table
 
         soak_headers, soak_rows = soak_table(out["soak"])
         parts.append(_table("Soak: resident memory of every process", soak_headers, soak_rows))
@@ -1599,14 +1599,14 @@ def run(args: argparse.Namespace) -> int:
     """Run the selected sections; print tables (or `--json`). Exit 0 when every
     run section produced numbers (targets not met is a finding, not an error).
 
-    `args` are the `kvhandoff bench` flags (actors/_flags.py). Progress goes to
-    stderr (actors/_console.py); with `--json`, none."""
+    `args` are the `kvhandoff bench` flags (cli/_flags.py). Progress goes to
+    stderr (cli/_console.py); with `--json`, none."""
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
         print(f"unknown sections: {sorted(unknown)} (choose from {SECTIONS})", file=sys.stderr)
         return 2
     if args.plot:
-        from kvhandoff.actors._plots import missing
+        from kvhandoff.cli._plots import missing
 
         why = missing()
         if why:  # before anything starts
@@ -1631,7 +1631,7 @@ def run(args: argparse.Namespace) -> int:
             with reporter.step(f"joining the Ray cluster at {where}" if where else "starting a local Ray cluster", done="Ray ready"):
                 ray.init(**kw)
         except Exception as exc:  # one line (cli.main already checked that a GCS answers there)
-            from kvhandoff.actors._address import init_error
+            from kvhandoff.cli._address import init_error
 
             if where:
                 line = init_error(exc, where, os.environ)
@@ -1657,7 +1657,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out["command_s"] = time.perf_counter() - began  # Ray's start and stop included
     if args.plot:
-        from kvhandoff.actors._plots import write_plots
+        from kvhandoff.cli._plots import write_plots
 
         with reporter.step(f"writing plots into {args.plot}", done="plots written"):
             out["plots"] = [str(p) for p in write_plots(out, args.plot)]
