@@ -86,13 +86,13 @@ DATA_MODES = ("auto", "direct", "staged")
 
 #: "auto" stages an edge whose average piece is below this many bytes, per
 #: device kind: the crossover measured by `kvhandoff bench --sections paged`
-#: (docs/benchmarks.md "Staged vs direct"), where staged stops beating direct.
+#: (docs/journal/2026-12-05-benchmarks-history.md "Staged vs direct"), where staged stops beating direct.
 STAGED_BELOW = {"cpu": 8 << 10, "cuda": 1536 << 10}
 
 
 #: A staging slot's bytes when `RankConfig.staging_slot_bytes` is 0, per
 #: device kind (at least `chunk_bytes`): measured by `kvhandoff bench
-#: --sections paged --staging-slot-mib N` (docs/benchmarks.md "Slot size").
+#: --sections paged --staging-slot-mib N` (docs/journal/2026-12-05-benchmarks-history.md "Slot size").
 STAGING_SLOT_BYTES = {"cpu": 0, "cuda": 128 << 20}
 
 
@@ -114,7 +114,7 @@ def staged_below(device: str, override: int = 0) -> int:
 #: "auto" stages an edge only from this many descriptors (pieces x blocks)
 #: on, per device kind: below it staging's fixed cost per chunk (a gather, a
 #: notice, a scatter, an ACK) outweighs the per-descriptor cost it saves.
-#: Measured by `kvhandoff bench --sections crossover` (docs/benchmarks.md
+#: Measured by `kvhandoff bench --sections crossover` (docs/journal/2026-12-05-benchmarks-history.md
 #: "Small requests").
 STAGED_MIN_DESCRIPTORS = {"cpu": 2048, "cuda": 256}
 

@@ -6,7 +6,7 @@ console script; every flag is `kvhandoff bench`'s (cli/_bench.py):
     python bench/bench_handoff.py [--json] [--sections data,paged,control,cancel]
         [--sizes-mib 64,256] [--repeats 5] [--memory DRAM|VRAM] [--ctx-tp 1] [--gen-tp 1] ...
 
-Method and measured numbers: docs/benchmarks.md.
+Method: docs/benchmarking.md; the current figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations

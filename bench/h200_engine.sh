@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The real-model example on the GPU machine (issue 10): prefill TP=2 -> decode
 # TP=1 with VRAM pools, in one device call (repo root, .dev carried with ray,
-# nixl and transformers: see docs/benchmarks.md "Engine example on H200").
+# nixl and transformers: see docs/journal/2026-12-05-benchmarks-history.md "Engine example on H200").
 set -euo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 site=$(mktemp -d); for f in .dev/*.txz; do tar xJf "$f" -C "$site"; done

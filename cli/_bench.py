@@ -1295,7 +1295,7 @@ def _ms(seconds: float | None) -> float:
 
 
 def render(out: dict[str, Any]) -> str:
-    """The human-readable tables (markdown, so they paste into docs/benchmarks.md)."""
+    """The human-readable tables, in markdown."""
     parts = []
     m, c = out["machine"], out["config"]
     parts.append(

@@ -42,7 +42,7 @@ class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: ride with the next one to the same actor (`RankCore._send`): READY and
     #: RECEIPT frames over Ray calls, a CTX rank's completion news. It delays
     #: no answer; a fleet's ranks, whose traffic spreads over many peers,
-    #: make fewer calls per handoff with it (docs/benchmarks.md "Fleet scale").
+    #: make fewer calls per handoff with it (docs/journal/2026-12-05-benchmarks-history.md "Fleet scale").
     lazy_flush_s: float = 0.005
     device: str = "cpu"
     fault_plan: FaultPlan | None = None
