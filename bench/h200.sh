@@ -3,14 +3,8 @@
 # with .dev carried: see the device notes on packing ray and nixl for it).
 # Writes bench_*.json under $OUT (default: ./out).
 set -euo pipefail
-out=${OUT:-out}; mkdir -p "$out"
-site=$(mktemp -d); for f in .dev/*.txz; do tar xJf "$f" -C "$site"; done
+source bench/_device.sh
 # The import package as a tree of symlinks (no pip install there).
-tree=$(mktemp -d); mkdir -p "$tree/kvhandoff"
-ln -s "$PWD/pkg/__init__.py" "$tree/kvhandoff/__init__.py"
-for layer in protocol topology actors cli; do ln -s "$PWD/$layer" "$tree/kvhandoff/$layer"; done
-export PYTHONPATH=$tree:$site:$PWD NIXL_LOG_LEVEL=WARN
-kvh() { python -c "import sys; from kvhandoff.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 gpus=$(nvidia-smi -L | wc -l)
 share=1; [ "$gpus" -lt 2 ] && share=0.5   # one GPU: a CTX and a GEN rank share it

@@ -2,7 +2,6 @@
 # A/B on the GPU host, back to back in one device call: the same benches on
 # an older tree (carried as .ab_base/kvhandoff, e.g. the commit before an
 # issue) and on this one. Ratios are compared run against run on one machine.
-# (A tree before the CLI left actors/ has it at kvhandoff.actors.cli.)
 # Usage (repo root, .dev and .ab_base carried): [ROUNDS=2] bash bench/h200_ab.sh
 # (2 rounds write 7 files: the device returns at most 8.)
 # SCALE=1: the fleet's scale section instead (one run ~2 min per tree and
@@ -11,20 +10,14 @@
 # both arms on this tree (e.g. BASE_FLAGS=--scale-admit-in-rounds: the fleet
 # with and without admission at the OPEN).
 set -euo pipefail
-out=${OUT:-out}; mkdir -p "$out"
-site=$(mktemp -d); for f in .dev/*.txz; do tar xJf "$f" -C "$site"; done
-head_tree=$(mktemp -d); mkdir -p "$head_tree/kvhandoff"
-ln -s "$PWD/pkg/__init__.py" "$head_tree/kvhandoff/__init__.py"
-for layer in protocol topology actors cli integrations tools; do ln -s "$PWD/$layer" "$head_tree/kvhandoff/$layer"; done
+source bench/_device.sh
 base_tree=${BASE_TREE:-$PWD/.ab_base}
-head_tree=${HEAD_TREE:-$head_tree}  # another carried tree in place of this one
+head_tree=${HEAD_TREE:-$tree}  # another carried tree in place of this one
 if [ "${BASE_TREE:-}" = head ]; then base_tree=$head_tree; fi
-export NIXL_LOG_LEVEL=WARN
 run() {  # run TREE NAME ARGS...: one bench with TREE's kvhandoff first on the path
   local tree=$1 name=$2; shift 2
-  (cd "$(mktemp -d)" && PYTHONPATH=$tree:$site python -c \
-    "import importlib.util, sys; m = importlib.import_module('kvhandoff.cli' if importlib.util.find_spec('kvhandoff.cli') else 'kvhandoff.actors.cli'); sys.exit(m.main(sys.argv[1:]))" bench --json "$@") \
-    > "$out/$name.json" 2>> "$out/ab.log" || echo "$name failed: $?"
+  (cd "$(mktemp -d)" && PYTHONPATH=$tree:$site kvh bench --json "$@") > "$out/$name.json" 2>> "$out/ab.log" \
+    || echo "$name failed: $?"
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 if [ -n "${VRAM_ONLY:-}" ]; then  # the VRAM data plane only, alternating, ROUNDS times

@@ -7,13 +7,8 @@
 #     measured at launch; the JSON's scale.control_frames says what it took);
 #  3. DEMO=1: the fleet chaos demo on the default carrier.
 set -uo pipefail
-out=${OUT:-out}; mkdir -p "$out"; frames=${FRAMES:-auto}
-site=$(mktemp -d); for f in .dev/ray.txz .dev/rest.txz; do tar xJf "$f" -C "$site"; done
-tree=$(mktemp -d); mkdir -p "$tree/kvhandoff"
-ln -s "$PWD/pkg/__init__.py" "$tree/kvhandoff/__init__.py"
-for layer in protocol topology actors cli; do ln -s "$PWD/$layer" "$tree/kvhandoff/$layer"; done
-export PYTHONPATH=$tree:$site:$PWD NIXL_LOG_LEVEL=WARN RAY_AUTH_MODE=token
-kvh() { python -c "import sys; from kvhandoff.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
+source bench/_device.sh
+frames=${FRAMES:-auto}
 nproc
 [ "${TESTS:-1}" = 1 ] && python -m pytest -q -p no:cacheprovider tests/actors/test_carrier.py > "$out/pytest_carrier.txt" 2>&1; tail -3 "$out/pytest_carrier.txt" 2>/dev/null
 [ "${SCALE:-1}" = 1 ] && kvh bench --json --sections scale --scale-sizes ${SIZES:-1,2,4,1} --scale-clients ${CLIENTS:-16} \

@@ -3,18 +3,12 @@
 # the scale section with Ray-call frames (repo root, .dev carried; see
 # bench/h200.sh). Writes JSON under $OUT.
 set -uo pipefail
-out=${OUT:-out}; mkdir -p "$out"
-site=$(mktemp -d); for f in .dev/ray.txz .dev/rest.txz; do tar xJf "$f" -C "$site"; done
-tree=$(mktemp -d); mkdir -p "$tree/kvhandoff"
-ln -s "$PWD/pkg/__init__.py" "$tree/kvhandoff/__init__.py"
-for layer in protocol topology actors cli; do ln -s "$PWD/$layer" "$tree/kvhandoff/$layer"; done
-export PYTHONPATH=$tree:$site:$PWD NIXL_LOG_LEVEL=WARN RAY_AUTH_MODE=token
-kvh() { python -c "import sys; from kvhandoff.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
-[ "${SCALE:-1}" = 1 ] && timeout 230 python -c "import sys; from kvhandoff.cli import main; sys.exit(main(sys.argv[1:]))" \
+source bench/_device.sh
+[ "${SCALE:-1}" = 1 ] && timeout 230 "${kvh_cmd[@]}" \
   bench --json --sections scale --scale-sizes 1,2,4,1 --scale-clients 16 --sustain-s 5 --round-timeout-s 30 \
   --control-frames ray > "$out/bench_scale_ray.json" 2> "$out/bench_scale_ray.err"
 for run in ${RUNS:-nixl.1 nixl.2 ray.1}; do
-  timeout 110 python -c "import sys; from kvhandoff.cli import main; sys.exit(main(sys.argv[1:]))" \
+  timeout 110 "${kvh_cmd[@]}" \
     demo --json --chaos --ctx-instances 2 --gen-instances 2 --ctx-tp 2,1 --gen-tp 1,2 --requests 300 \
     --control-frames "${run%.*}" --seed "${run#*.}" > "$out/demo_chaos_$run.json" 2> "$out/demo_chaos_$run.err"
   echo "$run rc=$?"

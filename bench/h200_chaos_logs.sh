@@ -3,15 +3,10 @@
 # every Ray worker's log lines about the handoffs that ended "timeout"
 # (repo root, .dev carried; see bench/h200.sh). Writes under $OUT.
 set -uo pipefail
-out=${OUT:-out}; mkdir -p "$out"
-site=$(mktemp -d); for f in .dev/ray.txz .dev/rest.txz; do tar xJf "$f" -C "$site"; done
-tree=$(mktemp -d); mkdir -p "$tree/kvhandoff"
-ln -s "$PWD/pkg/__init__.py" "$tree/kvhandoff/__init__.py"
-for layer in protocol topology actors cli; do ln -s "$PWD/$layer" "$tree/kvhandoff/$layer"; done
-export PYTHONPATH=$tree:$site:$PWD NIXL_LOG_LEVEL=WARN RAY_AUTH_MODE=token
+source bench/_device.sh
 for seed in ${SEEDS:-1 0}; do
   rm -rf /tmp/ray/session_*
-  timeout 110 python -c "import sys; from kvhandoff.cli import main; sys.exit(main(sys.argv[1:]))" \
+  timeout 110 "${kvh_cmd[@]}" \
     demo --json --chaos --ctx-instances 2 --gen-instances 2 --ctx-tp 2,1 --gen-tp 1,2 --requests 300 \
     --control-frames ${FRAMES:-nixl} --seed "$seed" > "$out/demo_$seed.json" 2> "$out/demo_$seed.err"
   echo "seed $seed rc=$?"

@@ -5,13 +5,7 @@
 # section (1x1, 2x2, 4x4 and four independent pairs, 16 clients per
 # instance), both on host memory.
 set -euo pipefail
-out=${OUT:-out}; mkdir -p "$out"
-site=$(mktemp -d); for f in .dev/*.txz; do tar xJf "$f" -C "$site"; done
-tree=$(mktemp -d); mkdir -p "$tree/kvhandoff"
-ln -s "$PWD/pkg/__init__.py" "$tree/kvhandoff/__init__.py"
-for layer in protocol topology actors cli integrations tools; do ln -s "$PWD/$layer" "$tree/kvhandoff/$layer"; done
-export PYTHONPATH=$tree:$site NIXL_LOG_LEVEL=WARN
-kvh() { (cd "$(mktemp -d)" && python -c "import sys; from kvhandoff.cli import main; sys.exit(main(sys.argv[1:]))" "$@"); }
+source bench/_device.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true; nproc
 kvh bench --json --sections control --concurrency 1,8,32 > "$out/default_control_h200x1.json" 2>> "$out/log" || echo "control failed: $?"
 kvh bench --json --sections scale --scale-sizes 1,2,4,1 --scale-clients 16 --sustain-s 5 --round-timeout-s 30 \

@@ -3,12 +3,8 @@
 # TP=1 with VRAM pools, in one device call (repo root, .dev carried with ray,
 # nixl and transformers: see docs/journal/2026-12-05-benchmarks-history.md "Engine example on H200").
 set -euo pipefail
-out=${OUT:-out}; mkdir -p "$out"
-site=$(mktemp -d); for f in .dev/*.txz; do tar xJf "$f" -C "$site"; done
-tree=$(mktemp -d); mkdir -p "$tree/kvhandoff"
-ln -s "$PWD/pkg/__init__.py" "$tree/kvhandoff/__init__.py"
-for layer in protocol topology actors cli; do ln -s "$PWD/$layer" "$tree/kvhandoff/$layer"; done
-export PYTHONPATH=$tree:$site:$PWD NIXL_LOG_LEVEL=WARN HF_HUB_OFFLINE=1
+source bench/_device.sh
+export HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python examples/disagg_generate.py --device cuda --json "$@" > "$out/engine_h200_cuda.json" 2> "$out/engine_h200_cuda.err" \
   || echo "cuda run exit $?"

@@ -9,13 +9,7 @@
 #  2. The fleet chaos demo: 2x2 with mixed TP, a rank and a coordinator
 #     killed, a replacement joining, an instance draining.
 set -euo pipefail
-out=${OUT:-out}; mkdir -p "$out"
-site=$(mktemp -d); for f in .dev/ray.txz .dev/rest.txz; do tar xJf "$f" -C "$site"; done
-tree=$(mktemp -d); mkdir -p "$tree/kvhandoff"
-ln -s "$PWD/pkg/__init__.py" "$tree/kvhandoff/__init__.py"
-for layer in protocol topology actors cli; do ln -s "$PWD/$layer" "$tree/kvhandoff/$layer"; done
-export PYTHONPATH=$tree:$site:$PWD NIXL_LOG_LEVEL=WARN RAY_AUTH_MODE=token
-kvh() { python -c "import sys; from kvhandoff.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
+source bench/_device.sh
 nproc; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 [ "${SCALE:-1}" = 1 ] && kvh bench --json --sections scale --scale-sizes ${SIZES:-1,2,4,1} --scale-clients ${CLIENTS:-16} \
   --sustain-s ${SUSTAIN:-5} --round-timeout-s 30 --control-frames ${FRAMES:-ray} > "$out/bench_scale.json" 2> "$out/bench_scale.err" || echo "scale bench failed: $?"

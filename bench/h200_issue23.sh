@@ -5,13 +5,7 @@
 # then the small handoff, sustained rate, hops, big requests, the 256 MiB
 # overhead and cancel on host memory with frames on NIXL notifications.
 set -euo pipefail
-out=${OUT:-out}; mkdir -p "$out"
-site=$(mktemp -d); for f in .dev/*.txz; do tar xJf "$f" -C "$site"; done
-tree=$(mktemp -d); mkdir -p "$tree/kvhandoff"
-ln -s "$PWD/pkg/__init__.py" "$tree/kvhandoff/__init__.py"
-for layer in protocol topology actors cli; do ln -s "$PWD/$layer" "$tree/kvhandoff/$layer"; done
-export PYTHONPATH=$tree:$site:$PWD NIXL_LOG_LEVEL=WARN
-kvh() { python -c "import sys; from kvhandoff.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
+source bench/_device.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true; nproc
 kvh bench --json --memory VRAM --gpus-per-rank 0.5 --sections data,cancel --sizes-mib 256 \
   --chunk-mib 64 --repeats 7 --cancels 20 > "$out/issue23_h200x1_vram_data_cancel.json" || echo "vram failed: $?"

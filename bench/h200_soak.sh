@@ -8,13 +8,7 @@
 # SOAK=0, FLOOR=0 or NIXL=0 skips a part; TRACE=1 adds --soak-trace (what
 # each process's Python heap and object counts grew after the warm-up). Writes under $OUT.
 set -uo pipefail
-out=${OUT:-out}; mkdir -p "$out"
-site=$(mktemp -d); for f in .dev/ray.txz .dev/rest.txz; do tar xJf "$f" -C "$site"; done
-tree=$(mktemp -d); mkdir -p "$tree/kvhandoff"
-ln -s "$PWD/pkg/__init__.py" "$tree/kvhandoff/__init__.py"
-for layer in protocol topology actors cli tools integrations; do ln -s "$PWD/$layer" "$tree/kvhandoff/$layer"; done
-export PYTHONPATH=$tree:$site:$PWD NIXL_LOG_LEVEL=WARN RAY_AUTH_MODE=token
-kvh() { python -c "import sys; from kvhandoff.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
+source bench/_device.sh
 nproc
 if [ "${SOAK:-1}" = 1 ]; then
   kvh bench --json --sections soak --soak-s ${SOAK_S:-400} --soak-warmup-s ${WARM_S:-150} \

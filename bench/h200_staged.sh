@@ -5,13 +5,7 @@
 #     direct, direct and staged handoffs, one contiguous raw WRITE, a copy.
 #  2. The chaos demo with the staged mode forced (0 leaked slots).
 set -euo pipefail
-out=${OUT:-out}; mkdir -p "$out"
-site=$(mktemp -d); for f in .dev/ray.txz .dev/rest.txz; do tar xJf "$f" -C "$site"; done
-tree=$(mktemp -d); mkdir -p "$tree/kvhandoff"
-ln -s "$PWD/pkg/__init__.py" "$tree/kvhandoff/__init__.py"
-for layer in protocol topology actors cli; do ln -s "$PWD/$layer" "$tree/kvhandoff/$layer"; done
-export PYTHONPATH=$tree:$site:$PWD NIXL_LOG_LEVEL=WARN
-kvh() { python -c "import sys; from kvhandoff.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
+source bench/_device.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 gpus=$(nvidia-smi -L | wc -l)
 share=0.5; [ "$gpus" -lt 2 ] && share=0.33   # 3 ranks: two share a GPU, or all three one
