@@ -66,9 +66,9 @@ import ray
 from kvhandoff.actors._stager import STAGED_BELOW, staged_min_descriptors
 from kvhandoff.actors._trace import hop_summary
 from kvhandoff.actors.deployment import Deployment, HandoffResult
-from kvhandoff.actors.rank import on_endpoint_loop
 from kvhandoff.cli._console import Reporter
 from kvhandoff.cli._flags import SECTIONS
+from kvhandoff.cli._phases import on_endpoint_loop
 from kvhandoff.protocol import Role
 from kvhandoff.topology import KVLayout, block_bytes, memory_pieces, shard_map
 

@@ -28,11 +28,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvhandoff.actors.rank import on_endpoint_loop
 from kvhandoff.protocol import ParentKey, Role
 from kvhandoff.topology import shard_map
 
 __all__ = [
+    "on_endpoint_loop",
     "CANCEL_PHASES",
     "handoff_cancel_at",
     "until_posted",
@@ -47,6 +47,26 @@ __all__ = [
 #: The exact phases `handoff_cancel_at` knows (None: no cancel).
 CANCEL_PHASES = (None, "before_open", "before_ready", "mid_dma", "after_complete")
 _ENDED = ("released", "quarantined", "decode_ready", "settled", "completed", "cancelled", "rejected", "failed")
+
+
+def on_endpoint_loop(host: Any, fn: Any, *args: Any) -> Any:
+    """Run ``fn(endpoint, *args)`` on the loop the hosted endpoint lives on
+    (for code that reaches an endpoint's internals through Ray's
+    ``__ray_call__``, which runs on the host's default loop: the test
+    harness). Waits for the answer."""
+    endpoint = getattr(host, "kvhandoff", host)
+    home = getattr(endpoint, "_home", None)
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if home is None or home is here or not home.is_running():
+        return fn(endpoint, *args)
+
+    async def call() -> Any:
+        return fn(endpoint, *args)
+
+    return asyncio.run_coroutine_threadsafe(call(), home).result()
 
 
 # -- functions that run on a rank endpoint, inside its host actor, on the

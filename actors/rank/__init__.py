@@ -86,8 +86,7 @@ five):
 - `_core`: `RankCore`, those mixed together, with its round and lifecycle
   actor methods;
 - `_ctx`, `_gen`: `CtxRankCore`, `GenRankCore`;
-- `_host`: `EndpointHost`, `endpoint_actor`, `on_endpoint_loop` and the rank
-  actor classes.
+- `_host`: `EndpointHost`, `endpoint_actor` and the rank actor classes.
 
 `agent_name` lives in actors/_names.py (re-exported here): the staged data
 plane (actors/_stager.py) needs it, and it reaches a rank core only through
@@ -110,7 +109,6 @@ from kvhandoff.actors.rank._host import (
     GenRankActor,
     RankActor,
     endpoint_actor,
-    on_endpoint_loop,
     rank_actor_class,
 )
 
@@ -128,5 +126,4 @@ __all__ = [
     "ENDPOINT_METHODS",
     "ENDPOINT_GROUP",
     "endpoint_actor",
-    "on_endpoint_loop",
 ]

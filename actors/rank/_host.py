@@ -1,6 +1,6 @@
 """The host of a rank endpoint: `EndpointHost` (a mixin for a Ray actor class
 that holds a rank core and forwards `ENDPOINT_METHODS` to it on the
-endpoint's own event loop), `endpoint_actor`, `on_endpoint_loop`, and
+endpoint's own event loop), `endpoint_actor`, and
 kvhandoff's own rank actor classes (`CtxRankActor`, `GenRankActor`,
 `rank_actor_class`, `RankActor`).
 """
@@ -62,7 +62,9 @@ class EndpointHost:
 def _forwarder(name: str) -> Any:
     async def forward(self: EndpointHost, *args: Any, **kwargs: Any) -> Any:
         endpoint = self.kvhandoff
-        endpoint._home = asyncio.get_running_loop()  # where its state lives (the harness needs it)
+        # The loop its state lives on: kvhandoff.cli._phases.on_endpoint_loop
+        # (the test harness) runs code there.
+        endpoint._home = asyncio.get_running_loop()
         return await getattr(endpoint, name)(*args, **kwargs)
 
     forward.__name__ = forward.__qualname__ = name
@@ -86,26 +88,6 @@ def endpoint_actor(cls: Any = None, /, **options: Any) -> Any:
         return ray.remote(**{**options, "concurrency_groups": groups})(klass)
 
     return make(cls) if cls is not None else make
-
-
-def on_endpoint_loop(host: Any, fn: Any, *args: Any) -> Any:
-    """Run ``fn(endpoint, *args)`` on the loop the hosted endpoint lives on
-    (for code that reaches an endpoint's internals through Ray's
-    ``__ray_call__``, which runs on the host's default loop: the test
-    harness). Waits for the answer."""
-    endpoint = getattr(host, "kvhandoff", host)
-    home = getattr(endpoint, "_home", None)
-    try:
-        here = asyncio.get_running_loop()
-    except RuntimeError:
-        here = None
-    if home is None or home is here or not home.is_running():
-        return fn(endpoint, *args)
-
-    async def call() -> Any:
-        return fn(endpoint, *args)
-
-    return asyncio.run_coroutine_threadsafe(call(), home).result()
 
 
 class _CtxRankHost(EndpointHost):
