@@ -37,9 +37,15 @@ MACHINES = {
     "nvidia-h200 host (16 cores), host memory": "GPU host (one H200, 16 cores)",
     "nvidia-h200 host (16 cores), one H200": "GPU host (one H200, 16 cores)",
     "H200 x2 (2 GPUs, 32 cores)": "H200x2 (two H200s over NVLink, 32 cores)",
+    "H100 x1 (1 GPU, 16 cores)": "16-core H100 host (the GPU host's class: 16 cores, one GPU)",
 }
 #: Machines in the order the page shows them (others follow, by name).
-ORDER = ("2-core CPU box", "GPU host (one H200, 16 cores)", "H200x2 (two H200s over NVLink, 32 cores)")
+ORDER = (
+    "2-core CPU box",
+    "GPU host (one H200, 16 cores)",
+    "16-core H100 host (the GPU host's class: 16 cores, one GPU)",
+    "H200x2 (two H200s over NVLink, 32 cores)",
+)
 
 HEADER = """# Benchmarks
 
