@@ -98,7 +98,7 @@ def test_an_endpoint_host_forwards_every_endpoint_method_and_no_hook() -> None:
     from kvhandoff.actors.rank import ENDPOINT_METHODS, CtxRankCore, EndpointHost, GenRankCore
 
     for needed in ("receive_frames", "round_vote", "round_apply", "round_identity", "connect",
-                   "peer_restarted", "peer_dead", "stats", "wait", "returned", "free", "raw_write"):
+                   "peer_restarted", "peer_dead", "stats", "wait", "returned", "free"):
         assert needed in ENDPOINT_METHODS, needed
         assert inspect.iscoroutinefunction(getattr(EndpointHost, needed)), needed
     for name in ENDPOINT_METHODS:
@@ -106,6 +106,14 @@ def test_an_endpoint_host_forwards_every_endpoint_method_and_no_hook() -> None:
         assert not name.startswith("_")
     for hook in ("hold_frames", "release_frames", "defer_opens", "cancel_at"):
         assert hook not in ENDPOINT_METHODS and not hasattr(EndpointHost, hook), hook
+    # The bench's baselines: kvhandoff's own CTX rank actor forwards them, an
+    # engine's worker (any other EndpointHost) does not.
+    from kvhandoff.actors.rank._host import BENCH_METHODS, _CtxRankHost, _GenRankHost
+
+    for baseline in ("raw_write", "raw_contiguous", "copy_bench", "transfer_timings"):
+        assert baseline in BENCH_METHODS and baseline not in ENDPOINT_METHODS, baseline
+        assert not hasattr(EndpointHost, baseline) and not hasattr(_GenRankHost, baseline), baseline
+        assert inspect.iscoroutinefunction(getattr(_CtxRankHost, baseline)), baseline
 
     class Endpoint:
         async def stats(self) -> str:
