@@ -20,6 +20,8 @@ family of related tickets (same parent, different edges or epochs).
 from __future__ import annotations
 
 import string
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from hypothesis import strategies as st
 
@@ -84,6 +86,7 @@ u32s = st.integers(min_value=0, max_value=2**32 - 1)
 u63s = st.integers(min_value=0, max_value=2**63 - 1)
 _ranks = st.integers(min_value=0, max_value=4095)
 _details = st.text(max_size=MAX_DETAIL_LEN)
+_M = TypeVar("_M")
 
 
 def ids(max_size: int = MAX_ID_LEN) -> st.SearchStrategy[str]:
@@ -152,47 +155,35 @@ def buffer_infos(max_blocks: int = 8) -> st.SearchStrategy[BufferInfo]:
     )
 
 
+def _with_ticket(
+    kind: Callable[..., _M], ticket: st.SearchStrategy[ContextTicket] | None, **fields: st.SearchStrategy[Any]
+) -> st.SearchStrategy[_M]:
+    """`st.builds(kind, ...)` with its ticket from `ticket`, or any ticket when None."""
+    return st.builds(kind, ticket=tickets() if ticket is None else ticket, **fields)
+
+
 def opens(ticket: st.SearchStrategy[ContextTicket] | None = None) -> st.SearchStrategy[Open]:
-    return st.builds(
-        Open, ticket=tickets() if ticket is None else ticket, buffer=buffer_infos(), num_tokens=u32s
-    )
+    return _with_ticket(Open, ticket, buffer=buffer_infos(), num_tokens=u32s)
 
 
 def readies(ticket: st.SearchStrategy[ContextTicket] | None = None) -> st.SearchStrategy[Ready]:
-    return st.builds(Ready, ticket=tickets() if ticket is None else ticket, round_no=u63s)
+    return _with_ticket(Ready, ticket, round_no=u63s)
 
 
 def cancels(ticket: st.SearchStrategy[ContextTicket] | None = None) -> st.SearchStrategy[Cancel]:
-    return st.builds(
-        Cancel,
-        ticket=tickets() if ticket is None else ticket,
-        reason=st.sampled_from(CancelReason),
-        detail=_details,
-    )
+    return _with_ticket(Cancel, ticket, reason=st.sampled_from(CancelReason), detail=_details)
 
 
-def terminals(
-    ticket: st.SearchStrategy[ContextTicket] | None = None,
-) -> st.SearchStrategy[Terminal]:
-    return st.builds(
-        Terminal,
-        ticket=tickets() if ticket is None else ticket,
-        evidence=st.sampled_from(TerminalKind),
-        bytes_done=u63s,
-    )
+def terminals(ticket: st.SearchStrategy[ContextTicket] | None = None) -> st.SearchStrategy[Terminal]:
+    return _with_ticket(Terminal, ticket, evidence=st.sampled_from(TerminalKind), bytes_done=u63s)
 
 
 def receipts(ticket: st.SearchStrategy[ContextTicket] | None = None) -> st.SearchStrategy[Receipt]:
-    return st.builds(Receipt, ticket=tickets() if ticket is None else ticket, bytes_received=u63s)
+    return _with_ticket(Receipt, ticket, bytes_received=u63s)
 
 
 def rejects(ticket: st.SearchStrategy[ContextTicket] | None = None) -> st.SearchStrategy[Reject]:
-    return st.builds(
-        Reject,
-        ticket=tickets() if ticket is None else ticket,
-        reason=st.sampled_from(RejectReason),
-        detail=_details,
-    )
+    return _with_ticket(Reject, ticket, reason=st.sampled_from(RejectReason), detail=_details)
 
 
 def descriptors_v1(

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import pytest
 
-import kvhandoff.protocol as protocol
 from kvhandoff.protocol import (
     ADMISSION_REFUSALS,
     AdmissionRefused,
@@ -37,6 +36,7 @@ from kvhandoff.protocol import (
     reject_for,
 )
 
+from ._helpers import take_opens
 from .harness import Pair, ctx_endpoint, make_ticket, parent_key
 
 P = parent_key(1)
@@ -47,13 +47,7 @@ def _direct(n_gen: int = 1, ctx_blocks: int = 4) -> tuple[Pair, list[Open]]:
     pair = Pair(n_gen=n_gen, ctx_blocks=ctx_blocks, direct=True)
     pair.admit(P, blocks=2)
     pair.install(P)
-    opens = []
-    for env in list(pair.queue):
-        message = protocol.decode_frame(env.frame)
-        if isinstance(message, Open):
-            pair.queue.remove(env)
-            opens.append(message)
-    return pair, opens
+    return pair, take_opens(pair)
 
 
 def test_no_ctx_round_admits_on_the_direct_path() -> None:

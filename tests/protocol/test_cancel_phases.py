@@ -36,6 +36,7 @@ from kvhandoff.protocol import (
     decode_frame,
 )
 
+from ._helpers import decided, prepared
 from .harness import (
     CHUNK_BYTES,
     CTX_DIGEST,
@@ -77,13 +78,6 @@ def _assert_all_free(pair: Pair) -> None:
     pair.check_s4_and_ownership()
 
 
-def _to_prepared(pair: Pair, chunks: int = 2) -> None:
-    pair.admit(P, chunks=chunks)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-
-
 def test_cancel_before_open() -> None:
     pair = Pair()
     pair.admit(P)
@@ -104,8 +98,7 @@ def test_cancel_before_open() -> None:
 
 
 def test_cancel_after_open_before_ready() -> None:
-    pair = Pair()
-    _to_prepared(pair)
+    pair = prepared(Pair())
     ticket = pair.tickets(P)[0]
     gen = pair.gens[0]
     actions = gen.cancel(P, CancelReason.CLIENT, pair.now)
@@ -129,8 +122,7 @@ def test_cancel_after_open_before_ready() -> None:
 
 def test_cancel_after_open_early_release_by_verdict() -> None:
     """The round's topology-wide NOT_STARTED verdict frees GEN before the TERMINAL arrives."""
-    pair = Pair()
-    _to_prepared(pair)
+    pair = prepared(Pair())
     for rank in pair.ranks():
         pair.perform(rank.cancel(P, CancelReason.CLIENT, pair.now, from_round=True), rank)
     held = list(pair.queue)
@@ -163,7 +155,7 @@ def test_cancel_after_ready_before_post() -> None:
         transfer_timeout=pair.timeout,
         post_on_decide=False,
     )
-    _to_prepared(pair)
+    prepared(pair)
     ticket = pair.tickets(P)[0]
     pair.decide(P)
     assert pair.ctx.evidence(ticket).state is EdgeState.READY
@@ -181,10 +173,8 @@ def test_cancel_after_ready_before_post() -> None:
 
 
 def test_cancel_mid_dma_drains() -> None:
-    pair = Pair(chunk_window=2)
-    _to_prepared(pair, chunks=4)
+    pair = decided(Pair(chunk_window=2), chunks=4)
     ticket = pair.tickets(P)[0]
-    pair.decide(P)
     pair.finish_chunk((ticket, 0))  # chunk 2 gets posted; 1 and 2 in flight
     assert set(pair.in_flight) == {(ticket, 1), (ticket, 2)}
     pair.deliver_all()  # READY reaches GEN
@@ -212,10 +202,8 @@ def test_cancel_mid_dma_drains() -> None:
 
 
 def test_cancel_mid_dma_with_siblings_is_parent_scoped() -> None:
-    pair = Pair(n_gen=2, chunk_window=1)
-    _to_prepared(pair, chunks=2)
+    pair = decided(Pair(n_gen=2, chunk_window=1))
     first, second = pair.tickets(P)
-    pair.decide(P)
     pair.deliver_all()
     pair.perform(pair.gens[0].cancel(P, CancelReason.CLIENT, pair.now), pair.gens[0])
     pair.deliver_all()  # CTX drains both edges; GEN 1 learns by TERMINAL
@@ -230,10 +218,8 @@ def test_cancel_mid_dma_with_siblings_is_parent_scoped() -> None:
 
 
 def test_drain_timeout_quarantines_both_sides() -> None:
-    pair = Pair(chunk_window=2)
-    _to_prepared(pair, chunks=2)
+    pair = decided(Pair(chunk_window=2))
     ticket = pair.tickets(P)[0]
-    pair.decide(P)
     pair.deliver_all()
     pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
@@ -272,10 +258,8 @@ def test_drain_timeout_quarantines_both_sides() -> None:
 def test_reclaim_needs_every_chunk_polled() -> None:
     """A chunk that reports ERR is quiescent too; until the last one reports,
     the quarantine stands (and an explicit reclaim still needs a proof)."""
-    pair = Pair(chunk_window=2)
-    _to_prepared(pair, chunks=2)
+    pair = decided(Pair(chunk_window=2))
     ticket = pair.tickets(P)[0]
-    pair.decide(P)
     pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     pair.now += pair.timeout
     pair.perform(pair.ctx.expire(pair.now), pair.ctx)
@@ -291,10 +275,8 @@ def test_reclaim_needs_every_chunk_polled() -> None:
 
 
 def test_cancel_after_terminal() -> None:
-    pair = Pair()
-    _to_prepared(pair)
+    pair = decided(Pair())
     ticket = pair.tickets(P)[0]
-    pair.decide(P)
     for key in list(pair.in_flight):
         pair.finish_chunk(key)
     assert pair.ctx.evidence(ticket).state is EdgeState.COMPLETED
@@ -311,10 +293,8 @@ def test_cancel_after_terminal() -> None:
 
 
 def test_cancel_after_receipt() -> None:
-    pair = Pair()
-    _to_prepared(pair)
+    pair = decided(Pair())
     ticket = pair.tickets(P)[0]
-    pair.decide(P)
     pair.pump()
     assert pair.ctx.evidence(ticket).state is EdgeState.COMPLETED
     assert pair.ctx._sessions.get(ticket).receipt_bytes is not None
@@ -360,8 +340,7 @@ def test_ctx_lease_expiry_records_intent_and_the_round_releases() -> None:
 
 
 def test_ctx_lease_expiry_with_prepared_edge_tells_gen_not_started() -> None:
-    pair = Pair()
-    _to_prepared(pair)
+    pair = prepared(Pair())
     ticket = pair.tickets(P)[0]
     pair.now = 5.0
     pair.perform(pair.ctx.expire(pair.now), pair.ctx)
@@ -377,10 +356,8 @@ def test_ctx_lease_expiry_with_prepared_edge_tells_gen_not_started() -> None:
 
 
 def test_transfer_timeout_is_a_cancel_intent_not_a_release() -> None:
-    pair = Pair(chunk_window=1)
-    _to_prepared(pair, chunks=3)
+    pair = decided(Pair(chunk_window=1), chunks=3)
     ticket = pair.tickets(P)[0]
-    pair.decide(P)
     pair.now += pair.timeout
     actions = pair.ctx.expire(pair.now)
     pair.perform(actions, pair.ctx)
@@ -408,12 +385,7 @@ def test_gen_admitted_never_installed_expires_through_the_round() -> None:
 
 
 def test_decode_ready_kv_nobody_frees_ends_at_the_consumer_deadline() -> None:
-    pair = Pair()
-    pair.admit(P)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
+    pair = decided(Pair())
     for key in list(pair.in_flight):
         pair.finish_chunk(key)
     pair.deliver_all()
@@ -447,10 +419,8 @@ def test_gen_waiting_forever_cancels_then_quarantines() -> None:
 
 
 def test_peer_restart_with_dma_in_flight_is_unknown() -> None:
-    pair = Pair()
-    _to_prepared(pair)
+    pair = decided(Pair())
     ticket = pair.tickets(P)[0]
-    pair.decide(P)
     pair.deliver_all()
     pair.restart_gen(0)  # CTX is told; chunks still in flight
     assert pair.ctx.evidence(ticket).state is EdgeState.UNKNOWN
@@ -459,9 +429,7 @@ def test_peer_restart_with_dma_in_flight_is_unknown() -> None:
 
 
 def test_ctx_restart_quarantines_gen_blocks_it_may_write() -> None:
-    pair = Pair()
-    _to_prepared(pair)
-    pair.decide(P)
+    pair = decided(Pair())
     pair.deliver_all()
     pair.restart_ctx()
     assert pair.gens[0].parent_state(P) is ParentState.QUARANTINED
@@ -471,9 +439,7 @@ def test_ctx_restart_quarantines_gen_blocks_it_may_write() -> None:
 
 
 def test_ready_message_is_just_a_ready() -> None:
-    pair = Pair()
-    _to_prepared(pair)
-    pair.decide(P)
+    pair = decided(Pair())
     readies = [a.message for a in _of(pair.actions, SendMessage) if isinstance(a.message, Ready)]
     assert readies == [Ready(ticket=pair.tickets(P)[0])]
 
@@ -482,9 +448,7 @@ def test_decided_cancel_releases_a_parent_that_already_settled() -> None:
     """Regression (found by the benchmark): the transfer finished and the parent
     settled and reported completion, then a cancel won the round. No completion
     round follows a cancelled parent, so the decided cancel must release it."""
-    pair = Pair()
-    _to_prepared(pair)
-    pair.decide(P)
+    pair = decided(Pair())
     pair.pump()  # chunks DONE, TERMINAL and RECEIPT delivered; no completion round yet
     assert pair.ctx.parent_state(P) is ParentState.SETTLED
     assert pair.gens[0].parent_state(P) is ParentState.SETTLED
@@ -502,10 +466,8 @@ def test_evidence_completes_only_a_release_the_round_decided() -> None:
     intent; the round's decided cancel releases. With the decision first, the
     last chunk's DONE completes the release it was waiting for."""
     for decided_first in (False, True):
-        pair = Pair(chunk_window=2)
-        _to_prepared(pair, chunks=2)
+        pair = decided(Pair(chunk_window=2))
         ticket = pair.tickets(P)[0]
-        pair.decide(P)
         pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now, from_round=decided_first), pair.ctx)
         assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
         pair.finish_chunk((ticket, 0))
@@ -526,10 +488,8 @@ def test_conservative_cancel_lets_the_decided_transfer_finish() -> None:
     """Conservative path as table rows: a cancel of a DECIDED parent defers
     (FINISHING, CancelDeferred, a CancelIntent for the round) and posts on; the
     edges complete, the decided cancel releases; GEN gets COMPLETED evidence."""
-    pair = Pair(chunk_window=1, conservative=True)
-    _to_prepared(pair, chunks=3)
+    pair = decided(Pair(chunk_window=1, conservative=True), chunks=3)
     ticket = pair.tickets(P)[0]
-    pair.decide(P)
     actions = pair.ctx.cancel(P, CancelReason.PEER, pair.now)
     pair.perform(actions, pair.ctx)
     assert _of(actions, CancelDeferred) == [CancelDeferred(P)]
@@ -548,10 +508,8 @@ def test_conservative_cancel_lets_the_decided_transfer_finish() -> None:
 def test_conservative_transfer_past_its_deadline_drains() -> None:
     """L1 on the conservative path: past the transfer deadline the FINISHING
     parent stops waiting and drains like the active path."""
-    pair = Pair(chunk_window=1, conservative=True)
-    _to_prepared(pair, chunks=3)
+    pair = decided(Pair(chunk_window=1, conservative=True), chunks=3)
     ticket = pair.tickets(P)[0]
-    pair.decide(P)
     pair.perform(pair.ctx.cancel(P, CancelReason.PEER, pair.now), pair.ctx)
     pair.now += pair.timeout
     pair.perform(pair.ctx.expire(pair.now), pair.ctx)
@@ -568,9 +526,8 @@ def test_quarantine_limit_stops_admission_and_asks_for_a_restart_when_idle() -> 
     requests is left (a live request finishes first)."""
     pair = Pair(chunk_window=2, ctx_blocks=4)
     assert pair.ctx.quarantine_limit == 0.5
-    _to_prepared(pair, chunks=2)  # 2 of the 4 CTX blocks
+    decided(pair)  # 2 of the 4 CTX blocks
     ticket = pair.tickets(P)[0]
-    pair.decide(P)
     assert not pair.ctx.admission_stopped()
     other = parent_key(2)
     pair.ctx.admit(other, 1, now=pair.now, lease_deadline=pair.now + 100)
@@ -592,9 +549,7 @@ def test_peer_dead_proves_only_the_dead_writers_edges() -> None:
     of another CTX rank, or of a newer incarnation's namespace twin in another
     instance, proves nothing about this writer: nothing changes. The dead
     writer's own confirmed death is the proof: GEN reclaims every block."""
-    pair = Pair(chunk_window=1)
-    _to_prepared(pair, chunks=2)
-    pair.decide(P)
+    pair = decided(Pair(chunk_window=1))
     pair.deliver_all()
     writer = pair.ctx.our
     pair.restart_ctx()  # GEN: the writer is gone with a chunk unproven -> UNKNOWN

@@ -28,6 +28,8 @@ from kvhandoff.protocol import (
     TicketError,
 )
 
+from ._helpers import end_lease
+
 
 def _snapshot(pool: BlockPool) -> tuple[object, ...]:
     n = pool.num_blocks
@@ -111,13 +113,7 @@ def test_exact_and_fifo_leases_keep_the_pool_invariants(ops: list[tuple[str, int
                 pool.lease_blocks(owner, blocks)
                 owners.append(owner)
             elif owners:
-                target = owners[k % len(owners)]
-                if op == "release":
-                    pool.release(target)
-                elif op == "quarantine":
-                    pool.quarantine(target)
-                else:
-                    pool.reclaim_quarantine(target, proof="test")
+                end_lease(pool, op, owners[k % len(owners)])
         except (PoolError, LeaseError):
             pass
         pool.check_invariants()

@@ -14,6 +14,7 @@ import json
 import pathlib
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -77,18 +78,24 @@ def test_a_duplicate_reject_still_proves_nothing() -> None:
 # ---- the explorer ----------------------------------------------------------------
 
 
+def _explore_json(config: str) -> dict[str, Any]:
+    """`python -m kvhandoff.tools.explore --json --config <config>` in a child process: its report."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvhandoff.tools.explore", "--json", "--config", config],
+        capture_output=True, text=True, timeout=1200, cwd=ROOT,
+    )
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    out: dict[str, Any] = json.loads(proc.stdout)
+    return out
+
+
 def test_the_default_bounds_hold_every_invariant() -> None:
     """CI's exhaustive run: at least 100,000 distinct states, no violation.
 
     In a child process, as a user runs it: its worker pool (one process per
     core) then never lives in the test process, which also holds Ray and
     NIXL (a pool there was followed by a crash at the test process's exit)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvhandoff.tools.explore", "--json", "--config", "default"],
-        capture_output=True, text=True, timeout=1200, cwd=ROOT,
-    )
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
-    out = json.loads(proc.stdout)
+    out = _explore_json("default")
     assert out["violations"] == []
     assert out["states"] >= 100_000
     worlds = out["configs"]
@@ -103,12 +110,7 @@ def test_the_fleet_worlds_hold_every_invariant_and_no_fault_crosses_instances() 
     ends a handoff that no fault touched in an instance that lost no rank
     (the bystander check; the planted `gen-restart-hits-other-instances`
     breaks it)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvhandoff.tools.explore", "--json", "--config", "fleet"],
-        capture_output=True, text=True, timeout=1200, cwd=ROOT,
-    )
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
-    out = json.loads(proc.stdout)
+    out = _explore_json("fleet")
     assert out["violations"] == [] and out["states"] >= 50_000
     assert all(w["complete"] and w["config"]["ctx_instances"] == 2 for w in out["configs"])
     assert {"restarts", "cancels"} <= {k for w in out["configs"] for k in ("restarts", "cancels") if w["config"][k]}
@@ -121,12 +123,7 @@ def test_the_direct_path_worlds_hold_every_invariant() -> None:
     duplicated and reordered frames, ERR, a pool too small on either side
     (the CTX refuses the OPEN with a REJECT after the GEN leased), a GEN
     instance of two ranks and two CTX instances."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvhandoff.tools.explore", "--json", "--config", "direct"],
-        capture_output=True, text=True, timeout=1200, cwd=ROOT,
-    )
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
-    out = json.loads(proc.stdout)
+    out = _explore_json("direct")
     assert out["violations"] == [] and out["states"] >= 100_000
     worlds = out["configs"]
     assert all(w["complete"] and w["config"]["direct"] == 1 and w["quiescent_checked"] > 0 for w in worlds)

@@ -378,8 +378,9 @@ def test_nesting_bombs(name: str, kind: str) -> None:
     assert isinstance(result, DecodeError), name
 
 
-def _open_with(**changes: Any) -> dict[str, Any]:
-    plain = _plain(OPEN)
+def _plain_with(msg: Message, **changes: Any) -> dict[str, Any]:
+    """`_plain(msg)` with each `a__b__c=value` set at plain["a"]["b"]["c"]."""
+    plain = _plain(msg)
     for path, value in changes.items():
         node = plain
         *parents, leaf = path.split("__")
@@ -387,6 +388,10 @@ def _open_with(**changes: Any) -> dict[str, Any]:
             node = node[p]
         node[leaf] = value
     return plain
+
+
+def _open_with(**changes: Any) -> dict[str, Any]:
+    return _plain_with(OPEN, **changes)
 
 
 def test_over_long_lists_and_strings() -> None:
@@ -437,14 +442,7 @@ def test_huge_declared_lengths_inside_the_body() -> None:
 
 def test_bad_values() -> None:
     def ready_with(**changes: Any) -> bytes:
-        plain = _plain(READY)
-        for path, value in changes.items():
-            node = plain
-            *parents, leaf = path.split("__")
-            for p in parents:
-                node = node[p]
-            node[leaf] = value
-        return _frame(_enc(plain), kind_code(type(READY)))
+        return _frame(_enc(_plain_with(READY, **changes)), kind_code(type(READY)))
 
     bad = {
         "negative epoch": ready_with(ticket__ctx__epoch=-1),

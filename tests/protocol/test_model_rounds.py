@@ -19,6 +19,7 @@ from kvhandoff.protocol import (
     Step,
     decision_steps,
 )
+from tests.protocol._helpers import decided, prepared
 from tests.protocol.harness import Pair, parent_key
 
 P = parent_key(1)
@@ -26,11 +27,7 @@ P = parent_key(1)
 
 def _transferred(pair: Pair, parent: ParentKey = P) -> None:
     """Admit, prefill, open, decide and finish every chunk; no round yet."""
-    pair.admit(parent)
-    pair.prefill(parent)
-    pair.install(parent)
-    pair.deliver_all()
-    pair.decide(parent)
+    decided(pair, parent)
     pair.pump()
 
 
@@ -53,12 +50,7 @@ def test_a_cancel_that_wins_the_round_over_a_completion_releases_without_decode(
 
 
 def test_a_gen_completion_needs_every_gen_rank() -> None:
-    pair = Pair(n_gen=2)
-    pair.admit(P)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
+    pair = decided(Pair(n_gen=2))
     # Every frame and chunk runs, except what reaches GEN rank 1.
     for _ in range(20):
         for i, env in enumerate(pair.queue):
@@ -79,11 +71,7 @@ def test_a_gen_completion_needs_every_gen_rank() -> None:
 
 
 def test_a_replaced_gen_rank_fails_every_parent_in_flight_on_its_instance() -> None:
-    pair = Pair(n_gen=2)
-    pair.admit(P)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
+    pair = prepared(Pair(n_gen=2))
     pair.restart_gen(1)
     # The new incarnation holds nothing of P; the survivor's shard is useless.
     assert pair.round_due(Role.GEN)

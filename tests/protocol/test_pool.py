@@ -19,6 +19,8 @@ from kvhandoff.protocol import (
     PoolError,
 )
 
+from ._helpers import end_lease
+
 
 def test_lease_bumps_generations_and_counts_add_up() -> None:
     pool = BlockPool(4)
@@ -150,12 +152,8 @@ def test_random_operations_keep_s4(ops: list[tuple[str, int, int]]) -> None:
         try:
             if op == "lease":
                 held[owner] = pool.lease(owner, n)
-            elif op == "release":
-                pool.release(owner)
-            elif op == "quarantine":
-                pool.quarantine(owner)
             else:
-                pool.reclaim_quarantine(owner, proof="test")
+                end_lease(pool, op, owner)
         except (PoolError, LeaseError):
             assert pool.counts() == before  # a refused call changes nothing
         pool.check_invariants()

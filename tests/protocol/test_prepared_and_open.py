@@ -21,7 +21,6 @@ from typing import Any
 import msgspec
 import pytest
 
-import kvhandoff.protocol as protocol
 from kvhandoff.protocol import (
     BlockDescriptor,
     CancelReason,
@@ -46,6 +45,7 @@ from kvhandoff.protocol import (
     reject_for,
 )
 
+from ._helpers import decided, prepared, resident, take_opens
 from .harness import CHUNK_BYTES, Pair, buffer_for, gen_endpoint, make_ticket, parent_key
 
 P = parent_key(1)
@@ -54,23 +54,9 @@ PEER = PeerBuffer(agent_name=AGENT, base=0, block_bytes=CHUNK_BYTES, num_blocks=
 CHECKS: dict[str, Any] = {"expected_agent": AGENT, "block_bytes": CHUNK_BYTES, "peer": PEER}
 
 
-def _opens(pair: Pair) -> list[Open]:
-    """The OPENs the GEN ranks queued, taken out of the queue (in GEN rank order)."""
-    opens = []
-    for env in list(pair.queue):
-        message = protocol.decode_frame(env.frame)
-        if isinstance(message, Open):
-            pair.queue.remove(env)
-            opens.append(message)
-    return opens
-
-
 def _resident(n_gen: int = 1, blocks: int = 2) -> tuple[Pair, list[Open]]:
-    pair = Pair(n_gen=n_gen)
-    pair.admit(P, blocks=blocks)
-    pair.prefill(P)
-    pair.install(P)
-    return pair, _opens(pair)
+    pair = resident(Pair(n_gen=n_gen), blocks=blocks)
+    return pair, take_opens(pair)
 
 
 def _prepared(actions: list[Any]) -> list[Prepared]:
@@ -279,12 +265,7 @@ def _one(actions: list[Any], kind: type) -> Any:
 
 
 def test_success_outcomes() -> None:
-    pair = Pair(chunk_window=1)
-    pair.admit(P, chunks=2)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
+    pair = decided(Pair(chunk_window=1))
     pair.pump()
     ctx_release = _one(pair.ctx.completed(P), Release)
     assert ctx_release.outcome is LocalOutcome.RELEASED
@@ -293,12 +274,7 @@ def test_success_outcomes() -> None:
 
 
 def test_consumer_deadline_outcome_is_completed() -> None:
-    pair = Pair(chunk_window=1)
-    pair.admit(P, chunks=1)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
+    pair = decided(Pair(chunk_window=1), chunks=1)
     pair.pump()
     gen = pair.gens[0]
     gen.completed(P, pair.now)
@@ -315,11 +291,7 @@ def test_withdrawn_admission_is_rejected() -> None:
 
 def test_cancelled_outcomes() -> None:
     # A decided cancel of a settled, cancelled parent, and the NOT_STARTED verdict.
-    pair = Pair()
-    pair.admit(P)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
+    pair = prepared(Pair())
     pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     pair.deliver_all()
     assert pair.ctx.parent_state(P) is ParentState.SETTLED
@@ -331,12 +303,7 @@ def test_cancelled_outcomes() -> None:
 
 
 def test_quarantine_and_reclaim_outcomes() -> None:
-    pair = Pair(chunk_window=1)
-    pair.admit(P, chunks=3)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
+    pair = decided(Pair(chunk_window=1), chunks=3)
     pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)  # draining
     actions = pair.ctx.expire(pair.now + pair.timeout + 1)  # the drain never ends
     assert _one(actions, Quarantine).outcome is LocalOutcome.QUARANTINED

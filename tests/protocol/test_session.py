@@ -56,6 +56,7 @@ from kvhandoff.protocol import (
 )
 from kvhandoff.protocol._session import _STATE_DOCS
 
+from ._helpers import decided, prepared, resident
 from .harness import (
     CHUNK_BYTES,
     CTX_DIGEST,
@@ -156,10 +157,7 @@ def test_public_names_exported() -> None:
 
 
 def test_success_path_actions_in_order() -> None:
-    pair = Pair(chunk_window=2)
-    pair.admit(P, blocks=3, chunks=3)
-    pair.prefill(P)
-    pair.install(P)
+    pair = resident(Pair(chunk_window=2), blocks=3, chunks=3)
     (env,) = pair.queue
     assert isinstance(msgspec.msgpack.decode(env.frame[12:]), dict)  # a real frame went through
     pair.deliver_all()
@@ -198,10 +196,7 @@ def test_success_path_actions_in_order() -> None:
 
 
 def _resident_pair() -> tuple[Pair, Open]:
-    pair = Pair()
-    pair.admit(P)
-    pair.prefill(P)
-    pair.install(P)
+    pair = resident(Pair())
     env = pair.queue.pop()
     message = protocol.decode_frame(env.frame)
     assert isinstance(message, Open)
@@ -311,11 +306,7 @@ def test_install_checks_descriptors_against_the_lease() -> None:
 
 
 def test_completed_with_wrong_bytes_is_not_decode_ready() -> None:
-    pair = Pair()
-    pair.admit(P)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
+    pair = prepared(Pair())
     ticket = pair.tickets(P)[0]
     actions = pair.gens[0].receive_terminal(
         Terminal(ticket=ticket, evidence=TerminalKind.COMPLETED, bytes_done=1), pair.now
@@ -367,12 +358,7 @@ def test_free_twice_is_reported_never_a_double_free() -> None:
 
 
 def test_one_completed_child_cannot_release_a_partial_parent() -> None:
-    pair = Pair(n_gen=2, chunk_window=1)
-    pair.admit(P, chunks=2)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
+    pair = decided(Pair(n_gen=2, chunk_window=1))
     first, second = pair.tickets(P)
     # Finish only the first edge's chunks.
     while any(k[0] == first for k in pair.in_flight):
@@ -392,12 +378,7 @@ def test_one_completed_child_cannot_release_a_partial_parent() -> None:
 
 
 def test_gen_completion_round_is_the_intersection() -> None:
-    pair = Pair(n_gen=2, chunk_window=1)
-    pair.admit(P, chunks=1)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
+    pair = decided(Pair(n_gen=2, chunk_window=1), chunks=1)
     first, _second = pair.tickets(P)
     pair.finish_chunk(next(k for k in pair.in_flight if k[0] == first))
     pair.deliver_all()
@@ -445,12 +426,7 @@ def test_decode_ready_action_only_on_success() -> None:
 
 def _completed_with_receipt_held() -> tuple[Pair, Receipt]:
     """A handoff whose edge is COMPLETED on both sides, the GEN's RECEIPT still queued."""
-    pair = Pair(chunk_window=2)
-    pair.admit(P, blocks=2, chunks=2)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
+    pair = decided(Pair(chunk_window=2))
     while pair.in_flight:
         pair.finish_chunk(next(iter(pair.in_flight)))
     while any(env.to_role is Role.GEN for env in pair.queue):  # READY, TERMINAL
@@ -494,10 +470,7 @@ def test_each_role_refuses_the_messages_only_the_other_role_receives() -> None:
 
     Kills: deleting the `case _: raise IllegalTransition` of `CtxRank.receive`
     or `GenRank.receive` (the message would be dropped silently)."""
-    pair = Pair(chunk_window=1)
-    pair.admit(P, blocks=2, chunks=2)
-    pair.prefill(P)
-    pair.install(P)
+    pair = resident(Pair(chunk_window=1))
     (open_env,) = pair.queue
     open_msg = protocol.decode_frame(open_env.frame)
     ticket = pair.tickets(P)[0]
@@ -533,12 +506,7 @@ def test_a_decided_cancel_releases_a_settled_parent_without_a_completion_round()
     """The round decided a cancel for a parent whose edges already finished
     (SETTLED): no completion round will ever come for it, so applying the
     decided cancel releases it at once, on both sides (L1)."""
-    pair = Pair()
-    pair.admit(P)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
+    pair = decided(Pair())
     pair.pump()  # COMPLETED everywhere; the completion round has not run
     for rank in pair.ranks():
         assert rank.parent_state(P) is ParentState.SETTLED
@@ -551,12 +519,7 @@ def test_a_decided_cancel_releases_a_settled_parent_without_a_completion_round()
 def test_a_decided_cancel_releases_a_draining_parent_once_drained() -> None:
     """A decided cancel that finds chunks in flight releases nothing until the
     last one reports; then the parent is released without a completion round."""
-    pair = Pair(chunk_window=2)
-    pair.admit(P, chunks=2)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
+    pair = decided(Pair(chunk_window=2))
     actions = pair.ctx.cancel(P, CancelReason.CLIENT, pair.now, from_round=True)
     assert not [a for a in actions if isinstance(a, Release)]
     assert pair.ctx.pool.counts().leased == 2
@@ -587,12 +550,7 @@ def test_start_posting_after_a_cancel_is_a_no_op(post_on_decide: bool) -> None:
     """An actor may call start_posting after a cancel won the race, whether the
     edges never posted (the parent is SETTLED: NOT_STARTED) or are draining
     (the parent is CANCELLING): nothing more is posted and nothing changes."""
-    pair = Pair(post_on_decide=post_on_decide, chunk_window=1)
-    pair.admit(P, chunks=2)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
+    pair = decided(Pair(post_on_decide=post_on_decide, chunk_window=1))
     pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     expected = ParentState.CANCELLING if post_on_decide else ParentState.SETTLED
     assert pair.ctx.parent_state(P) is expected
@@ -607,12 +565,7 @@ def test_not_started_share_is_false_once_anything_was_posted() -> None:
     """CTX: a cancelled parent with a chunk posted (DRAINING, then DRAINED) is
     never NOT_STARTED. GEN: contrary evidence (DRAINED, COMPLETED) removes its
     share too. Only then may the verdict skip the TERMINAL messages (S1)."""
-    pair = Pair(chunk_window=1)
-    pair.admit(P, chunks=2)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
+    pair = decided(Pair(chunk_window=1))
     pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     ticket = pair.tickets(P)[0]
     assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
@@ -644,12 +597,7 @@ def test_deadlines_are_inclusive() -> None:
     pair.perform(pair.ctx.expire(pair.now), pair.ctx)
     assert pair.ctx.is_cancelled(P) and pair.ctx.parent_state(P) is ParentState.SETTLED
 
-    pair = Pair(chunk_window=1)
-    pair.admit(P, chunks=2)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
+    pair = decided(Pair(chunk_window=1))
     pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     ticket = pair.tickets(P)[0]
     (drain,) = [a for a in pair.actions if isinstance(a, Drain)]
@@ -662,12 +610,7 @@ def test_deadlines_are_inclusive() -> None:
 def test_restart_notice_for_the_live_epoch_changes_nothing() -> None:
     """peer_restarted names a NEWER epoch; a notice naming the epoch our sessions
     already use (a duplicate or reordered notice) ends nothing (S3)."""
-    pair = Pair(chunk_window=1)
-    pair.admit(P, chunks=2)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
+    pair = decided(Pair(chunk_window=1))
     before = [rank.snapshot() for rank in pair.ranks()]
     assert pair.ctx.peer_restarted(pair.gens[0].our, pair.now) == []
     assert pair.gens[0].peer_restarted(pair.ctx.our, pair.now) == []
@@ -677,12 +620,7 @@ def test_restart_notice_for_the_live_epoch_changes_nothing() -> None:
 def test_bad_chunk_reports_and_proofless_reclaim_change_nothing() -> None:
     """chunk_done with a negative byte count, and reclaim without a proof, are
     refused before anything changes (the machine must not move first)."""
-    pair = Pair(chunk_window=1)
-    pair.admit(P, chunks=2)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
+    pair = decided(Pair(chunk_window=1))
     ((ticket, index),) = pair.in_flight
     before = pair.ctx.snapshot()
     with pytest.raises(PoolError):
@@ -721,12 +659,7 @@ def test_install_refuses_a_buffer_of_another_incarnation() -> None:
 def test_a_failed_chunk_while_draining_waits_for_the_others() -> None:
     """S1: an ERR chunk is quiescent, but the edge's other posted chunks may still
     write; the edge stays DRAINING (its lease held) until every one reported."""
-    pair = Pair(chunk_window=2)
-    pair.admit(P, chunks=2)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
+    pair = decided(Pair(chunk_window=2))
     pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
     ticket = pair.tickets(P)[0]
     first, second = sorted(pair.in_flight, key=lambda k: k[1])

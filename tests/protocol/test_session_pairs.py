@@ -71,6 +71,7 @@ from kvhandoff.protocol import (
     encode_frame,
 )
 
+from ._helpers import posting, prepared
 from .harness import (
     CHUNK_BYTES,
     Pair,
@@ -104,22 +105,13 @@ def _admitted(**kw: Any) -> Pair:
 
 
 def _prepared(**kw: Any) -> Pair:
-    pair = _admitted(**kw)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()  # OPEN -> CTX edge PREPARED
-    return pair
+    """OPEN -> CTX edge PREPARED."""
+    return prepared(Pair(chunk_window=1, **kw), chunks=3)
 
 
-def _posting(chunks: int = 3) -> Pair:
-    pair = Pair(chunk_window=1)
-    pair.admit(P, blocks=2, chunks=chunks)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)  # READY + the first chunk posted
-    pair.deliver_all()  # READY -> GEN edge READY
-    return pair
+def _posting(chunks: int = 3, **kw: Any) -> Pair:
+    """READY + the first chunk posted; READY -> GEN edge READY."""
+    return posting(Pair(chunk_window=1, **kw), chunks=chunks)
 
 
 def s_admitted() -> Pair:
@@ -225,13 +217,7 @@ def s_admitted_expired() -> Pair:
 
 
 def s_finishing() -> Pair:
-    pair = Pair(chunk_window=1, conservative=True)
-    pair.admit(P, blocks=2, chunks=3)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
-    pair.deliver_all()
+    pair = _posting(conservative=True)
     pair.perform(pair.ctx.cancel(P, CancelReason.PEER, pair.now), pair.ctx)  # deferred: FINISHING
     return pair
 

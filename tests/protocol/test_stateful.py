@@ -273,12 +273,17 @@ class HandoffMachine(RuleBasedStateMachine):
         return self.pair.gens[rank].parents().get(parent)
 
 
-HandoffMachine.TestCase.settings = settings(
-    max_examples=400,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+def _machine_settings(max_examples: int) -> settings:
+    """A run of `max_examples` programs of up to 50 steps each."""
+    return settings(
+        max_examples=max_examples,
+        stateful_step_count=50,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+
+
+HandoffMachine.TestCase.settings = _machine_settings(400)
 TestHandoff = HandoffMachine.TestCase
 
 
@@ -289,12 +294,7 @@ class Tp22HandoffMachine(HandoffMachine):
     N_CTX = 2
 
 
-Tp22HandoffMachine.TestCase.settings = settings(
-    max_examples=250,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+Tp22HandoffMachine.TestCase.settings = _machine_settings(250)
 TestTp22Handoff = Tp22HandoffMachine.TestCase
 
 

@@ -27,6 +27,7 @@ from kvhandoff.protocol import (
     decode_frame,
 )
 
+from ._helpers import decided, posting, resident
 from .harness import Pair, parent_key
 
 P = parent_key(1)
@@ -58,12 +59,7 @@ def _asks(pair: Pair, since: int) -> list[Open]:
 
 
 def test_a_lost_terminal_is_sent_again_when_asked_and_the_quarantine_ends() -> None:
-    pair = Pair()
-    pair.admit(P, blocks=2, chunks=2)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
+    pair = decided(Pair())
     while pair.in_flight:  # every chunk lands: the CTX edge is COMPLETED
         pair.finish_chunk(next(iter(pair.in_flight)))
     assert _drop(pair, Terminal) == 1
@@ -87,10 +83,7 @@ def test_a_lost_terminal_is_sent_again_when_asked_and_the_quarantine_ends() -> N
 
 
 def test_a_lost_open_is_asked_again_and_the_reject_proves_nothing_wrote() -> None:
-    pair = Pair()
-    pair.admit(P, blocks=2, chunks=2)
-    pair.prefill(P)
-    pair.install(P)
+    pair = resident(Pair())
     assert _drop(pair, Open) == 1
     asked = len(pair.actions)
     _gen_times_out(pair)
@@ -106,10 +99,7 @@ def test_a_lost_open_is_asked_again_and_the_reject_proves_nothing_wrote() -> Non
 
 
 def test_asks_are_bounded_a_timeout_apart_doubling_and_prove_nothing_unanswered() -> None:
-    pair = Pair()
-    pair.admit(P, blocks=2, chunks=2)
-    pair.prefill(P)
-    pair.install(P)
+    pair = resident(Pair())
     _drop(pair, Open)
     gen = pair.gens[0]
     times: list[float] = []
@@ -131,13 +121,7 @@ def test_asks_are_bounded_a_timeout_apart_doubling_and_prove_nothing_unanswered(
 
 
 def test_a_writer_that_cannot_prove_its_writes_answers_unknown_and_nothing_is_freed() -> None:
-    pair = Pair(chunk_window=1)
-    pair.admit(P, blocks=2, chunks=3)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
-    pair.deliver_all()
+    pair = posting(Pair(chunk_window=1), chunks=3)
     pair.fail_chunk_partially(next(iter(pair.in_flight)))  # its other writes may still land
     pair.deliver_all()
     gen = pair.gens[0]
@@ -152,10 +136,7 @@ def test_a_writer_that_cannot_prove_its_writes_answers_unknown_and_nothing_is_fr
 
 
 def test_another_open_under_a_live_ticket_is_still_refused_and_changes_nothing() -> None:
-    pair = Pair()
-    pair.admit(P, blocks=2, chunks=2)
-    pair.prefill(P)
-    pair.install(P)
+    pair = resident(Pair())
     (env,) = pair.queue
     first = decode_frame(env.frame)
     assert isinstance(first, Open)

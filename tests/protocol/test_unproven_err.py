@@ -14,20 +14,15 @@ import pytest
 
 from kvhandoff.protocol import EdgeState, ParentState, PoolError
 
+from ._helpers import posting
 from .harness import Pair, parent_key
 
 P = parent_key(1)
 
 
-def _posting(chunks: int = 3) -> Pair:
-    pair = Pair(chunk_window=1)
-    pair.admit(P, blocks=2, chunks=chunks)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)  # READY + the first chunk posted
-    pair.deliver_all()
-    return pair
+def _posting() -> Pair:
+    """READY delivered, the first of three chunks posted."""
+    return posting(Pair(chunk_window=1), chunks=3)
 
 
 def test_multi_descriptor_err_quarantines_both_sides_and_no_block_is_reused() -> None:
@@ -128,13 +123,7 @@ def test_a_chunk_still_in_flight_toward_a_dead_target_ends_the_proof_at_its_poll
     several descriptors, one still running. The death alone does not end
     the quarantine (a WRITE still posted from our blocks is polled to its
     end first); its ERR then does, whatever its descriptors."""
-    pair = Pair(chunk_window=2)
-    pair.admit(P, blocks=2, chunks=3)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
-    pair.decide(P)
-    pair.deliver_all()
+    pair = posting(Pair(chunk_window=2), chunks=3)
     first, second = list(pair.in_flight)
     pair.fail_chunk_partially(first)
     pair.deliver_all()

@@ -30,6 +30,7 @@ from kvhandoff.protocol import (
     admission_verdict,
     report_of,
 )
+from tests.protocol._helpers import prepared
 from tests.protocol.harness import Pair, parent_key
 
 P = parent_key(1)
@@ -172,11 +173,7 @@ def test_may_scatter_only_into_an_installed_held_lease() -> None:
 
 
 def test_may_post_only_while_the_edge_is_posting() -> None:
-    pair = Pair()
-    pair.admit(P)
-    pair.prefill(P)
-    pair.install(P)
-    pair.deliver_all()
+    pair = prepared(Pair())
     (ticket,) = pair.tickets(P)
     assert not pair.ctx.may_post(ticket)  # prepared, not decided
     pair.decide(P)

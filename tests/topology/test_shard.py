@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from kvhandoff.protocol import TopologyError
 from kvhandoff.topology import (
     DTYPE_BYTES,
+    Edge,
     HeadSplitError,
     KVLayout,
     Segment,
@@ -208,6 +210,14 @@ def _assert_tiles(intervals: list[tuple[int, int]], size: int) -> None:
     assert pos == size
 
 
+def _assert_rank_tiled(
+    m: ShardMap, edges: tuple[Edge, ...], offset: Callable[[Segment], int], block_bytes: int
+) -> None:
+    """The segments of a rank's `edges`, at `offset` on its side, tile its block exactly once."""
+    _assert_tiles([(offset(s), offset(s) + s.length) for e in edges for s in m.segments(e)], block_bytes)
+    assert sum(m.edge_bytes_per_block(e) for e in edges) == block_bytes
+
+
 @settings(max_examples=300, deadline=None)
 @given(shapes())
 def test_segments_tile_every_gen_block_and_read_every_ctx_block_once(m: ShardMap) -> None:
@@ -215,20 +225,10 @@ def test_segments_tile_every_gen_block_and_read_every_ctx_block_once(m: ShardMap
     assert set(edges) == {e for g in range(m.gen_tp) for e in m.edges_for_gen_rank(g)}
     assert set(edges) == {e for c in range(m.ctx_tp) for e in m.edges_for_ctx_rank(c)}
     assert len(edges) <= m.ctx_tp + m.gen_tp - 1
-    for g in range(m.gen_tp):
-        incoming = m.edges_for_gen_rank(g)
-        _assert_tiles(
-            [(s.dst_offset, s.dst_offset + s.length) for e in incoming for s in m.segments(e)],
-            m.gen_block_bytes,
-        )
-        assert sum(m.edge_bytes_per_block(e) for e in incoming) == m.gen_block_bytes
-    for c in range(m.ctx_tp):
-        outgoing = m.edges_for_ctx_rank(c)
-        _assert_tiles(
-            [(s.src_offset, s.src_offset + s.length) for e in outgoing for s in m.segments(e)],
-            m.ctx_block_bytes,
-        )
-        assert sum(m.edge_bytes_per_block(e) for e in outgoing) == m.ctx_block_bytes
+    for g in range(m.gen_tp):  # the edges into each GEN rank write its whole block once
+        _assert_rank_tiled(m, m.edges_for_gen_rank(g), lambda s: s.dst_offset, m.gen_block_bytes)
+    for c in range(m.ctx_tp):  # the edges out of each CTX rank read its whole block once
+        _assert_rank_tiled(m, m.edges_for_ctx_rank(c), lambda s: s.src_offset, m.ctx_block_bytes)
     for e in edges:
         segs = m.segments(e)
         assert len(segs) <= 2 * m.layout.num_layers
