@@ -23,16 +23,18 @@ _SOURCES = {
     "Coordinator": "_coordinator",
     "RoundTimeout": "_coordinator",
     "TopologyFailed": "_coordinator",
-    "FaultPlan": "_dataplane",
+    "FaultPlan": "_faults",
+    "LaunchConfig": "_config",
+    "FleetConfig": "_config",
     "DEFAULT_LAYOUT": "deployment",
     "Deployment": "deployment",
-    "DeploymentClosed": "deployment",
-    "DeploymentError": "deployment",
+    "DeploymentClosed": "_errors",
+    "DeploymentError": "_errors",
     "HandoffResult": "deployment",
-    "InvalidConfig": "deployment",
-    "InvalidRequest": "deployment",
-    "LaunchFailed": "deployment",
-    "PlacementFailed": "deployment",
+    "InvalidConfig": "_errors",
+    "InvalidRequest": "_errors",
+    "LaunchFailed": "_errors",
+    "PlacementFailed": "_errors",
     "SyncDeployment": "deployment",
     "EnginePlan": "endpoint",
     "ctx_endpoint": "endpoint",
@@ -53,20 +55,18 @@ _SOURCES = {
 }
 
 if TYPE_CHECKING:
+    from ._config import FleetConfig, LaunchConfig
     from ._coordinator import AdmissionStopped, Coordinator, RoundTimeout, TopologyFailed
-    from ._dataplane import FaultPlan
-    from .deployment import (
-        DEFAULT_LAYOUT,
-        Deployment,
+    from ._errors import (
         DeploymentClosed,
         DeploymentError,
-        HandoffResult,
         InvalidConfig,
         InvalidRequest,
         LaunchFailed,
         PlacementFailed,
-        SyncDeployment,
     )
+    from ._faults import FaultPlan
+    from .deployment import DEFAULT_LAYOUT, Deployment, HandoffResult, SyncDeployment
     from .endpoint import EnginePlan, ctx_endpoint, endpoint_actor, gen_endpoint
     from .engine import EngineDeployment, EngineResult, PublishRefused, StaleTicket
     from .engine_fleet import EngineFleet
@@ -103,6 +103,8 @@ __all__ = [
     "PublishRefused",
     "StaleTicket",
     "Deployment",
+    "LaunchConfig",
+    "FleetConfig",
     "SyncDeployment",
     "HandoffResult",
     "DEFAULT_LAYOUT",

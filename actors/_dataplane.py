@@ -43,9 +43,8 @@ the absolute regions (merged where contiguous and in one region on both sides;
 (`initialize_xfer`) posts when prepared lists are off or failed; the bytes
 moved are identical.
 
-`FaultyTransport` wraps a real transport for tests: it can defer the real post
-of a chunk (so the real bytes land *later*, after a cancel), fail a chunk, or
-hold a chunk in PROC. The bytes always move through the real NIXL agent.
+The fault-injecting wrapper around this transport, for tests and the demo's
+chaos, is `FaultyTransport` in actors/_faults.py.
 """
 
 from __future__ import annotations
@@ -53,7 +52,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -81,8 +79,6 @@ __all__ = [
     "resolve_regions",
     "NixlTransport",
     "Chunk",
-    "FaultPlan",
-    "FaultyTransport",
     "BufferGeometry",
     "Piece",
     "edge_pieces",
@@ -780,27 +776,6 @@ class NixlTransport:
                 log.warning("deregister_memory failed: %s", exc)
 
 
-@dataclasses.dataclass
-class FaultPlan:
-    """What a FaultyTransport does to the chunks posted through it.
-
-    `defer_polls` / `defer_s`: a chunk's real post happens only after this many
-    polls / seconds (the real bytes land late). `fail_every`: every Nth chunk reports ERR without
-    being posted. `fail_partial_every`: every Nth chunk is posted for real and
-    reports ERR. `hold`: while True, deferred chunks stay PENDING/PROC.
-    """
-
-    defer_polls: int = 0
-    fail_every: int = 0
-    hold: bool = False
-    #: Every Nth chunk is really posted (its bytes land) but reports ERR at
-    #: once: a multi-descriptor WRITE whose first descriptor failed while the
-    #: others still write.
-    fail_partial_every: int = 0
-    #: A chunk's real post happens this many seconds after it was posted (a slow link).
-    defer_s: float = 0.0
-
-
 def _nbytes(work: Sequence[Region] | ChunkPlan) -> int:
     return work.nbytes if isinstance(work, ChunkPlan) else sum(n for _, _, n in work)
 
@@ -811,102 +786,3 @@ def _descriptors(work: Sequence[Region] | ChunkPlan, prepared: PreparedEdge | No
     if isinstance(work, ChunkPlan):
         return len(work.local) if prepared is not None else len(work.regions)
     return len(work)
-
-
-class _DeferredHandle:
-    def __init__(
-        self,
-        peer: str,
-        work: Sequence[Region] | ChunkPlan,
-        notif: bytes,
-        prepared: PreparedEdge | None,
-    ) -> None:
-        self.peer = peer
-        self.work = work if isinstance(work, ChunkPlan) else list(work)
-        self.notif = notif
-        self.prepared = prepared
-        self.polls = 0
-        self.born = time.monotonic()
-        self.real: Chunk | None = None
-        self.failed = False
-
-
-class FaultyTransport(NixlTransport):
-    """The real transport with injected faults (for tests and the demo's chaos).
-
-    Every byte still moves through the real NIXL agent; only *when* it moves, or
-    whether a chunk is reported failed, is changed.
-    """
-
-    def __init__(self, agent_name: str, buffer: KVMemory, plan: FaultPlan | None = None) -> None:
-        super().__init__(agent_name, buffer)
-        self.plan = plan or FaultPlan()
-        self._count = 0
-        # The real WRITEs behind chunks that reported ERR while writing: kept
-        # (and polled by `progress_partial`) so they finish for real.
-        self.partial_failures: list[Chunk] = []
-
-    def post(
-        self,
-        peer: str,
-        work: Sequence[Region] | ChunkPlan,
-        notif: bytes = b"",
-        prepared: PreparedEdge | None = None,
-    ) -> Chunk:
-        nbytes = _nbytes(work)
-        if peer not in self.peers:
-            raise DataPlaneError(f"unknown peer agent {peer!r}")
-        self._count += 1
-        handle = _DeferredHandle(peer, work, notif, prepared)
-        descriptors = _descriptors(work, prepared)
-        if self.plan.fail_every and self._count % self.plan.fail_every == 0:
-            handle.failed = True
-            return Chunk(self, handle, nbytes, XferState.ERR, descriptors=0)  # nothing posted
-        if self.plan.fail_partial_every and self._count % self.plan.fail_partial_every == 0:
-            handle.real = super().post(peer, work, notif, prepared)  # the bytes really go
-            handle.failed = True  # ... and the chunk reports ERR at once
-            self.partial_failures.append(handle.real)
-            return Chunk(self, handle, nbytes, XferState.ERR, descriptors)
-        if self.plan.defer_polls <= 0 and self.plan.defer_s <= 0 and not self.plan.hold:
-            handle.real = super().post(peer, work, notif, prepared)
-            return Chunk(self, handle, nbytes, handle.real.state, descriptors)
-        return Chunk(self, handle, nbytes, XferState.PROC, descriptors)
-
-    def check(self, chunk: Chunk) -> XferState:
-        if self.partial_failures:
-            self.progress_partial()
-        handle = chunk.handle
-        if not isinstance(handle, _DeferredHandle):  # a real chunk of ours
-            return super().check(chunk)
-        if handle.failed:
-            return XferState.ERR
-        if handle.real is None:
-            handle.polls += 1
-            too_soon = time.monotonic() - handle.born < self.plan.defer_s
-            if self.plan.hold or handle.polls < self.plan.defer_polls or too_soon:
-                return XferState.PROC
-            handle.real = super().post(handle.peer, handle.work, handle.notif, handle.prepared)
-        return handle.real.poll()
-
-    def release(self, chunk: Chunk) -> bool:
-        handle = chunk.handle
-        if not isinstance(handle, _DeferredHandle):
-            return super().release(chunk)
-        if handle.real is None:
-            return True  # never posted: nothing to release
-        if handle.real in self.partial_failures:
-            return False  # still writing: released by `progress_partial` once DONE
-        return handle.real.release()
-
-    def progress_partial(self) -> int:
-        """Poll the real WRITEs of partial failures; release the finished ones.
-        Returns how many are still writing."""
-        for real in list(self.partial_failures):
-            # The real transport's check: `real.poll()` would come back
-            # through `check` above, and here again, while the WRITE runs.
-            if not real.terminal:
-                real.state = super().check(real)
-            if real.terminal:
-                real.release()
-                self.partial_failures.remove(real)
-        return len(self.partial_failures)

@@ -36,6 +36,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError
 
+from kvhandoff.actors._faults import DirectoryFaults, FaultPlan
 from kvhandoff.protocol import Endpoint
 
 __all__ = ["Directory", "DirectoryCore"]
@@ -44,7 +45,7 @@ Entry = tuple[Any, str, bytes, Any]  # (Endpoint, agent name, agent metadata, Bu
 
 
 class DirectoryCore:
-    def __init__(self) -> None:
+    def __init__(self, fault_plan: FaultPlan | None = None) -> None:
         # (instance id, rank) -> the current incarnation's entry and handle.
         self._entries: dict[tuple[str, int], tuple[Entry, Any]] = {}
         # (instance id, rank) -> the current incarnation's descriptor frame
@@ -59,18 +60,9 @@ class DirectoryCore:
         self._node = ray.get_runtime_context().get_node_id()
         self.deaths_confirmed = 0
         self._changed = asyncio.Event()
-        self._lookup_delay_s = 0.0
-        self._lookup_delay_of: str | None = None
-        self._lookup_delays_left: int | None = None
-
-    async def set_lookup_delay(self, seconds: float, instance: str | None = None, count: int | None = None) -> None:
-        """Fault injection (tests): every `lookup` (of `instance` only, when
-        given; the next `count` such lookups only, when given) answers
-        `seconds` late, as a loaded directory would. Registration and
-        `all_of` are not delayed."""
-        self._lookup_delay_s = max(0.0, float(seconds))
-        self._lookup_delay_of = instance
-        self._lookup_delays_left = count
+        #: Fault injection (actors/_faults.py), only for a deployment launched
+        #: with a `FaultPlan`: `lookup` answers late, as a loaded directory would.
+        self.faults = DirectoryFaults() if fault_plan is not None else None
 
     async def register(
         self,
@@ -199,10 +191,8 @@ class DirectoryCore:
         registered: a frame from a rank can reach a peer before the rank's own
         registration reaches us (both are one-way calls from different
         callers). An instance that left answers at once."""
-        if self._lookup_delay_s and self._lookup_delay_of in (None, instance) and self._lookup_delays_left != 0:
-            if self._lookup_delays_left is not None:
-                self._lookup_delays_left -= 1
-            await asyncio.sleep(self._lookup_delay_s)
+        if self.faults is not None:
+            await self.faults.before_lookup(instance)
 
         def ready() -> bool:
             found = self._entries.get((instance, rank))

@@ -52,6 +52,7 @@ from kvhandoff.actors._dataplane import (
     XferState,
     edge_pieces,
 )
+from kvhandoff.actors._faults import RankFaults
 from kvhandoff.actors._frames import NixlNotifChannel
 from kvhandoff.actors._names import agent_name
 from kvhandoff.actors._staged import StageMap, StagingArena, gather, scatter, stage_map, stage_unit
@@ -255,6 +256,10 @@ class ReaderHost(StagerHost, Protocol):
     @property
     def channel(self) -> NixlNotifChannel:
         """The rank's NIXL notification channel (ACKs go out on it)."""
+        ...
+    @property
+    def faults(self) -> RankFaults | None:
+        """The rank's fault state (actors/_faults.py; None in production)."""
         ...
 
 
@@ -667,10 +672,6 @@ class StagedReader:
         self._units: dict[tuple[Piece, ...], int] = {}
         self._maps: dict[tuple[ParentKey, tuple[int, int], int], StageMap] = {}  # per edge session
         self.counters: collections.Counter[str] = collections.Counter()
-        #: Fault injection (tests; set through Ray's __ray_call__): ACKs to
-        #: drop; notices held (not scattered, not answered) while a list.
-        self._drop_acks = 0
-        self._held: list[tuple[str, StageWrite, float]] | None = None
         #: GPU scatters launched, not yet ACKed: (sender, notice, CUDA event, launched at).
         self._pending: collections.deque[tuple[str, StageWrite, Any, float]] = collections.deque()
         self.seconds: collections.Counter[str] = collections.Counter()
@@ -688,8 +689,9 @@ class StagedReader:
         return found
 
     def on_write(self, sender: str, msg: StageWrite, now: float) -> None:
-        if self._held is not None:
-            self._held.append((sender, msg, now))
+        faults = self.core.faults  # actors/_faults.py; None in production
+        if faults is not None and faults.notices is not None:
+            faults.notices.append((sender, msg, now))
             return
         core = self.core
         scattered = False
@@ -717,8 +719,9 @@ class StagedReader:
 
     def _ack(self, sender: str, msg: StageWrite, scattered: bool) -> None:
         """Answer a notice: the writer's slot is free again (its credit)."""
-        if self._drop_acks > 0:
-            self._drop_acks -= 1
+        faults = self.core.faults
+        if faults is not None and faults.drop_acks > 0:
+            faults.drop_acks -= 1
             self.counters["acks_dropped"] += 1
             return
         t0 = time.perf_counter()

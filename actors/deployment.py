@@ -70,138 +70,50 @@ from typing import Any, TypeVar
 import msgspec
 import ray
 
-from kvhandoff.actors._carrier import CARRIERS, CarrierChoice, choose_carrier
-from kvhandoff.actors._coordinator import AdmissionStopped, Coordinator
-from kvhandoff.actors._dataplane import FaultPlan
-from kvhandoff.actors._directory import Directory
+from kvhandoff.actors._carrier import CarrierChoice, choose_carrier
+from kvhandoff.actors._checks import check_request_id, check_timeout, check_tokens, short
+from kvhandoff.actors._config import LaunchConfig, checked
+from kvhandoff.actors._coordinator import AdmissionStopped
+from kvhandoff.actors._errors import (
+    DeploymentClosed,
+    DeploymentError,
+    InvalidConfig,
+    InvalidRequest,
+    LaunchFailed,
+)
+from kvhandoff.actors._faults import FaultPlan
+from kvhandoff.actors._launch import Launcher, _ref
 from kvhandoff.actors._metrics import record_handoff, record_hops
 from kvhandoff.actors._placement import (
-    bundle_strategy,
-    create_group,
-    group_node,
-    node_views,
-    pin,
     remove_group,
-    wait_ready,
 )
-from kvhandoff.actors._stager import DATA_MODES
 from kvhandoff.actors._trace import HandoffTrace, TraceRecorder, critical_path
-from kvhandoff.actors.rank import RankActor, RankConfig
 from kvhandoff.protocol import (
-    MAX_REQUEST_BLOCKS,
-    AdmissionRequest,
     Endpoint,
-    MemoryKind,
     ParentKey,
     RecentMemory,
     Role,
-    TopologyError,
 )
 from kvhandoff.topology import DEFAULT_LAYOUT as _TOPOLOGY_DEFAULT_LAYOUT
 from kvhandoff.topology import (
-    INSTANCE_LAYOUTS,
     InstancePlacement,
-    KVLayout,
     TopologySpec,
     block_bytes,
     blocks_for_tokens,
-    check_memory_kind,
-    place_instance,
-    qualify_pair,
-    shard_map,
-    topology_digest,
-    unplaced_reasons,
 )
 
-__all__ = [
-    "Deployment",
-    "SyncDeployment",
-    "HandoffResult",
-    "DEFAULT_LAYOUT",
-    "DeploymentError",
-    "InvalidRequest",
-    "InvalidConfig",
-    "LaunchFailed",
-    "PlacementFailed",
-    "DeploymentClosed",
-]
+__all__ = ["Deployment", "SyncDeployment", "HandoffResult", "DEFAULT_LAYOUT"]
 
 log = logging.getLogger("kvhandoff.deployment")
 trace_log = logging.getLogger("kvhandoff.trace")
 
 #: Attempt ids are U32 on the wire (ParentKey.ctx_attempt / gen_attempt).
 _MAX_ATTEMPT = 2**32 - 1
-#: A valid parent, to check a token count against the admission message's type.
-_ANY_PARENT = {"request_id": "r", "ctx_attempt": 0, "gen_attempt": 0}
 
 T = TypeVar("T")
 
 #: The layout of a synthetic deployment (`kvhandoff.topology.DEFAULT_LAYOUT`).
 DEFAULT_LAYOUT = _TOPOLOGY_DEFAULT_LAYOUT
-
-
-class DeploymentError(Exception):
-    """Base of the client API's own errors."""
-
-
-class InvalidRequest(DeploymentError, ValueError):
-    """A `handoff` argument that can never succeed (bad request id, token count,
-    timeout or cancel phase). Raised before any actor call; nothing changed."""
-
-
-class InvalidConfig(DeploymentError, ValueError):
-    """A `launch` argument that can never work (TP that does not split the KV
-    heads, an empty pool, VRAM without a GPU, ...). Raised before any actor starts."""
-
-
-class LaunchFailed(DeploymentError):
-    """The actors were started but the deployment did not come up. Everything
-    the launch started was killed before this was raised. `not_started` maps
-    "ctx rank 1" (and so on) to why it did not start, where that is known."""
-
-    def __init__(self, deployment: str, reason: str, not_started: dict[str, str] | None = None) -> None:
-        self.deployment = deployment
-        self.reason = reason
-        self.not_started = dict(not_started or {})
-        detail = "; ".join(f"{who}: {why}" for who, why in self.not_started.items())
-        super().__init__(f"deployment {deployment!r} did not start: {reason}" + (f" ({detail})" if detail else ""))
-
-
-class PlacementFailed(LaunchFailed):
-    """An instance's placement group was not placed within `timeout_s`: the
-    cluster has no node (or no free node) with what its ranks need. No actor
-    was started and the placement groups were removed before this was
-    raised. Carries `role` ("ctx"/"gen"), `demand` (what the one node must
-    hold), `label_selector` and `missing` (one line per reason: what the
-    closest node lacks, or that no node matches the labels, or that the
-    resources exist but are held by other work)."""
-
-    def __init__(
-        self,
-        deployment: str,
-        role: str,
-        timeout_s: float,
-        demand: dict[str, float],
-        label_selector: dict[str, str],
-        missing: tuple[str, ...],
-    ) -> None:
-        self.role = role
-        self.timeout_s = timeout_s
-        self.demand = dict(demand)
-        self.label_selector = dict(label_selector)
-        self.missing = tuple(missing)
-        super().__init__(
-            deployment,
-            f"the {role} instance's placement group was not placed within {timeout_s:g}s: " + "; ".join(missing),
-        )
-
-
-class DeploymentClosed(DeploymentError):
-    """The deployment was shut down: its actors are gone."""
-
-    def __init__(self, deployment: str) -> None:
-        self.deployment = deployment
-        super().__init__(f"deployment {deployment!r} is shut down")
 
 
 class HandoffResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -216,32 +128,6 @@ class HandoffResult(msgspec.Struct, frozen=True, kw_only=True):
     #: The instance ids of the pair it ran between (a fleet's; "" for a `Deployment`).
     ctx_instance: str = ""
     gen_instance: str = ""
-
-
-class _RankFactory:
-    """Picklable `(rank, epoch) -> handle` for the coordinator (creates and restarts ranks)."""
-
-    def __init__(self, configs: list[RankConfig], resources: list[dict[str, Any]]) -> None:
-        self.configs = configs
-        self.resources = resources
-        self._made: set[int] = set()  # ranks this factory (the coordinator's copy) created
-
-    def __call__(self, rank: int, epoch: int) -> Any:
-        handle = RankActor.options(**self.resources[rank]).remote(self.configs[rank], epoch)
-        if rank in self._made:
-            # A restart: learn the peers' agents and buffers now (calls from one
-            # caller run in order: after __init__ registered it), not on the
-            # first OPEN. Fire-and-forget; a lookup on first use still covers it.
-            handle.connect.remote()
-        self._made.add(rank)
-        return handle
-
-    def retired(self, rank: int, epoch: int) -> None:
-        """The coordinator killed `rank`'s incarnation `epoch`: have the directory
-        tell the peer instance's ranks now (fire-and-forget)."""
-        config = self.configs[rank]
-        directory = ray.get_actor(f"{config.deployment}.directory")
-        directory.retire.remote(config.spec.instance_id, rank, epoch)
 
 
 class _Attempt:
@@ -260,7 +146,7 @@ class _Attempt:
         self.abandoned = False  # superseded, or its caller stopped waiting
 
 
-class Deployment:
+class Deployment(Launcher):
     """A CTX instance and a GEN instance with their coordinators (async API)."""
 
     def __init__(self) -> None:
@@ -310,50 +196,23 @@ class Deployment:
 
     @classmethod
     async def launch(
-        cls,
-        *,
-        ctx_tp: int = 2,
-        gen_tp: int = 1,
-        layout: KVLayout | None = None,
-        pool_blocks: int = 64,
-        memory: str = "DRAM",
-        chunk_bytes: int = 256 << 10,
-        transfer_timeout_s: float = 10.0,
-        lease_timeout_s: float = 30.0,
-        round_timeout_s: float = 5.0,
-        max_restarts: int = 3,
-        start_timeout_s: float = 600.0,
-        fault_plan: FaultPlan | None = None,
-        synthetic: bool = True,
-        prepared_descriptors: bool = True,
-        gpus_per_rank: float = 1.0,
-        control_frames: str = "ray",
-        ctx_overrides: dict[str, Any] | None = None,
-        gen_overrides: dict[str, Any] | None = None,
-        name: str | None = None,
-        memory_kind: str = "blocked",
-        data_mode: str = "auto",
-        staging_window: int = 4,
-        staged_below: int = 0,
-        staging_slot_bytes: int = 0,
-        staged_min_descriptors: int = 0,
-        placement: str = "any",
-        ctx_resources: dict[str, float] | None = None,
-        gen_resources: dict[str, float] | None = None,
-        ctx_labels: dict[str, str] | None = None,
-        gen_labels: dict[str, str] | None = None,
-        placement_timeout_s: float = 120.0,
-        admit_at_open: bool | None = None,
+        cls, config: LaunchConfig | None = None, /, *, fault_plan: FaultPlan | None = None, **fields: Any
     ) -> Deployment:
         """Start the actors on the current Ray cluster (`ray.init()` it first, or
         let this call start a local one).
 
-        Raises `InvalidConfig` for a configuration that can never work, before
-        any actor starts (and before a local Ray is started). The start then
-        waits on progress, not on a guess: a rank actor that is still starting
-        (waiting for resources, still constructing) is waited for, a rank actor
-        that died while starting fails the launch at once with its death cause,
-        and `start_timeout_s` bounds the whole start. Any failure after the
+        The configuration is a `LaunchConfig` (actors/_config.py), given whole,
+        as keyword fields (`launch(ctx_tp=1, gen_tp=2)`), or both (the fields
+        replace the config's). `fault_plan` injects faults for tests and the
+        demo's chaos (actors/_faults.py).
+
+        Raises `InvalidConfig` naming the field for a configuration that can
+        never work, before any actor starts (and before a local Ray is
+        started). The start then waits on progress, not on a guess: a rank
+        actor that is still starting (waiting for resources, still
+        constructing) is waited for, a rank actor that died while starting
+        fails the launch at once with its death cause, and `start_timeout_s`
+        bounds the whole start. Any failure after the
         first actor started raises `LaunchFailed`, after killing every actor the
         launch started (directory, coordinators, their rank actors).
 
@@ -410,56 +269,25 @@ class Deployment:
         round of its own and no call from the GEN coordinator to ask it
         (docs/design.md "Admission at the OPEN"), as a `Fleet` does for its
         one-rank CTX instances. False admits in rounds on both instances."""
+        cfg = checked(LaunchConfig, config, **fields)
         self = cls()
-        self.name = name or f"kvh-{uuid.uuid4().hex[:8]}"
-        plans = self._plan(
-            ctx_tp=ctx_tp,
-            gen_tp=gen_tp,
-            layout=layout,
-            pool_blocks=pool_blocks,
-            memory=memory,
-            chunk_bytes=chunk_bytes,
-            transfer_timeout_s=transfer_timeout_s,
-            lease_timeout_s=lease_timeout_s,
-            round_timeout_s=round_timeout_s,
-            max_restarts=max_restarts,
-            start_timeout_s=start_timeout_s,
-            fault_plan=fault_plan,
-            synthetic=synthetic,
-            prepared_descriptors=prepared_descriptors,
-            gpus_per_rank=gpus_per_rank,
-            control_frames=control_frames,
-            ctx_overrides=ctx_overrides,
-            gen_overrides=gen_overrides,
-            memory_kind=memory_kind,
-            data_mode=data_mode,
-            staging_window=staging_window,
-            staged_below=staged_below,
-            staging_slot_bytes=staging_slot_bytes,
-            staged_min_descriptors=staged_min_descriptors,
-            placement=placement,
-            ctx_resources=ctx_resources,
-            gen_resources=gen_resources,
-            ctx_labels=ctx_labels,
-            gen_labels=gen_labels,
-            placement_timeout_s=placement_timeout_s,
-            admit_at_open=admit_at_open,
-        )
+        self.name = cfg.name or f"kvh-{uuid.uuid4().hex[:8]}"
+        plans = self._plan(cfg, fault_plan)
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
-        if MemoryKind(memory) is MemoryKind.VRAM and not ray.cluster_resources().get("GPU", 0):
+        if cfg.memory == "VRAM" and not ray.cluster_resources().get("GPU", 0):
             raise InvalidConfig("memory='VRAM' puts each rank's KV pool on a GPU, but the Ray cluster has no GPU")
-        self.carrier = await choose_carrier(control_frames)
+        self.carrier = await choose_carrier(cfg.control_frames)
         plans = [
             (spec, [msgspec.structs.replace(c, frames=self.carrier.carrier) for c in configs], resources)
             for spec, configs, resources in plans
         ]
         # Each rank's transfer, lease and rounds are bounded; so is handing back
         # an abandoned attempt (see the module docstring).
-        self._reclaim_timeout_s = lease_timeout_s + 2 * transfer_timeout_s + 4 * round_timeout_s
+        self._reclaim_timeout_s = cfg.lease_timeout_s + 2 * cfg.transfer_timeout_s + 4 * cfg.round_timeout_s
         try:
-            await self._place(placement, placement_timeout_s, plans)
-            await self._start(plans, round_timeout_s, max_restarts, start_timeout_s)
+            await self._place(cfg.placement, cfg.placement_timeout_s, plans)
+            await self._start(plans, cfg)
         except BaseException as exc:
             await self._teardown()
             if isinstance(exc, DeploymentError) or not isinstance(exc, Exception):
@@ -467,278 +295,18 @@ class Deployment:
             raise LaunchFailed(self.name, f"{type(exc).__name__}: {exc}") from exc
         return self
 
-    def _plan(
-        self,
-        *,
-        ctx_tp: Any,
-        gen_tp: Any,
-        layout: KVLayout | None,
-        pool_blocks: Any,
-        memory: Any,
-        chunk_bytes: Any,
-        transfer_timeout_s: Any,
-        lease_timeout_s: Any,
-        round_timeout_s: Any,
-        max_restarts: Any,
-        start_timeout_s: Any,
-        fault_plan: FaultPlan | None,
-        synthetic: bool,
-        prepared_descriptors: bool,
-        gpus_per_rank: Any,
-        control_frames: Any,
-        ctx_overrides: dict[str, Any] | None,
-        gen_overrides: dict[str, Any] | None,
-        memory_kind: Any = "blocked",
-        data_mode: Any = "auto",
-        staging_window: Any = 4,
-        staged_below: Any = 0,
-        staging_slot_bytes: Any = 0,
-        staged_min_descriptors: Any = 0,
-        placement: Any = "any",
-        ctx_resources: Any = None,
-        gen_resources: Any = None,
-        ctx_labels: Any = None,
-        gen_labels: Any = None,
-        placement_timeout_s: Any = 120.0,
-        admit_at_open: Any = None,
-    ) -> list[tuple[TopologySpec, list[RankConfig], list[dict[str, Any]]]]:
-        """Everything that can be checked without an actor: the specs, the
-        shard map, the rank configs. Raises `InvalidConfig`."""
-        _check_int("ctx_tp", ctx_tp, 1)
-        _check_int("gen_tp", gen_tp, 1)
-        if admit_at_open is None:
-            admit_at_open = ctx_tp == 1  # the default: as a fleet's one-rank CTX instances
-        if not isinstance(admit_at_open, bool):
-            raise InvalidConfig(f"admit_at_open must be a bool or None, got {_short(admit_at_open)}")
-        if admit_at_open and ctx_tp != 1:
-            raise InvalidConfig(f"admit_at_open needs a CTX instance of one rank (ctx_tp=1), got ctx_tp={ctx_tp}")
-        self._admit_at_open = admit_at_open
-        _check_int("pool_blocks", pool_blocks, 1)
-        _check_int("chunk_bytes", chunk_bytes, 1)
-        _check_int("max_restarts", max_restarts, 0)
-        _check_seconds(
-            lease_timeout_s=lease_timeout_s,
-            round_timeout_s=round_timeout_s,
-            start_timeout_s=start_timeout_s,
-            placement_timeout_s=placement_timeout_s,
-        )
-        if (
-            not isinstance(gpus_per_rank, int | float)
-            or isinstance(gpus_per_rank, bool)
-            or not gpus_per_rank > 0
-            or (gpus_per_rank > 1 and gpus_per_rank != int(gpus_per_rank))
-        ):
-            raise InvalidConfig(
-                f"gpus_per_rank must be a fraction in (0, 1] or a whole number, got {_short(gpus_per_rank)}"
-            )
-        if data_mode not in DATA_MODES:
-            raise InvalidConfig(f"data_mode must be one of {list(DATA_MODES)}, got {_short(data_mode)}")
-        _check_int("staging_window", staging_window, 1)
-        _check_int("staged_below", staged_below, 0)
-        _check_int("staging_slot_bytes", staging_slot_bytes, 0)
-        _check_int("staged_min_descriptors", staged_min_descriptors, 0)
-        if placement not in INSTANCE_LAYOUTS:
-            raise InvalidConfig(f"placement must be one of {list(INSTANCE_LAYOUTS)}, got {_short(placement)}")
-        _check_frames(control_frames)
-        try:
-            check_memory_kind(memory_kind)
-        except TopologyError as exc:
-            raise InvalidConfig(str(exc)) from None
-        try:
-            mem = MemoryKind(memory)
-        except ValueError:
-            raise InvalidConfig(f"memory must be one of {[m.value for m in MemoryKind]}, got {memory!r}") from None
-        self.layout = layout or DEFAULT_LAYOUT
-        self.pool_blocks = pool_blocks
-        self.synthetic = synthetic
-        common = {"memory": mem, "transfer_timeout_s": transfer_timeout_s}
-        try:
-            self.ctx_spec = TopologySpec(
-                instance_id=f"{self.name}-ctx", role=Role.CTX, tp=ctx_tp, **common, **(ctx_overrides or {})
-            )
-            self.gen_spec = TopologySpec(
-                instance_id=f"{self.name}-gen", role=Role.GEN, tp=gen_tp, **common, **(gen_overrides or {})
-            )
-            # Every edge of the heterogeneous-TP split, as the ranks will build it.
-            shard_map(self.layout, ctx_tp, gen_tp)
-        except (TopologyError, TypeError, ValueError) as exc:
-            raise InvalidConfig(str(exc)) from exc
-        verdict = qualify_pair(self.ctx_spec, self.gen_spec)
-        self.qualified = verdict.qualified
-        self.unqualified_reasons = verdict.reasons
-        device = "cuda" if mem is MemoryKind.VRAM else "cpu"
-        plans = []
-        for spec, peer in ((self.ctx_spec, self.gen_spec), (self.gen_spec, self.ctx_spec)):
-            configs = [
-                RankConfig(
-                    deployment=self.name,
-                    spec=spec,
-                    peer_spec=peer,
-                    layout=self.layout,
-                    rank=r,
-                    pool_blocks=pool_blocks,
-                    chunk_bytes=chunk_bytes,
-                    lease_timeout_s=lease_timeout_s,
-                    device=device,
-                    fault_plan=fault_plan if spec.role is Role.CTX else None,
-                    conservative=not self.qualified,
-                    synthetic=synthetic,
-                    prepared_descriptors=prepared_descriptors,
-                    frames=control_frames,
-                    memory_kind=memory_kind,
-                    data_mode=data_mode,
-                    staging_window=staging_window,
-                    staged_below=staged_below,
-                    staging_slot_bytes=staging_slot_bytes,
-                    staged_min_descriptors=staged_min_descriptors,
-                    admit_at_open=admit_at_open and spec.role is Role.CTX,
-                )
-                for r in range(spec.tp)
-            ]
-            # One placement group per instance: one bundle per rank actor.
-            try:
-                request = place_instance(
-                    spec,
-                    num_ranks=spec.tp,
-                    gpus_per_rank=gpus_per_rank,
-                    resources=ctx_resources if spec.role is Role.CTX else gen_resources,
-                    labels=ctx_labels if spec.role is Role.CTX else gen_labels,
-                )
-            except TopologyError as exc:
-                raise InvalidConfig(str(exc)) from None
-            self._placements[spec.role] = request
-            resources: list[dict[str, Any]] = [dict(o) for o in request.actor_options]
-            plans.append((spec, configs, resources))
-        return plans
-
-    async def _place(
-        self,
-        layout: str,
-        timeout_s: float,
-        plans: list[tuple[TopologySpec, list[RankConfig], list[dict[str, Any]]]],
-    ) -> None:
-        """Create each instance's placement group and wait until Ray placed it
-        (`pg.ready()`), within `timeout_s` in all; then schedule each rank into
-        its bundle (rank i in bundle i, restarts included). CTX goes first:
-        for "pack" and "spread" the GEN group is pinned to, or away from, the
-        node the CTX group landed on (Ray's `ray.io/node-id` label); for
-        "any" both are asked for at once. A group not placed in time raises
-        `PlacementFailed` with what the cluster lacks (the caller's teardown
-        removes every group)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        order = [Role.CTX, Role.GEN]
-        extra: dict[Role, dict[str, str]] = {role: {} for role in order}
-        if layout == "any":  # nothing to wait for: ask for both now
-            for role in order:
-                self._groups[role] = create_group(self._placements[role], f"{self.name}.{role.value}")
-        for role in order:
-            if role not in self._groups:
-                self._groups[role] = create_group(self._placements[role], f"{self.name}.{role.value}", extra[role])
-            group = self._groups[role]
-            if not await wait_ready(group, deadline - loop.time()):
-                request = self._placements[role]
-                missing = unplaced_reasons(request, node_views(), extra[role])
-                raise PlacementFailed(
-                    self.name,
-                    role.value,
-                    timeout_s,
-                    request.demand,
-                    {**request.label_selector, **extra[role]},
-                    missing,
-                )
-            self.nodes[role] = group_node(group)
-            if role is Role.CTX:
-                extra[Role.GEN] = pin(layout, self.nodes[role])
-        for spec, _, resources in plans:
-            for rank, options in enumerate(resources):
-                options.update(bundle_strategy(self._groups[spec.role], rank))
-
-    async def _start(
-        self,
-        plans: list[tuple[TopologySpec, list[RankConfig], list[dict[str, Any]]]],
-        round_timeout_s: float,
-        max_restarts: int,
-        start_timeout_s: float,
-    ) -> None:
-        """Start the directory and both coordinators (which start their ranks on
-        the first call), then wait until every rank answered and registered."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + start_timeout_s
-        self._directory = Directory.options(name=f"{self.name}.directory").remote()
-        for spec, configs, resources in plans:
-            # The GEN coordinator drives each handoff: it admits in both
-            # instances (the CTX coordinator is its peer) and answers `submit`.
-            peer = f"{self.name}.coord.{Role.CTX.value}" if spec.role is Role.GEN else None
-            # The coordinator runs beside its ranks (bundle 0: it asks for nothing).
-            group = self._groups.get(spec.role)  # none when a caller skipped `_place`
-            beside = bundle_strategy(group, 0) if group is not None else {}
-            self._coords[spec.role] = Coordinator.options(
-                name=f"{self.name}.coord.{spec.role.value}", **beside
-            ).remote(
-                spec.instance_id,
-                rank_factory=_RankFactory(configs, resources),
-                tp=spec.tp,
-                round_timeout=round_timeout_s,
-                max_restarts=max_restarts,
-                restart_timeout=start_timeout_s,
-                topology_digest=topology_digest(spec),
-                peer=peer,
-                admits_at_open=self._admit_at_open and spec.role is Role.CTX,
-                # ... and then a GEN instance of one rank admits alone: no round.
-                admits_alone=self._admit_at_open and spec.role is Role.GEN and spec.tp == 1,
-            )
-        # `epochs` answers once every rank of that instance answered its identity
-        # (constructed); a rank that died while starting makes it raise at once
-        # (TopologyFailed naming the rank and its death cause). A rank still
-        # starting is not an error: only the overall bound applies.
-        starts = {role: asyncio.ensure_future(_ref(c.epochs.remote())) for role, c in self._coords.items()}
-        try:
-            done, pending = await asyncio.wait(
-                starts.values(), timeout=start_timeout_s, return_when=asyncio.FIRST_EXCEPTION
-            )
-            for future in done:
-                error = future.exception()
-                if error is not None:  # a rank died while starting, or a coordinator did
-                    cause = getattr(error, "cause", None) or error
-                    died = {k: v for k, v in (await self._not_started()).items() if "died" in v}
-                    raise LaunchFailed(self.name, str(getattr(cause, "reason", cause)), died) from error
-            if pending:
-                not_started = await self._not_started()
-                raise LaunchFailed(self.name, f"rank actors did not start within {start_timeout_s:g}s", not_started)
-        finally:
-            for future in starts.values():
-                future.cancel()
-        expected = {self._spec(role).instance_id: starts[role].result() for role in self._coords}
-        left = max(deadline - loop.time(), 0.0)
-        if not await self._directory.wait_for.remote(expected, left):
-            raise LaunchFailed(self.name, f"rank actors did not register with the directory within {start_timeout_s:g}s")
-        await asyncio.gather(*(h.connect.remote() for h in await self._all_ranks()))
-
-    async def _not_started(self) -> dict[str, str]:
-        """Per rank that has not answered yet: why, as its coordinator sees it."""
-        found: dict[str, str] = {}
-        for role, coord in self._coords.items():
-            try:
-                status = await asyncio.wait_for(_ref(coord.start_status.remote()), 10.0)
-            except Exception as exc:
-                found[f"{role.value} coordinator"] = f"no answer: {exc!r}"[:300]
-                continue
-            for rank, why in sorted(status.items()):
-                if why != "started":
-                    found[f"{role.value} rank {rank}"] = why
-        return found
-
     @classmethod
-    def launch_sync(cls, **kwargs: Any) -> SyncDeployment:
+    def launch_sync(cls, config: LaunchConfig | None = None, /, **kwargs: Any) -> SyncDeployment:
         """`launch` for scripts: returns a blocking wrapper with the same methods."""
+        fault_plan = kwargs.pop("fault_plan", None)
+        config = checked(LaunchConfig, config, **kwargs)  # before a local Ray starts
         if not ray.is_initialized():
             # Here, in the caller's thread (a script's main thread): Ray sets
             # its signal handlers only there, and warns from any other.
             ray.init(include_dashboard=False, log_to_driver=False)
         runner = _LoopThread()
         try:
-            deployment = runner.run(cls.launch(**kwargs))
+            deployment = runner.run(cls.launch(config, fault_plan=fault_plan))
         except BaseException:
             runner.stop()
             raise
@@ -783,32 +351,10 @@ class Deployment:
         self._recent.remember(request_id, parent, time.monotonic())
         return parent
 
-    def _check_id(self, request_id: Any) -> None:
-        try:
-            # The wire type's own rule (protocol/_ticket.py `Id`), not a copy of it.
-            msgspec.convert({"request_id": request_id, "ctx_attempt": 0, "gen_attempt": 0}, ParentKey)
-        except msgspec.ValidationError as exc:
-            raise InvalidRequest(f"invalid request id {_short(request_id)}: {exc}") from None
-
     def _checked(self, request_id: Any, num_tokens: Any) -> None:
         """Refuse a request that can never succeed, before any actor call."""
-        self._check_id(request_id)
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
-            raise InvalidRequest(f"num_tokens must be an int >= 1, got {_short(num_tokens)}")
-        try:  # the round message's own bound on it
-            msgspec.convert({"parent": _ANY_PARENT, "num_tokens": num_tokens}, AdmissionRequest)
-        except msgspec.ValidationError as exc:
-            raise InvalidRequest(f"num_tokens={num_tokens}: {exc}") from None
-        need = blocks_for_tokens(self.layout, num_tokens)
-        if need > MAX_REQUEST_BLOCKS:
-            raise InvalidRequest(
-                f"num_tokens={num_tokens} needs {need} blocks per rank; one request may lease at most "
-                f"{MAX_REQUEST_BLOCKS} (what one OPEN carries)"
-            )
-        if need > self.pool_blocks:
-            raise InvalidRequest(
-                f"num_tokens={num_tokens} needs {need} blocks; a rank's pool has only {self.pool_blocks}"
-            )
+        check_request_id(request_id)
+        check_tokens(num_tokens, self.layout, self.pool_blocks)
 
     def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """A task the deployment owns: kept until done, cancelled by shutdown()."""
@@ -901,13 +447,9 @@ class Deployment:
         Raises only `InvalidRequest` (bad arguments: nothing was sent) and
         `DeploymentClosed` (after `shutdown()`)."""
         self._check_open()
-        self._check_timeout(timeout)
+        check_timeout(timeout)
         self._checked(request_id, num_tokens)
         return await self._handoff(request_id, num_tokens, float(timeout))
-
-    def _check_timeout(self, timeout: Any) -> None:
-        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
-            raise InvalidRequest(f"timeout must be a positive number of seconds, got {_short(timeout)}")
 
     async def _handoff(self, request_id: str, num_tokens: int, timeout: float, ctx: str = "", gen: str = "") -> HandoffResult:
         """`handoff` once its arguments were checked (a fleet also names the pair)."""
@@ -959,9 +501,10 @@ class Deployment:
         await self.refresh_view()
         return self._cached_ranks(role)
 
-    def _cancel_call(self, attempt: _Attempt | None, parent: ParentKey) -> Any:
-        """The cancel's Ray call: to the GEN coordinator the attempt went to."""
-        return self._coords[Role.GEN].cancel.remote(parent)
+    def _cancel_call(self, attempt: _Attempt | None, parent: ParentKey, free: bool = False) -> Any:
+        """The cancel's Ray call: to the GEN coordinator the attempt went to
+        (`free`: its ranks free the parent too, `Coordinator.cancel`)."""
+        return self._coords[Role.GEN].cancel.remote(parent, free)
 
     async def _run(self, attempt: _Attempt, timeout: float) -> HandoffResult:
         """Drive one attempt under its `timeout`; whatever way it ends, an
@@ -1075,22 +618,18 @@ class Deployment:
         """Hand back everything an attempt that did not end cleanly may hold
         (bounded by `_reclaim_timeout_s`; owned, cancelled by shutdown()).
 
-        Order matters: first a cancel in both instances (sent after the
-        submission, so it cannot overtake its admission; applied on every rank
-        before the coordinator answers; once cancelled, the parent can never
-        complete later), then a free on every GEN rank, which releases the
-        parent if it was already decode-ready (and is refused, changing
-        nothing, if it was not)."""
+        One call to the GEN coordinator, and order matters there: first a
+        cancel in both instances (sent after the submission, so it cannot
+        overtake its admission; applied on every rank before the coordinator
+        answers; once cancelled, the parent can never complete later), then a
+        free on every GEN rank, which releases the parent if it was already
+        decode-ready (and is refused, changing nothing, if it was not)."""
         parent = attempt.parent
         try:
             async with asyncio.timeout(self._reclaim_timeout_s):
                 # The cancel goes after the submission (same caller, same
                 # coordinator: Ray keeps their order), so it cannot overtake it.
-                await self._cancel_parent(parent, attempt)
-                handles: list[Any] = []
-                with contextlib.suppress(Exception):  # a restart: free the current incarnations
-                    handles = await self._attempt_ranks(attempt, Role.GEN)
-                await asyncio.gather(*(h.free.remote(parent) for h in handles), return_exceptions=True)
+                await self._cancel_parent(parent, attempt, free=True)
         except TimeoutError:
             log.warning("%s: handing back %s took over %gs", self.name, parent, self._reclaim_timeout_s)
         except Exception as exc:
@@ -1105,7 +644,7 @@ class Deployment:
     async def cancel(self, request_id: str) -> None:
         """Cancel a request at any moment: both instances decide it in their next round."""
         self._check_open()
-        self._check_id(request_id)
+        check_request_id(request_id)
         live = self._live.get(request_id)
         if live is not None:
             await self._cancel(live)
@@ -1116,12 +655,12 @@ class Deployment:
         attempt.cancel_requested = True
         await self._cancel_parent(attempt.parent, attempt)
 
-    async def _cancel_parent(self, parent: ParentKey, attempt: _Attempt | None = None) -> None:
+    async def _cancel_parent(self, parent: ParentKey, attempt: _Attempt | None = None, free: bool = False) -> None:
         # The GEN coordinator cancels in both instances (it forwards to the CTX
         # coordinator after any admission it asked there: in order).
         self.calls["cancel"] += 1
         with contextlib.suppress(Exception):
-            await self._cancel_call(attempt, parent)
+            await self._cancel_call(attempt, parent, free)
 
     async def set_trace(self, every: int, export: bool = False) -> None:
         """Trace one request in `every` from now on (0: off; 1: every one):
@@ -1133,7 +672,7 @@ class Deployment:
         its hops (metric ``kvhandoff_handoff_hops``); `trace` then finds none."""
         self._check_open()
         if not isinstance(export, bool):
-            raise InvalidRequest(f"export must be a bool, got {_short(export)}")
+            raise InvalidRequest(f"export must be a bool, got {short(export)}")
         self._trace.set_every(every)
         self._export_traces = export
         await asyncio.gather(*(c.set_trace.remote(every, peer) for c, peer in self._trace_coordinators()))
@@ -1144,7 +683,7 @@ class Deployment:
         each with its carrier and the time since the step before). The events
         are taken: a second call returns None, as does a request not sampled."""
         self._check_open()
-        self._check_id(request_id)
+        check_request_id(request_id)
         events = self._trace.take(request_id)
         found = await asyncio.gather(
             *(c.trace_events.remote(request_id) for c, _ in self._trace_coordinators()),
@@ -1239,34 +778,6 @@ def _overall(gen: list[str], ctx: list[str]) -> str:
     if "rejected" in every and not ({"cancelled", "released"} & every):
         return "rejected"
     return "cancelled"
-
-
-def _check_seconds(**values: Any) -> None:
-    """Every value a positive number of seconds, or `InvalidConfig` naming the first that is not."""
-    for field, value in values.items():
-        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-            raise InvalidConfig(f"{field} must be a positive number of seconds, got {_short(value)}")
-
-
-def _check_frames(control_frames: Any) -> None:
-    if control_frames not in CARRIERS:
-        raise InvalidConfig(f"control_frames must be one of {list(CARRIERS)}, got {_short(control_frames)}")
-
-
-def _check_int(field: str, value: Any, least: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        raise InvalidConfig(f"{field} must be an int >= {least}, got {_short(value)}")
-
-
-def _short(value: Any) -> str:
-    """`repr(value)`, cut short: a 4 KiB request id must not make a 4 KiB error."""
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} chars)"
-
-
-async def _ref(ref: Any) -> Any:
-    """Await a Ray ObjectRef as a coroutine (for asyncio.wait / wait_for)."""
-    return await ref
 
 
 class _LoopThread:

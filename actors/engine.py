@@ -56,7 +56,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import Sequence
@@ -66,25 +65,29 @@ import msgspec
 import ray
 
 from kvhandoff.actors._carrier import CarrierChoice, choose_carrier
+from kvhandoff.actors._checks import (
+    check_blocks,
+    check_frames,
+    check_int,
+    check_seconds,
+    check_timeout,
+    fresh_parent,
+    short,
+)
 from kvhandoff.actors._coordinator import AdmissionStopped, Coordinator
 from kvhandoff.actors._directory import Directory
-from kvhandoff.actors._metrics import record_handoff
-from kvhandoff.actors._stager import DATA_MODES
-from kvhandoff.actors.deployment import (
+from kvhandoff.actors._errors import (
     DeploymentClosed,
     DeploymentError,
     InvalidConfig,
     InvalidRequest,
     LaunchFailed,
-    _check_frames,
-    _check_int,
-    _check_seconds,
-    _ref,
-    _short,
 )
+from kvhandoff.actors._launch import _ref
+from kvhandoff.actors._metrics import record_handoff
+from kvhandoff.actors._stager import DATA_MODES
 from kvhandoff.actors.endpoint import EnginePlan
 from kvhandoff.protocol import (
-    MAX_REQUEST_BLOCKS,
     HandoffTicket,
     MemoryKind,
     ParentKey,
@@ -95,7 +98,6 @@ from kvhandoff.protocol import (
 from kvhandoff.topology import (
     KVLayout,
     TopologySpec,
-    blocks_for_tokens,
     check_memory_kind,
     qualify_pair,
     shard_map,
@@ -192,23 +194,23 @@ class EngineDeployment:
         ``staging_slot_bytes`` / ``staged_min_descriptors`` pick the data
         plane as in `Deployment.launch` (docs/design.md "Data plane"): paged
         layouts move many small pieces, which "auto" stages."""
-        _check_int("ctx_tp", ctx_tp, 1)
-        _check_int("gen_tp", gen_tp, 1)
-        _check_int("chunk_bytes", chunk_bytes, 1)
-        _check_seconds(
+        check_int("ctx_tp", ctx_tp, 1)
+        check_int("gen_tp", gen_tp, 1)
+        check_int("chunk_bytes", chunk_bytes, 1)
+        check_seconds(
             transfer_timeout_s=transfer_timeout_s,
             lease_timeout_s=lease_timeout_s,
             round_timeout_s=round_timeout_s,
         )
-        _check_frames(control_frames)
+        check_frames(control_frames)
         if data_mode not in DATA_MODES:
-            raise InvalidConfig(f"data_mode must be one of {list(DATA_MODES)}, got {_short(data_mode)}")
-        _check_int("staging_window", staging_window, 1)
-        _check_int("staged_below", staged_below, 0)
-        _check_int("staging_slot_bytes", staging_slot_bytes, 0)
-        _check_int("staged_min_descriptors", staged_min_descriptors, 0)
+            raise InvalidConfig(f"data_mode must be one of {list(DATA_MODES)}, got {short(data_mode)}")
+        check_int("staging_window", staging_window, 1)
+        check_int("staged_below", staged_below, 0)
+        check_int("staging_slot_bytes", staging_slot_bytes, 0)
+        check_int("staged_min_descriptors", staged_min_descriptors, 0)
         if not isinstance(layout, KVLayout):
-            raise InvalidConfig(f"layout must be a KVLayout, got {_short(layout)}")
+            raise InvalidConfig(f"layout must be a KVLayout, got {short(layout)}")
         name = name or f"kvh-{uuid.uuid4().hex[:8]}"
         try:
             mem = MemoryKind(memory)
@@ -315,8 +317,8 @@ class EngineDeployment:
         Returns the ticket; raises `InvalidRequest` (bad arguments: nothing
         was sent) or `PublishRefused` (a rank refused: nothing is held)."""
         self._check_open()
-        parent = self._new_parent(request_id)
-        ids = self._check_blocks(num_tokens, blocks)
+        parent = fresh_parent(request_id)
+        ids = check_blocks(num_tokens, blocks, self.plan.layout)
         try:
             ok = await self._coords[Role.CTX].admit.remote(parent, num_tokens, ids)
         except AdmissionStopped as exc:  # a worker is detached (re-attach it) or a rank restarting
@@ -345,9 +347,8 @@ class EngineDeployment:
         ending is an outcome."""
         self._check_open()
         ticket = self._ticket(ticket)
-        ids = self._check_blocks(ticket.num_tokens, blocks)
-        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
-            raise InvalidRequest(f"timeout must be a positive number of seconds, got {_short(timeout)}")
+        ids = check_blocks(ticket.num_tokens, blocks, self.plan.layout)
+        check_timeout(timeout)
         parent = ticket.parent
         start = time.perf_counter()
         submission = asyncio.ensure_future(
@@ -399,10 +400,10 @@ class EngineDeployment:
         try:
             role = Role(role)
         except ValueError:
-            raise InvalidRequest(f"role must be 'ctx' or 'gen', got {_short(role)}") from None
+            raise InvalidRequest(f"role must be 'ctx' or 'gen', got {short(role)}") from None
         tp = self.plan.spec(role).tp
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < tp:
-            raise InvalidRequest(f"rank must be an int in [0, {tp}), got {_short(rank)}")
+            raise InvalidRequest(f"rank must be an int in [0, {tp}), got {short(rank)}")
         try:
             epoch = int(await self._coords[role].replace_rank.remote(rank, worker))
             await worker.connect.remote()
@@ -475,37 +476,6 @@ class EngineDeployment:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _new_parent(self, request_id: Any) -> ParentKey:
-        # A fresh attempt per publish, drawn at random: front ends in several
-        # processes publish without a shared counter, and two attempts of one
-        # request id collide with probability 2**-31 (a collision is refused
-        # by the pools: attempts are never reused on a rank).
-        attempt = secrets.randbits(31) + 1
-        try:
-            return msgspec.convert(
-                {"request_id": request_id, "ctx_attempt": attempt, "gen_attempt": attempt}, ParentKey
-            )
-        except msgspec.ValidationError as exc:
-            raise InvalidRequest(f"invalid request id {_short(request_id)}: {exc}") from None
-
-    def _check_blocks(self, num_tokens: Any, blocks: Any) -> tuple[int, ...]:
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 0 < num_tokens < 2**32:
-            raise InvalidRequest(f"num_tokens must be a positive int below 2**32, got {_short(num_tokens)}")
-        need = blocks_for_tokens(self.plan.layout, num_tokens)
-        try:
-            ids = tuple(blocks)
-        except TypeError:
-            raise InvalidRequest(f"blocks must be a sequence of block ids, got {_short(blocks)}") from None
-        if len(ids) != need:
-            raise InvalidRequest(f"{num_tokens} tokens need {need} blocks, got {len(ids)}")
-        if need > MAX_REQUEST_BLOCKS:
-            raise InvalidRequest(f"{num_tokens} tokens need {need} blocks; one request may lease at most {MAX_REQUEST_BLOCKS}")
-        if any(not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < 2**32 for b in ids):
-            raise InvalidRequest(f"block ids must be ints in [0, 2**32), got {_short(ids)}")
-        if len(set(ids)) != len(ids):
-            raise InvalidRequest("a block id is named twice")
-        return ids
 
     def _ticket(self, ticket: Any) -> HandoffTicket:
         if isinstance(ticket, str):

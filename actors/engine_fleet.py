@@ -39,22 +39,22 @@ from typing import Any
 import ray
 
 from kvhandoff.actors._carrier import CarrierChoice, choose_carrier
+from kvhandoff.actors._checks import (
+    check_blocks,
+    check_frames,
+    check_int,
+    check_seconds,
+    check_timeout,
+    fresh_parent,
+    short,
+)
 from kvhandoff.actors._coordinator import AdmissionStopped, Coordinator
 from kvhandoff.actors._directory import Directory
+from kvhandoff.actors._errors import DeploymentClosed, InvalidConfig, InvalidRequest, LaunchFailed
+from kvhandoff.actors._launch import _ref
 from kvhandoff.actors._metrics import record_handoff
-from kvhandoff.actors.deployment import (
-    DeploymentClosed,
-    InvalidConfig,
-    InvalidRequest,
-    LaunchFailed,
-    _check_frames,
-    _check_int,
-    _check_seconds,
-    _ref,
-    _short,
-)
 from kvhandoff.actors.endpoint import EnginePlan
-from kvhandoff.actors.engine import EngineDeployment, EngineResult, PublishRefused, StaleTicket
+from kvhandoff.actors.engine import EngineResult, PublishRefused, StaleTicket
 from kvhandoff.actors.fleet import InstanceUnavailable, UnknownInstance
 from kvhandoff.protocol import (
     HandoffTicket,
@@ -110,14 +110,7 @@ class EngineFleet:
         self._received: RecentMemory[ParentKey, str] = RecentMemory()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._membership = asyncio.Lock()
-        # The parts of `EngineDeployment` that need only the layout (block checks, attempts).
-        self._checks = EngineDeployment.__new__(EngineDeployment)
-        self._checks.plan = EnginePlan(
-            name=name,
-            ctx=TopologySpec(instance_id=f"{name}-none", role=Role.CTX, tp=1),
-            gen=TopologySpec(instance_id=f"{name}-none", role=Role.GEN, tp=1),
-            layout=layout,
-        )
+        self._layout = layout
 
     @classmethod
     async def create(
@@ -135,14 +128,14 @@ class EngineFleet:
         """Check the settings every instance shares (`InvalidConfig`) and
         start the fleet's directory; then `plan` and `attach` instances."""
         if not isinstance(layout, KVLayout):
-            raise InvalidConfig(f"layout must be a KVLayout, got {_short(layout)}")
-        _check_int("chunk_bytes", chunk_bytes, 1)
-        _check_seconds(
+            raise InvalidConfig(f"layout must be a KVLayout, got {short(layout)}")
+        check_int("chunk_bytes", chunk_bytes, 1)
+        check_seconds(
             transfer_timeout_s=transfer_timeout_s,
             lease_timeout_s=lease_timeout_s,
             round_timeout_s=round_timeout_s,
         )
-        _check_frames(control_frames)
+        check_frames(control_frames)
         try:
             mem = MemoryKind(memory)
         except ValueError:
@@ -178,12 +171,12 @@ class EngineFleet:
             check_memory_kind(memory_kind)
         except (ValueError, TopologyError) as exc:
             raise InvalidConfig(str(exc)) from None
-        _check_int("tp", tp, 1)
+        check_int("tp", tp, 1)
         if name is None:
             name = f"{role.value}{self._counters[role]}"
             self._counters[role] += 1
         elif not isinstance(name, str) or not _NAME.match(name):
-            raise InvalidConfig(f"instance name must match {_NAME.pattern}, got {_short(name)}")
+            raise InvalidConfig(f"instance name must match {_NAME.pattern}, got {short(name)}")
         before = self._names.get(name)
         if before is not None and before.state not in ("removed",):
             raise InvalidConfig(f"instance {name!r} exists ({before.state}): a new incarnation needs it removed")
@@ -313,7 +306,7 @@ class EngineFleet:
         if inst.state not in ("serving", "draining"):
             raise InstanceUnavailable(inst.name, inst.state)
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < inst.tp:
-            raise InvalidRequest(f"rank must be an int in [0, {inst.tp}), got {_short(rank)}")
+            raise InvalidRequest(f"rank must be an int in [0, {inst.tp}), got {short(rank)}")
         try:
             epoch = int(await inst.coord.replace_rank.remote(rank, worker))
             await worker.connect.remote()
@@ -329,8 +322,8 @@ class EngineFleet:
         ticket names that instance and its incarnation."""
         self._check_open()
         inst = self._serving(ctx, Role.CTX)
-        parent = self._checks._new_parent(request_id)
-        ids = self._checks._check_blocks(num_tokens, blocks)
+        parent = fresh_parent(request_id)
+        ids = check_blocks(num_tokens, blocks, self._layout)
         try:
             ok = await inst.coord.admit.remote(parent, num_tokens, ids)
         except AdmissionStopped as exc:
@@ -353,9 +346,8 @@ class EngineFleet:
         self._check_open()
         ticket = self._ticket(ticket)
         inst = self._serving(gen, Role.GEN)
-        ids = self._checks._check_blocks(ticket.num_tokens, blocks)
-        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
-            raise InvalidRequest(f"timeout must be a positive number of seconds, got {_short(timeout)}")
+        ids = check_blocks(ticket.num_tokens, blocks, self._layout)
+        check_timeout(timeout)
         parent = ticket.parent
         self._received.remember(parent, inst.id, time.monotonic())
         start = time.perf_counter()
@@ -533,8 +525,7 @@ class FleetInstance:
         self._directory: Any = None
         self._ctx_digests: dict[str, str] = {}  # serving CTX instance id -> its digest
         self._gen_coords: dict[str, Any] = {}
-        self._checks = EngineDeployment.__new__(EngineDeployment)
-        self._checks.plan = plan
+        self._layout = plan.layout
 
     @classmethod
     async def connect(cls, plan: EnginePlan) -> FleetInstance:
@@ -548,8 +539,8 @@ class FleetInstance:
     async def publish(self, request_id: str, num_tokens: int, blocks: Any) -> HandoffTicket:
         """`EngineFleet.publish` on this (CTX) instance."""
         self._check_role(Role.CTX)
-        parent = self._checks._new_parent(request_id)
-        ids = self._checks._check_blocks(num_tokens, blocks)
+        parent = fresh_parent(request_id)
+        ids = check_blocks(num_tokens, blocks, self._layout)
         try:
             ok = await self._coord.admit.remote(parent, num_tokens, ids)
         except AdmissionStopped as exc:
@@ -566,9 +557,8 @@ class FleetInstance:
         """`EngineFleet.receive` into this (GEN) instance."""
         self._check_role(Role.GEN)
         ticket = await self._ticket(ticket)
-        ids = self._checks._check_blocks(ticket.num_tokens, blocks)
-        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
-            raise InvalidRequest(f"timeout must be a positive number of seconds, got {_short(timeout)}")
+        ids = check_blocks(ticket.num_tokens, blocks, self._layout)
+        check_timeout(timeout)
         parent = ticket.parent
         start = time.perf_counter()
         submission = asyncio.ensure_future(

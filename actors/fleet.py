@@ -70,9 +70,19 @@ import msgspec
 import ray
 
 from kvhandoff.actors._carrier import choose_carrier
+from kvhandoff.actors._checks import check_int, check_timeout, short
+from kvhandoff.actors._config import FleetConfig, checked
 from kvhandoff.actors._coordinator import Coordinator
-from kvhandoff.actors._dataplane import FaultPlan
 from kvhandoff.actors._directory import Directory
+from kvhandoff.actors._errors import (
+    DeploymentError,
+    InvalidConfig,
+    InvalidRequest,
+    LaunchFailed,
+    PlacementFailed,
+)
+from kvhandoff.actors._faults import FaultPlan
+from kvhandoff.actors._launch import _RankFactory, _ref
 from kvhandoff.actors._placement import (
     bundle_strategy,
     create_group,
@@ -84,24 +94,12 @@ from kvhandoff.actors._placement import (
 from kvhandoff.actors.deployment import (
     DEFAULT_LAYOUT,
     Deployment,
-    DeploymentError,
     HandoffResult,
-    InvalidConfig,
-    InvalidRequest,
-    LaunchFailed,
-    PlacementFailed,
     _Attempt,
-    _check_frames,
-    _check_int,
-    _check_seconds,
-    _RankFactory,
-    _ref,
-    _short,
 )
 from kvhandoff.actors.rank import RankConfig
 from kvhandoff.protocol import MemoryKind, Role, TopologyError
 from kvhandoff.topology import (
-    KVLayout,
     TopologySpec,
     blocks_for_tokens,
     check_memory_kind,
@@ -192,34 +190,11 @@ class Fleet(Deployment):
 
     @classmethod
     async def launch(  # type: ignore[override]
-        cls,
-        *,
-        ctx: list[int] | int = 1,
-        gen: list[int] | int = 1,
-        layout: KVLayout | None = None,
-        pool_blocks: int = 64,
-        memory: str = "DRAM",
-        chunk_bytes: int = 256 << 10,
-        transfer_timeout_s: float = 10.0,
-        lease_timeout_s: float = 30.0,
-        round_timeout_s: float = 5.0,
-        max_restarts: int = 3,
-        start_timeout_s: float = 600.0,
-        placement_timeout_s: float = 120.0,
-        gpus_per_rank: float = 1.0,
-        control_frames: str = "ray",
-        memory_kind: str = "blocked",
-        synthetic: bool = True,
-        fault_plan: FaultPlan | None = None,
-        name: str | None = None,
-        ctx_resources: dict[str, float] | None = None,
-        gen_resources: dict[str, float] | None = None,
-        ctx_labels: dict[str, str] | None = None,
-        gen_labels: dict[str, str] | None = None,
-        admit_at_open: bool = True,
+        cls, config: FleetConfig | None = None, /, *, fault_plan: FaultPlan | None = None, **fields: Any
     ) -> Fleet:
-        """Start a fleet: `ctx` and `gen` are the TP of each instance (a list)
-        or how many tp=1 instances (an int). Instances are named ctx0, ctx1,
+        """Start a fleet from a `FleetConfig` (actors/_config.py), its fields
+        as keywords, or both (as `Deployment.launch`): `ctx` and `gen` are the
+        TP of each instance (a list) or how many tp=1 instances (an int). Instances are named ctx0, ctx1,
         ... and gen0, gen1, ... Every pair of a CTX and a GEN instance must be
         supported by the shard mapping (the KV heads split by both TPs).
 
@@ -244,49 +219,36 @@ class Fleet(Deployment):
         once per pair; docs/design.md "Admission at the OPEN"). CTX instances
         of several ranks admit in their rounds either way. False: every CTX
         instance admits in its rounds."""
+        cfg = checked(FleetConfig, config, **fields)
         self = cls()
-        self.name = name or f"kvh-{uuid.uuid4().hex[:8]}"
-        ctx_tps = _tps("ctx", ctx)
-        gen_tps = _tps("gen", gen)
-        if not isinstance(admit_at_open, bool):
-            raise InvalidConfig(f"admit_at_open must be a bool, got {_short(admit_at_open)}")
-        self._admit_at_open = admit_at_open
-        _check_int("pool_blocks", pool_blocks, 1)
-        _check_int("chunk_bytes", chunk_bytes, 1)
-        _check_int("max_restarts", max_restarts, 0)
-        _check_seconds(
-            transfer_timeout_s=transfer_timeout_s,
-            lease_timeout_s=lease_timeout_s,
-            round_timeout_s=round_timeout_s,
-            start_timeout_s=start_timeout_s,
-            placement_timeout_s=placement_timeout_s,
-        )
-        _check_frames(control_frames)
+        self.name = cfg.name or f"kvh-{uuid.uuid4().hex[:8]}"
+        ctx_tps, gen_tps = cfg.tps("ctx"), cfg.tps("gen")
+        self._admit_at_open = cfg.admit_at_open
         try:
-            check_memory_kind(memory_kind)
-            mem = MemoryKind(memory)
-        except (TopologyError, ValueError) as exc:
+            check_memory_kind(cfg.memory_kind)
+        except TopologyError as exc:
             raise InvalidConfig(str(exc)) from None
-        self.layout = layout or DEFAULT_LAYOUT
-        self.pool_blocks = pool_blocks
-        self.synthetic = synthetic
-        self._memory_kind = memory_kind
-        self._gpus_per_rank = gpus_per_rank
-        self._placement_timeout_s = placement_timeout_s
-        self._start_timeout_s = start_timeout_s
-        self._round_timeout_s = round_timeout_s
-        self._max_restarts = max_restarts
+        mem = MemoryKind(cfg.memory)
+        self.layout = cfg.layout or DEFAULT_LAYOUT
+        self.pool_blocks = cfg.pool_blocks
+        self.synthetic = cfg.synthetic
+        self._memory_kind = cfg.memory_kind
+        self._gpus_per_rank = cfg.gpus_per_rank
+        self._placement_timeout_s = cfg.placement_timeout_s
+        self._start_timeout_s = cfg.start_timeout_s
+        self._round_timeout_s = cfg.round_timeout_s
+        self._max_restarts = cfg.max_restarts
         self._steer = {
-            Role.CTX: (dict(ctx_resources or {}), dict(ctx_labels or {})),
-            Role.GEN: (dict(gen_resources or {}), dict(gen_labels or {})),
+            Role.CTX: (dict(cfg.ctx_resources), dict(cfg.ctx_labels)),
+            Role.GEN: (dict(cfg.gen_resources), dict(cfg.gen_labels)),
         }
         self._common = {
             "memory": mem,
-            "transfer_timeout_s": transfer_timeout_s,
-            "chunk_bytes": chunk_bytes,
-            "lease_timeout_s": lease_timeout_s,
+            "transfer_timeout_s": cfg.transfer_timeout_s,
+            "chunk_bytes": cfg.chunk_bytes,
+            "lease_timeout_s": cfg.lease_timeout_s,
             "device": "cuda" if mem is MemoryKind.VRAM else "cpu",
-            "frames": control_frames,
+            "frames": cfg.control_frames,
             "fault_plan": fault_plan,
         }
         for a in set(ctx_tps):  # every pair the fleet may form must split the KV heads
@@ -306,15 +268,15 @@ class Fleet(Deployment):
         if mem is MemoryKind.VRAM and not ray.cluster_resources().get("GPU", 0):
             raise InvalidConfig("memory='VRAM' puts each rank's KV pool on a GPU, but the Ray cluster has no GPU")
         # One carrier for the whole fleet, instances that join later included.
-        self.carrier = await choose_carrier(control_frames)
+        self.carrier = await choose_carrier(cfg.control_frames)
         self._common["frames"] = self.carrier.carrier
         for inst in planned:
             inst.configs = [msgspec.structs.replace(c, frames=self.carrier.carrier) for c in inst.configs]
-        self._reclaim_timeout_s = lease_timeout_s + 2 * transfer_timeout_s + 4 * round_timeout_s
+        self._reclaim_timeout_s = cfg.lease_timeout_s + 2 * cfg.transfer_timeout_s + 4 * cfg.round_timeout_s
         try:
-            self._directory = Directory.options(name=f"{self.name}.directory").remote()
+            self._directory = Directory.options(name=f"{self.name}.directory").remote(self._common["fault_plan"])
             for inst in planned:
-                await self._directory.add_instance.remote(inst.spec, memory_kind)
+                await self._directory.add_instance.remote(inst.spec, cfg.memory_kind)
             await asyncio.gather(*(self._start_instance(inst) for inst in planned))
             # Every rank registered: each learns the instance table and negotiates per pair.
             await asyncio.gather(*(h.connect.remote() for h in await self._ranks_of(planned)))
@@ -372,7 +334,7 @@ class Fleet(Deployment):
                 chunk_bytes=self._common["chunk_bytes"],
                 lease_timeout_s=self._common["lease_timeout_s"],
                 device=self._common["device"],
-                fault_plan=self._common["fault_plan"] if role is Role.CTX else None,
+                fault_plan=self._common["fault_plan"],
                 synthetic=self.synthetic,
                 frames=self._common["frames"],
                 memory_kind=self._memory_kind,
@@ -467,11 +429,11 @@ class Fleet(Deployment):
         try:
             role = Role(role)
         except ValueError:
-            raise InvalidConfig(f"role must be 'ctx' or 'gen', got {_short(role)}") from None
-        _check_int("tp", tp, 1)
+            raise InvalidConfig(f"role must be 'ctx' or 'gen', got {short(role)}") from None
+        check_int("tp", tp, 1)
         if name is not None:
             if not isinstance(name, str) or not _NAME.match(name):
-                raise InvalidConfig(f"instance name must match {_NAME.pattern}, got {_short(name)}")
+                raise InvalidConfig(f"instance name must match {_NAME.pattern}, got {short(name)}")
             current = self._instances.get(name)
             if current is not None and current.state not in ("dead", "removed"):
                 raise InvalidConfig(f"instance {name!r} exists and is {current.state}: a replacement needs it gone")
@@ -628,7 +590,7 @@ class Fleet(Deployment):
         before anything is sent; a handoff already routed to an instance that
         then drains finishes, one to an instance that dies ends "failed"."""
         self._check_open()
-        self._check_timeout(timeout)
+        check_timeout(timeout)
         self._checked(request_id, num_tokens)
         blocks = blocks_for_tokens(self.layout, num_tokens)
         c, g = self._choose(ctx, gen, blocks)
@@ -659,12 +621,12 @@ class Fleet(Deployment):
         except Exception:
             return []  # its coordinator is gone: nothing left to ask
 
-    def _cancel_call(self, attempt: _Attempt | None, parent: ParentKeyLike) -> Any:
+    def _cancel_call(self, attempt: _Attempt | None, parent: ParentKeyLike, free: bool = False) -> Any:
         if attempt is not None and attempt.gen:
-            return self._by_id[attempt.gen].coord.cancel.remote(parent)
+            return self._by_id[attempt.gen].coord.cancel.remote(parent, free)
         # An attempt that already ended: every GEN instance forgets nothing it held.
         return asyncio.gather(
-            *(i.coord.cancel.remote(parent) for i in self._serving(Role.GEN)), return_exceptions=True
+            *(i.coord.cancel.remote(parent, free) for i in self._serving(Role.GEN)), return_exceptions=True
         )
 
     def _gen_tp(self, attempt: _Attempt) -> int:
@@ -756,15 +718,3 @@ class Fleet(Deployment):
 
 
 ParentKeyLike = Any
-
-
-def _tps(role: str, value: Any) -> list[int]:
-    """`ctx=` / `gen=`: a count of tp=1 instances, or one TP per instance."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        _check_int(f"{role} instances", value, 1)
-        return [1] * value
-    if not isinstance(value, list | tuple) or not value:
-        raise InvalidConfig(f"{role} must be a count >= 1 or a non-empty list of TPs, got {_short(value)}")
-    for tp in value:
-        _check_int(f"{role} tp", tp, 1)
-    return list(value)

@@ -14,7 +14,8 @@ import sys
 import time
 
 from kvhandoff.actors import Deployment
-from kvhandoff.cli._bench import _handoff, _progressing
+from kvhandoff.cli._baselines import call_on, progressing, transfer_timings
+from kvhandoff.cli._bench import _handoff
 from kvhandoff.protocol import Role
 from kvhandoff.topology import KVLayout, block_bytes
 
@@ -31,7 +32,7 @@ async def main(argv: list[str]) -> None:
     )
     try:
         ctx = await dep.ranks(Role.CTX)
-        await _progressing(dep, 3600.0)
+        await progressing(dep, 3600.0)
         print("ready", flush=True)
         end = time.perf_counter() + secs
         phases: list[float] = []
@@ -40,7 +41,7 @@ async def main(argv: list[str]) -> None:
             rid = f"loop-{i}"
             i += 1
             r = await _handoff(dep, rid, blocks * kib, timeout=120.0)
-            timings = await asyncio.gather(*(h.transfer_timings.remote() for h in ctx))
+            timings = await asyncio.gather(*(call_on(h, transfer_timings) for h in ctx))
             mine = [sec for per in timings for q, sec, _ in per if q == rid]
             if r.outcome == "completed" and mine:
                 phases.append(max(mine))

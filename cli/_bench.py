@@ -12,7 +12,8 @@ baseline that needs no protocol, so the numbers mean something on any machine
    (b) the protocol's data phase of that same handoff (CTX rank's first chunk
    post -> last DONE, `transfer_timings`), (c) a raw NIXL WRITE of the same
    bytes with the same descriptors, agent, buffers and chunk window
-   (`raw_write`), (d) a plain in-process copy (`copy_bench`, the physical
+   (`raw_write`), (d) a plain in-process copy (`copy_bench`; both in
+   kvhandoff.cli._baselines, run inside the CTX rank actor), the physical
    ceiling). The raw WRITE uses the blocks the handoff leased: a fresh
    `BlockPool` hands blocks out FIFO and every lease is released before the
    next handoff, so `_PoolMirror` predicts them exactly.
@@ -66,9 +67,18 @@ import ray
 from kvhandoff.actors._stager import STAGED_BELOW, staged_min_descriptors
 from kvhandoff.actors._trace import hop_summary
 from kvhandoff.actors.deployment import Deployment, HandoffResult
+from kvhandoff.cli._baselines import (
+    call_on,
+    copy_bench,
+    gen_entries,
+    progressing,
+    raw_contiguous,
+    raw_write,
+    transfer_timings,
+)
 from kvhandoff.cli._console import Reporter
 from kvhandoff.cli._flags import SECTIONS
-from kvhandoff.cli._phases import on_endpoint_loop
+from kvhandoff.cli.harness import on_endpoint_loop
 from kvhandoff.protocol import Role
 from kvhandoff.topology import KVLayout, block_bytes, memory_pieces, shard_map
 
@@ -199,7 +209,7 @@ class _Bench:
     async def data_plane(self, dep: Deployment) -> list[dict[str, Any]]:
         a = self.args
         ctx = await dep.ranks(Role.CTX)
-        await _progressing(dep, 3600.0)
+        await progressing(dep, 3600.0)
         smap = shard_map(dep.layout, a.ctx_tp, a.gen_tp)
         full = block_bytes(dep.layout, 1)
         mirror = _PoolMirror(self._data_pool_blocks())
@@ -218,7 +228,7 @@ class _Bench:
                 failures[result.outcome] += 1
                 return blocks
             samples[mib]["e2e"].append(result.latency_s)
-            timings = await asyncio.gather(*(h.transfer_timings.remote() for h in ctx))
+            timings = await asyncio.gather(*(call_on(h, transfer_timings) for h in ctx))
             mine = [(s, b) for per_rank in timings for r, s, b in per_rank if r == request]
             if mine and sum(b for _, b in mine) == n * full:
                 # CTX ranks write in parallel: the data phase ends with the slowest.
@@ -234,18 +244,22 @@ class _Bench:
                 pings.append(time.perf_counter() - start)
             return blocks
 
+        entries = await gen_entries(dep)
+
         async def raw(blocks: list[int]) -> tuple[int, float]:
             calls = [
-                ctx[r].raw_write.remote(g, blocks, blocks, a.chunk_mib * MiB)
+                call_on(
+                    ctx[r], raw_write, [(entries[g], blocks, blocks) for _, g in smap.edges_for_ctx_rank(r)],
+                    a.chunk_mib * MiB,
+                )
                 for r in range(a.ctx_tp)
-                for _, g in smap.edges_for_ctx_rank(r)
             ]
             done = await asyncio.gather(*calls)
             return sum(b for b, _ in done), max(s for _, s in done)
 
         async def copy(mib: int) -> float:
             per_rank = mib * MiB // a.ctx_tp  # every CTX rank copies its share at once
-            return max(await asyncio.gather(*(h.copy_bench.remote(per_rank, 1) for h in ctx)))
+            return max(await asyncio.gather(*(call_on(h, copy_bench, per_rank, 1) for h in ctx)))
 
         # Warm-up: NIXL connections, descriptor caches, page faults.
         for mib, n in sizes:
@@ -315,7 +329,8 @@ class _Bench:
         """Runs of k adjacent blocks = one descriptor of k blocks (they merge)."""
         ctx = (await dep.ranks(Role.CTX))[0]
         smap = shard_map(dep.layout, 1, 1)
-        await _progressing(dep, 3600.0)
+        await progressing(dep, 3600.0)
+        (entry,) = await gen_entries(dep)
         rows = []
         for kib in self.args.paged_kib:
             k = kib * KiB // smap.ctx_block_bytes
@@ -324,7 +339,7 @@ class _Bench:
                     f"paged: {kib} KiB is not a multiple of the {smap.ctx_block_bytes} B block"
                 )
                 continue
-            rows.append(await self._paged_one(ctx, smap, kib, k))
+            rows.append(await self._paged_one(ctx, entry, smap, kib, k))
         return rows
 
     async def paged_per_size(self) -> list[dict[str, Any]]:
@@ -348,13 +363,14 @@ class _Bench:
             dep = await self.launch(layout, 2 * self.args.paged_mib * MiB // (kib * KiB), tp1=True)
             try:
                 ctx = (await dep.ranks(Role.CTX))[0]
-                await _progressing(dep, 3600.0)
-                rows.append(await self._paged_one(ctx, shard_map(layout, 1, 1), kib, 1))
+                await progressing(dep, 3600.0)
+                (entry,) = await gen_entries(dep)
+                rows.append(await self._paged_one(ctx, entry, shard_map(layout, 1, 1), kib, 1))
             finally:
                 await dep.shutdown()
         return rows
 
-    async def _paged_one(self, ctx: Any, smap: Any, kib: int, k: int) -> dict[str, Any]:
+    async def _paged_one(self, ctx: Any, entry: Any, smap: Any, kib: int, k: int) -> dict[str, Any]:
         a = self.args
         total = a.paged_mib * MiB
         runs = total // (kib * KiB)
@@ -364,29 +380,26 @@ class _Bench:
         regions = smap.descriptor_regions((0, 0), [(b * bb, b * bb) for b in blocks])
         nbytes = sum(n for _, _, n in regions)
         lengths = {n for _, _, n in regions}
-        await ctx.raw_write.remote(0, blocks, blocks, a.chunk_mib * MiB)  # warm-up
+        edges = [(entry, blocks, blocks)]
+        await call_on(ctx, raw_write, edges, a.chunk_mib * MiB)  # warm-up
         raw_s: list[float] = []
         copy_s: list[float] = []
         built_s: list[float] = []
-        await ctx.raw_write.remote(0, blocks, blocks, a.chunk_mib * MiB, False)  # warm-up
+        await call_on(ctx, raw_write, edges, a.chunk_mib * MiB, False)  # warm-up
         for rep in range(a.repeats):
             for variant in _rotated(("raw", "copy", "built"), rep):
                 if variant == "built":  # descriptors built per chunk, not prepared
-                    moved, seconds = await ctx.raw_write.remote(
-                        0, blocks, blocks, a.chunk_mib * MiB, False
-                    )
+                    moved, seconds = await call_on(ctx, raw_write, edges, a.chunk_mib * MiB, False)
                     built_s.append(seconds)
                 elif variant == "raw":
-                    moved, seconds = await ctx.raw_write.remote(
-                        0, blocks, blocks, a.chunk_mib * MiB
-                    )
+                    moved, seconds = await call_on(ctx, raw_write, edges, a.chunk_mib * MiB)
                     if moved != nbytes:
                         self.notes.append(
                             f"paged {kib} KiB: raw moved {moved} B, expected {nbytes}"
                         )
                     raw_s.append(seconds)
                 else:
-                    copy_s.append(await ctx.copy_bench.remote(nbytes, 1))
+                    copy_s.append(await call_on(ctx, copy_bench, nbytes, 1))
         row: dict[str, Any] = {
             "block_kib": kib,
             "descriptors": len(regions),
@@ -437,7 +450,8 @@ class _Bench:
         a = self.args
         layout = dep.layout
         ctx = await dep.ranks(Role.CTX)
-        await _progressing(dep, 3600.0)
+        await progressing(dep, 3600.0)
+        (entry,) = await gen_entries(dep)
         smap = shard_map(layout, 2, 1)
         nbytes = blocks * block_bytes(layout, 1)
         half = nbytes // 2
@@ -460,7 +474,7 @@ class _Bench:
                     counts[mode]["direct_posts"] += x["counters"].get(key, 0) - b["counters"].get(key, 0)
                 sc = x["staging"].get("counters", {}).get("staged_chunks", 0)
                 counts[mode]["staged_posts"] += sc - b["staging"].get("counters", {}).get("staged_chunks", 0)
-            timings = await asyncio.gather(*(h.transfer_timings.remote() for h in ctx))
+            timings = await asyncio.gather(*(call_on(h, transfer_timings) for h in ctx))
             mine = [(sec, b) for per_rank in timings for r, sec, b in per_rank if r == request]
             if not mine or sum(b for _, b in mine) != nbytes:
                 failures[f"{mode}:data_phase_missing"] += 1
@@ -470,7 +484,7 @@ class _Bench:
         async def raw() -> float:
             blocks_ = list(range(blocks))
             done = await asyncio.gather(
-                *(h.raw_write.remote(0, blocks_, blocks_, a.chunk_mib * MiB) for h in ctx)
+                *(call_on(h, raw_write, [(entry, blocks_, blocks_)], a.chunk_mib * MiB) for h in ctx)
             )
             if sum(b for b, _ in done) != nbytes:
                 failures["raw_bytes_mismatch"] += 1
@@ -478,12 +492,12 @@ class _Bench:
 
         async def contiguous() -> float:
             done = await asyncio.gather(
-                *(h.raw_contiguous.remote(0, half, r * half, a.chunk_mib * MiB) for r, h in enumerate(ctx))
+                *(call_on(h, raw_contiguous, entry, half, r * half, a.chunk_mib * MiB) for r, h in enumerate(ctx))
             )
             return max(sec for _, sec in done)
 
         async def copy() -> float:
-            return max(await asyncio.gather(*(h.copy_bench.remote(half, 1) for h in ctx)))
+            return max(await asyncio.gather(*(call_on(h, copy_bench, half, 1) for h in ctx)))
 
         variants: dict[str, Callable[[], Awaitable[float | None]]] = {
             "raw": raw, "direct": lambda: handoff("direct"), "staged": lambda: handoff("staged"),
@@ -549,7 +563,7 @@ class _Bench:
         rows: list[dict[str, Any]] = []
         try:
             ctx = await dep.ranks(Role.CTX)
-            await _progressing(dep, 3600.0)
+            await progressing(dep, 3600.0)
 
             async def one(mode: str, blocks: int) -> float | None:
                 await asyncio.gather(*(h.__ray_call__.remote(on_endpoint_loop, _set_data_mode, mode) for h in ctx))
@@ -558,7 +572,7 @@ class _Bench:
                 if result.outcome != "completed":
                     self.notes.append(f"crossover {blocks} blocks {mode}: {result.outcome}")
                     return None
-                timings = await asyncio.gather(*(h.transfer_timings.remote() for h in ctx))
+                timings = await asyncio.gather(*(call_on(h, transfer_timings) for h in ctx))
                 mine = [sec for per in timings for r, sec, _ in per if r == request]
                 return max(mine) if mine else None
 
@@ -687,7 +701,7 @@ class _Bench:
                 if result.outcome != "completed":
                     failures[result.outcome] += 1
                     continue
-                timings = await ctx.transfer_timings.remote()
+                timings = await call_on(ctx, transfer_timings)
                 data = max((sec for r, sec, _ in timings if r == request), default=math.nan)
                 if rep >= 2 and not math.isnan(data):
                     control[blocks].append(result.latency_s - data)
@@ -1001,21 +1015,6 @@ class _Bench:
         out["launch_s"] = launches
         out["wall_s"] = time.perf_counter() - started
         return out
-
-
-def _progress_for(core: Any, seconds: float) -> float:
-    """Bench-only (through __ray_call__): progress this rank's NIXL worker at
-    the short interval for `seconds` (a GEN rank is the target of the raw
-    baselines' WRITEs without holding a request; agents have no progress
-    thread)."""
-    core._progress_until = time.monotonic() + seconds
-    core._ensure_polling()
-    return seconds
-
-
-async def _progressing(dep: Deployment, seconds: float) -> None:
-    gens = await dep.ranks(Role.GEN)
-    await asyncio.gather(*(h.__ray_call__.remote(on_endpoint_loop, _progress_for, seconds) for h in gens))
 
 
 def _set_data_mode(core: Any, mode: str) -> str:

@@ -10,7 +10,7 @@ What it does, with no flags:
    bounded number in flight, and `--cancel-rate` of them (30%) cancelled. The
    cancels are spread over every phase: at least one in each way as soon as
    there are enough requests, then half at an exact phase (the harness in
-   cli/_phases.py: before OPEN, before READY, mid-DMA, after completion)
+   cli/harness.py: before OPEN, before READY, mid-DMA, after completion)
    and half by a concurrent `cancel()` after a random delay, which lands
    wherever the request happens to be (admission included);
 4. waits (bounded) until no rank holds a leased block, stops what it started,
@@ -54,7 +54,7 @@ from kvhandoff.cli._flags import MAX_TOKENS, MIN_TOKENS, REQUEST_TIMEOUT_S
 
 __all__ = ["run", "plan_workload", "Planned", "DemoReport"]
 
-#: The exact phases the harness (cli/_phases.py) reaches (docs/design.md "Lifecycle").
+#: The exact phases the harness (cli/harness.py) reaches (docs/design.md "Lifecycle").
 EXACT_PHASES = ("before_open", "before_ready", "mid_dma", "after_complete")
 #: A concurrent `cancel()` after a random delay: lands in whatever phase the
 #: request is in (admission, OPEN, READY, DMA, completion or after the end).
@@ -415,7 +415,7 @@ class _LaunchFailed(RuntimeError):
 
 async def _run_async(args: argparse.Namespace, reporter: Reporter) -> DemoReport:
     t = time.perf_counter()
-    from kvhandoff.actors._dataplane import FaultPlan
+    from kvhandoff.actors._faults import FaultPlan
     from kvhandoff.actors.deployment import Deployment
 
     durations: dict[str, float] = {"import_s": time.perf_counter() - t}  # torch, NIXL, ...
@@ -557,7 +557,7 @@ async def run_workload(
 
 
 async def _handoff(dep: Any, planned: Planned, timeout: float) -> Any:
-    from kvhandoff.cli._phases import handoff_cancel_at
+    from kvhandoff.cli.harness import handoff_cancel_at
 
     if planned.cancel is None:
         return await dep.handoff(planned.request_id, planned.num_tokens, timeout=timeout)

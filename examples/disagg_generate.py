@@ -55,7 +55,7 @@ import torch  # noqa: E402
 from kvhandoff.actors.endpoint import EnginePlan, ctx_endpoint, gen_endpoint  # noqa: E402
 from kvhandoff.actors.engine import EngineDeployment  # noqa: E402
 from kvhandoff.actors.rank import EndpointHost, endpoint_actor  # noqa: E402
-from kvhandoff.cli._phases import hold_frames, release_frames  # noqa: E402
+from kvhandoff.cli.harness import hold_frames, release_frames  # noqa: E402
 from kvhandoff.protocol import HandoffTicket, Role  # noqa: E402
 from kvhandoff.topology import KVLayout  # noqa: E402
 

@@ -80,3 +80,99 @@ def test_no_actor_module_branches_on_session_state() -> None:
     assert len(modules) > 20
     found = {str(p.relative_to(ROOT)): sorted(names) for p in modules if (names := _names_in(p))}
     assert found == {}
+
+
+#: The largest a runtime module may grow; the protocol's session state
+#: machines (the transition tables) are the one exception.
+RUNTIME_MODULE_LINES = 900
+_LAYERS = {"protocol": "protocol", "topology": "topology", "actors": "actors", "integrations": "integrations"}
+
+
+def _runtime_modules() -> dict[str, Path]:
+    """kvhandoff's runtime modules, by dotted name."""
+    found = {}
+    for layer, folder in _LAYERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            name = ".".join(("kvhandoff", layer, *parts))
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def test_no_runtime_module_is_too_large() -> None:
+    sizes = {name: len(path.read_text().splitlines()) for name, path in _runtime_modules().items()}
+    assert "kvhandoff.actors._coordinator" in sizes and "kvhandoff.actors.deployment" in sizes
+    large = {name: n for name, n in sizes.items() if n > RUNTIME_MODULE_LINES}
+    assert set(large) <= {"kvhandoff.protocol._session"}, large
+
+
+def _imports_at_import_time(path: Path, name: str, package: bool) -> set[str]:
+    """What `path` imports when it is imported: module-level imports, and not
+    those under `if TYPE_CHECKING:` (relative ones resolved)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    base = name if package else name.rpartition(".")[0]
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+            elif isinstance(node, ast.If | ast.Try):
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:
+                    anchor = base.rsplit(".", node.level - 1)[0] if node.level > 1 else base
+                    module = f"{anchor}.{module}" if module else anchor
+                found.add(module)
+                found.update(f"{module}.{a.name}" for a in node.names)
+
+    visit(tree.body)
+    return found
+
+
+def test_no_import_cycle_among_runtime_modules() -> None:
+    modules = _runtime_modules()
+    graph = {
+        name: {dep for dep in _imports_at_import_time(path, name, path.name == "__init__.py") if dep in modules and dep != name}
+        for name, path in modules.items()
+    }
+    assert "kvhandoff.actors._launch" in graph["kvhandoff.actors.deployment"]  # the check sees imports
+    # Depth-first search for a back edge: a cycle.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep):] + [dep]
+                raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+            if dep not in state:
+                walk(dep)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            walk(node)
+
+
+def test_examples_import_no_private_module() -> None:
+    """An example is what a user copies: it uses public modules only
+    (`kvhandoff.actors...`, the test harness `kvhandoff.cli.harness`)."""
+    import re
+
+    private = re.compile(r"^\s*(?:from|import)\s+(kvhandoff(?:\.\w+)*\._\w+)", re.M)
+    examples = sorted((ROOT / "examples").glob("*.py"))
+    assert any("kvhandoff.cli.harness" in p.read_text() for p in examples)  # the check sees imports
+    found = {p.name: private.findall(p.read_text()) for p in examples}
+    assert {name: hits for name, hits in found.items() if hits} == {}

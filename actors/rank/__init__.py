@@ -23,9 +23,8 @@ The shell is split by role, with no role branch in it:
   `_bytes_ok`, `_poll_chunks`, ...), never through a test of the role;
 - `CtxRankCore`: admission with a lease deadline, prefill, OPEN checks and
   chunk plans, voting prepared, posting a decided parent's chunks and polling
-  them, the conservative path, and the benchmark baselines (`raw_write`,
-  `copy_bench`, `transfer_timings`: `BENCH_METHODS` in `_host`, forwarded by
-  kvhandoff's own CTX rank actor only, never by an engine's worker);
+  them, and the conservative path (the bench's raw baselines run on it from
+  outside, kvhandoff.cli._baselines: no rank actor has a method for them);
 - `GenRankCore`: admission with a deadline, install and OPEN on admission
   (`_open`, or `_open_later` once every CTX endpoint is known), byte
   verification (S2) before a completion is voted, decode-ready KV returned on

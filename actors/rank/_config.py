@@ -10,7 +10,7 @@ import logging
 
 import msgspec
 
-from kvhandoff.actors._dataplane import FaultPlan
+from kvhandoff.actors._faults import FaultPlan
 from kvhandoff.protocol import (
     DEFAULT_QUARANTINE_LIMIT,
     Endpoint,

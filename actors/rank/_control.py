@@ -399,8 +399,8 @@ class _ControlPlane(_RankState):
             if encoded is None:
                 return None
             frame = encoded
-        if self._held:
-            held = self._held.get((request_id, to.ns.role.value, to.ns.rank))
+        if self.faults is not None and self.faults.frames:
+            held = self.faults.frames.get((request_id, to.ns.role.value, to.ns.rank))
             if held is not None:  # fault injection: the frame is delayed, in order
                 held.append((to, frame))
                 return None

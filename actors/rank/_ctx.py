@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -15,7 +14,6 @@ from kvhandoff.actors._dataplane import (
     Chunk,
     ChunkPlan,
     DataPlaneError,
-    NixlTransport,
     Piece,
     XferState,
     edge_pieces,
@@ -54,7 +52,7 @@ from kvhandoff.protocol import (
 )
 from kvhandoff.topology import TopologySpec, blocks_for_tokens, memory_pieces
 
-#: The byte budget of a CTX rank's recent data-phase timings (`transfer_timings`).
+#: The byte budget of a CTX rank's recent data-phase timings (`xfer`).
 _TIMING_BYTES = 1 << 20
 
 
@@ -65,8 +63,7 @@ class CtxRankCore(RankCore):
     polls them to DONE or ERR (`CtxRankActor` is this class as a Ray actor).
     It runs the conservative path (a cancel waits for a decided transfer) when
     configured to, or when the agreed capabilities lack the active cancel
-    protocol. It also hosts the benchmark baselines (`raw_write`,
-    `copy_bench`, `transfer_timings`)."""
+    protocol."""
 
     role = Role.CTX
     peer_role = Role.GEN
@@ -531,10 +528,8 @@ class CtxRankCore(RankCore):
 
     @property
     def xfer(self) -> RecentMemory[ParentKey, list[float]]:
-        """The data phase per parent, [first post, last DONE, bytes] (`transfer_timings`)."""
+        """The data phase per parent, [first post, last DONE, bytes] (the bench reads it)."""
         return self._xfer
-
-    # -- benchmark baselines (same agent, same buffers, same descriptors) -----------------
 
     async def close_admission(self) -> RankReport:
         """The instance drains: admit nothing more at an OPEN (for good; a
@@ -543,93 +538,3 @@ class CtxRankCore(RankCore):
         and waits for them too."""
         self._admission_closed = True
         return self.member.report()
-
-    async def raw_write(
-        self,
-        gen_rank: int,
-        blocks: list[int],
-        gen_blocks: list[int],
-        chunk_bytes: int | None = None,
-        prepared: bool | None = None,
-    ) -> tuple[int, float]:
-        """CTX: a raw NIXL WRITE of our `blocks` into GEN rank `gen_rank`'s
-        `gen_blocks`, with exactly the regions a handoff would use, no protocol.
-        Returns (bytes, seconds from first post to last DONE)."""
-        entry = await self._directory().lookup.remote(self._default_peer, gen_rank)
-        (endpoint, name, metadata, geometry), _ = entry
-        self._learn_agent(name, metadata, geometry)
-        edge = (self.config.rank, gen_rank)
-        for b, g in zip(blocks, gen_blocks):  # in both pools (DataPlaneError)
-            self.buffer.block_addr(b), geometry.block_addr(g)
-        pairs = list(zip(blocks, gen_blocks))
-        chunk_bytes = chunk_bytes or self.config.chunk_bytes
-        pieces = self._edge_pieces(edge, chunk_bytes)
-        chunks = plan_chunks(pieces, pairs, chunk_bytes, self.buffer.region_table(), geometry.region_table())
-        use_prepared = self.config.prepared_descriptors if prepared is None else prepared
-        lists = self.transport.prepare(name, pieces, geometry) if use_prepared else None
-        window = 4  # the protocol's default chunk window
-        start = time.perf_counter()
-        posted: list[Chunk] = []
-        pending = list(chunks)
-        while pending or posted:
-            while pending and len(posted) < window:
-                work = pending.pop(0)
-                posted.append(NixlTransport.post(self.transport, name, work, prepared=lists))
-            for chunk in list(posted):
-                if chunk.poll() in (XferState.DONE, XferState.ERR):
-                    if chunk.state is XferState.ERR:
-                        raise RuntimeError("raw NIXL WRITE failed")
-                    chunk.release()
-                    posted.remove(chunk)
-            if posted:
-                await asyncio.sleep(0)
-        seconds = time.perf_counter() - start
-        return sum(c.nbytes for c in chunks), seconds
-
-    async def raw_contiguous(self, gen_rank: int, nbytes: int, offset: int, chunk_bytes: int | None = None) -> tuple[int, float]:
-        """CTX: a raw NIXL WRITE of `nbytes` contiguous bytes of our region 0
-        into GEN rank `gen_rank`'s region 0 at `offset`, in chunks of
-        `chunk_bytes` (window 4), no protocol: the link's ceiling for the
-        same bytes a handoff moves in pieces. Returns (bytes, seconds)."""
-        entry = await self._directory().lookup.remote(self._default_peer, gen_rank)
-        (endpoint, name, metadata, geometry), _ = entry
-        self._learn_agent(name, metadata, geometry)
-        chunk_bytes = chunk_bytes or self.config.chunk_bytes
-        ours, theirs = self.buffer.region_table()[0], geometry.region_table()[0]
-        if nbytes > self.buffer.strides[0] * self.buffer.num_blocks or offset + nbytes > theirs[1] * geometry.num_blocks:
-            raise DataPlaneError(f"{nbytes} B at {offset} do not fit both pools")
-        work = [
-            [(ours[0] + o, theirs[0] + offset + o, min(chunk_bytes, nbytes - o))]
-            for o in range(0, nbytes, chunk_bytes)
-        ]
-        start = time.perf_counter()
-        posted: list[Chunk] = []
-        while work or posted:
-            while work and len(posted) < 4:
-                posted.append(NixlTransport.post(self.transport, name, work.pop(0)))
-            for chunk in list(posted):
-                if chunk.poll() in (XferState.DONE, XferState.ERR):
-                    if chunk.state is XferState.ERR:
-                        raise RuntimeError("raw NIXL WRITE failed")
-                    chunk.release()
-                    posted.remove(chunk)
-            if posted:
-                await asyncio.sleep(0)
-        return nbytes, time.perf_counter() - start
-
-    async def transfer_timings(self) -> list[tuple[str, float, int]]:
-        """CTX: (request id, seconds from first post to last DONE, bytes) of recent parents."""
-        return [(p.request_id, t[1] - t[0], int(t[2])) for p, t in self._xfer.items() if t[1] > 0]
-
-    async def copy_bench(self, nbytes: int, repeats: int = 3) -> float:
-        """Best seconds of a plain in-process copy of `nbytes` (the physical ceiling)."""
-        n = min(nbytes, self.buffer.tensor.numel() // 2)  # within region 0
-        src, dst = self.buffer.tensor[:n], self.buffer.tensor[n : 2 * n]
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            dst.copy_(src)
-            if self.buffer.tensor.is_cuda:
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
-        return best * (nbytes / n)

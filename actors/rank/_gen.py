@@ -60,9 +60,6 @@ class GenRankCore(RankCore):
     side: GenRank
 
     def __init__(self, config: RankConfig, epoch: int, *, tensors: Sequence[torch.Tensor] | None = None) -> None:
-        # Fault injection like `_held` (set through Ray's __ray_call__): installs
-        # of these request ids wait here (`_open`).
-        self._defer_open: dict[str, list[ParentKey]] = {}
         # Admitted parents whose blocks go back once decode-ready and verified.
         self._release_when_ready: set[ParentKey] = set()
         # Bytes verified per parent, until it is released (`free` answers them).
@@ -293,8 +290,8 @@ class GenRankCore(RankCore):
         do not know yet (a CTX rank restarted) is looked up first."""
         if not self.side.is_admitted(parent):
             return  # cancelled (and released) meanwhile: nothing to open
-        if self._defer_open:
-            deferred = self._defer_open.get(parent.request_id)
+        if self.faults is not None and self.faults.opens:
+            deferred = self.faults.opens.get(parent.request_id)
             if deferred is not None:
                 deferred.append(parent)
                 return

@@ -19,17 +19,12 @@ from kvhandoff.actors.rank._ctx import CtxRankCore
 from kvhandoff.actors.rank._gen import GenRankCore
 from kvhandoff.protocol import Role
 
-#: The benchmark baselines of a CTX rank core (`kvhandoff bench`: a raw NIXL
-#: WRITE of the same regions, a plain copy, the data phase's timings). Only
-#: kvhandoff's own rank actors forward them; an engine's worker does not.
-BENCH_METHODS = ("raw_write", "raw_contiguous", "copy_bench", "transfer_timings")
-
 
 def _remote_methods() -> tuple[str, ...]:
     names: set[str] = set()
     for cls in (CtxRankCore, GenRankCore):
         for name, _member in inspect.getmembers(cls, inspect.iscoroutinefunction):
-            if not name.startswith("_") and name not in BENCH_METHODS:
+            if not name.startswith("_"):
                 names.add(name)
     return tuple(sorted(names))
 
@@ -67,7 +62,7 @@ class EndpointHost:
 def _forwarder(name: str) -> Any:
     async def forward(self: EndpointHost, *args: Any, **kwargs: Any) -> Any:
         endpoint = self.kvhandoff
-        # The loop its state lives on: kvhandoff.cli._phases.on_endpoint_loop
+        # The loop its state lives on: kvhandoff.cli.harness.on_endpoint_loop
         # (the test harness) runs code there.
         endpoint._home = asyncio.get_running_loop()
         return await getattr(endpoint, name)(*args, **kwargs)
@@ -109,9 +104,6 @@ class _GenRankHost(EndpointHost):
     def __init__(self, config: RankConfig, epoch: int) -> None:
         self.kvhandoff = GenRankCore(config, epoch)
 
-
-for _name in BENCH_METHODS:
-    setattr(_CtxRankHost, _name, _forwarder(_name))
 
 CtxRankActor = endpoint_actor(num_cpus=0)(_CtxRankHost)
 GenRankActor = endpoint_actor(num_cpus=0)(_GenRankHost)

@@ -135,10 +135,10 @@ class _Polling(_RankState):
         self.counters["staged_misdirected"] += 1
 
     def _stage_polling(self) -> bool:
-        """Whether to poll at the short interval: staging notices are due, or
-        our NIXL worker must progress (agents run without a progress thread,
-        which spun a core per rank: a WRITE target progresses in this loop)."""
-        return time.monotonic() < self._progress_until
+        """Whether to poll at the short interval because staging notices are
+        due (the roles say when; agents run without a progress thread, which
+        spun a core per rank: a WRITE target progresses in this loop)."""
+        return False
 
     # -- outcomes, stats -------------------------------------------------------------------------
 

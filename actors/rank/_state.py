@@ -14,13 +14,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kvhandoff.actors._dataplane import (
-    BufferGeometry,
-    DataPlaneError,
-    FaultyTransport,
-    KVMemory,
-    NixlTransport,
-)
+from kvhandoff.actors._dataplane import BufferGeometry, DataPlaneError, KVMemory, NixlTransport
+from kvhandoff.actors._faults import FaultyTransport, RankFaults
 from kvhandoff.actors._frames import NixlNotifChannel
 from kvhandoff.actors._member import RoundMember, VoteNews
 from kvhandoff.actors._metrics import RankMetrics
@@ -102,10 +97,15 @@ class _RankState:
             self.buffer = KVMemory.allocate(config.memory_kind, config.layout, spec.tp, config.pool_blocks, config.device)
         self.pool = BlockPool(config.pool_blocks)
         name = agent_name(config.deployment, self.ns, epoch)
-        if config.fault_plan is not None:
-            self.transport: NixlTransport = FaultyTransport(name, self.buffer, config.fault_plan)
+        plan = config.fault_plan
+        if plan is not None and plan.chunk_faults and spec.role is Role.CTX:
+            self.transport: NixlTransport = FaultyTransport(name, self.buffer, plan)
         else:
             self.transport = NixlTransport(name, self.buffer)
+        #: Fault injection, injected at construction (actors/_faults.py): the
+        #: live fault state a harness drives; None without a `FaultPlan` (a
+        #: harness may install one later on a live rank).
+        self.faults: RankFaults | None = RankFaults() if plan is not None else None
         if config.frames not in ("ray", "nixl"):
             raise ValueError(f"frames must be 'ray' or 'nixl', got {config.frames!r}")
         if config.data_mode not in DATA_MODES:
@@ -123,9 +123,6 @@ class _RankState:
         # Every NIXL notification is drained by one channel: control frames
         # (frames="nixl") and staging notices (an arena) are told apart there.
         self._channel = NixlNotifChannel(self.transport)
-        # Progress our worker at the short interval until then (the bench's raw
-        # baselines write into an idle GEN rank; set through __ray_call__).
-        self._progress_until = 0.0
         # GPU memory: poll without sleeping during a burst of progress.
         self._hot = self.buffer.mem_kind == "VRAM"
         self._notif = self._channel if config.frames == "nixl" else None
@@ -142,10 +139,6 @@ class _RankState:
         # Peers: (instance id, rank) -> (current endpoint, actor handle), from the directory.
         self._peer_handles: dict[tuple[str, int], tuple[Endpoint, Any]] = {}
         self._coordinator: Any = None
-        # Fault injection (tests/actors harness, the chaos demo; set through
-        # Ray's __ray_call__, never a method of this actor): frames of request
-        # id R to peer (role, rank) wait under (R, role, rank), in order.
-        self._held: dict[tuple[str, str, int], list[tuple[Endpoint, bytes]]] = {}
         self._report_due = False
         self._lazy_report_due = False
         # Frames waiting to go, per peer endpoint (`_flush`): [handle, frames,

@@ -73,6 +73,6 @@ async def inside(handle: Any, fn: Callable[[Any], Any]) -> Any:
     """Run `fn(endpoint)` inside a real rank actor (Ray's `__ray_call__`) on the
     rank endpoint it hosts: how a test reads or arranges a rank's internals
     without a hook in its public API."""
-    from kvhandoff.cli._phases import on_endpoint_loop
+    from kvhandoff.cli.harness import on_endpoint_loop
 
     return await handle.__ray_call__.remote(on_endpoint_loop, fn)

@@ -36,8 +36,8 @@ import time
 
 import pytest
 
-from kvhandoff.actors._dataplane import FaultPlan
-from kvhandoff.actors.deployment import InvalidConfig
+from kvhandoff.actors import InvalidConfig
+from kvhandoff.actors._faults import FaultPlan
 from kvhandoff.actors.fleet import Fleet
 from kvhandoff.protocol import ParentKey
 from kvhandoff.topology import KVLayout
@@ -412,7 +412,7 @@ def test_a_cancel_right_after_an_admission_alone_is_decided_by_the_gen_coordinat
     later report, it would drop the cancel (default-deny: `cancel` answers
     None) and the handoff would complete."""
     from kvhandoff.actors.deployment import Deployment
-    from kvhandoff.cli._phases import _defer_opens, _deferred, _run_deferred, on_endpoint_loop
+    from kvhandoff.cli.harness import _defer_opens, _deferred, _run_deferred, on_endpoint_loop
     from kvhandoff.protocol import Role
 
     from .helpers import settled_stats

@@ -18,7 +18,7 @@ import msgspec
 import pytest
 import ray
 
-from kvhandoff.actors import _carrier
+from kvhandoff.actors import Deployment, InvalidConfig, _carrier
 from kvhandoff.actors._carrier import (
     MIN_CORES,
     NIXL_MARGIN,
@@ -27,7 +27,6 @@ from kvhandoff.actors._carrier import (
     choose_carrier,
     decide,
 )
-from kvhandoff.actors.deployment import Deployment, InvalidConfig
 from kvhandoff.actors.fleet import Fleet
 from kvhandoff.protocol import Role
 

@@ -33,7 +33,7 @@ from kvhandoff.actors import (
     InvalidRequest,
     LaunchFailed,
 )
-from kvhandoff.cli._phases import held_frames, hold_frames, release_frames
+from kvhandoff.cli.harness import held_frames, hold_frames, release_frames
 from kvhandoff.protocol import ParentKey, RecentMemory, Role
 from kvhandoff.topology import block_bytes
 

@@ -12,14 +12,13 @@ from hypothesis import strategies as st
 from kvhandoff.actors._dataplane import (
     BufferGeometry,
     DataPlaneError,
-    FaultPlan,
-    FaultyTransport,
     KVBuffer,
     NixlTransport,
     XferState,
     edge_pieces,
     plan_chunks,
 )
+from kvhandoff.actors._faults import FaultPlan, FaultyTransport
 
 pytestmark = pytest.mark.ray
 

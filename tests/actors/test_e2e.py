@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from kvhandoff.actors._dataplane import FaultPlan
+from kvhandoff.actors._faults import FaultPlan
 from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment
-from kvhandoff.cli._phases import handoff_cancel_at, until_posted
+from kvhandoff.cli.harness import delay_lookups, handoff_cancel_at, until_posted
 from kvhandoff.protocol import (
     BlockDescriptor,
     BufferInfo,
@@ -593,13 +593,13 @@ def test_gen_rank_restart_then_handoffs_resume_through_the_new_agent(ray_cluster
     async def scenario():
         dep = await Deployment.launch(
             ctx_tp=2, gen_tp=1, pool_blocks=POOL, chunk_bytes=64 << 10,
-            transfer_timeout_s=5.0, round_timeout_s=2.0,
+            transfer_timeout_s=5.0, round_timeout_s=2.0, fault_plan=FaultPlan(),
         )
         try:
             first = await dep.handoff("before-gen-restart", TOKENS, timeout=TIMEOUT)
             old = (await dep.coordinator(Role.GEN).epochs.remote())[0]
             ray.kill((await dep.ranks(Role.GEN))[0])
-            await dep._directory.set_lookup_delay.remote(0.3)
+            await delay_lookups(dep, 0.3)
             deadline = time.monotonic() + 3 * TIMEOUT
             outcomes = []
             while time.monotonic() < deadline:
@@ -609,7 +609,7 @@ def test_gen_rank_restart_then_handoffs_resume_through_the_new_agent(ray_cluster
                     break
                 await asyncio.sleep(0.2)
             new = (await dep.coordinator(Role.GEN).epochs.remote())[0]
-            await dep._directory.set_lookup_delay.remote(0.0)
+            await delay_lookups(dep, 0.0)
             return first, result, outcomes, old, new, await settled_stats(dep)
         finally:
             await dep.shutdown()

@@ -21,13 +21,14 @@ import torch
 
 from kvhandoff.actors import (
     Deployment,  # noqa: F401  (the package imports cleanly)
+    InvalidConfig,
+    InvalidRequest,
     RoundTimeout,
 )
-from kvhandoff.actors.deployment import InvalidConfig, InvalidRequest
 from kvhandoff.actors.endpoint import EnginePlan, ctx_endpoint, gen_endpoint
 from kvhandoff.actors.engine import EngineDeployment, PublishRefused, StaleTicket
 from kvhandoff.actors.rank import EndpointHost, endpoint_actor
-from kvhandoff.cli._phases import hold_frames, release_frames
+from kvhandoff.cli.harness import hold_frames, release_frames
 from kvhandoff.protocol import HandoffTicket, Role, TicketError
 from kvhandoff.topology import KVLayout, heads_per_rank
 

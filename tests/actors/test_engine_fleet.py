@@ -18,7 +18,7 @@ import msgspec
 import pytest
 import ray
 
-from kvhandoff.actors.deployment import InvalidRequest
+from kvhandoff.actors import InvalidRequest
 from kvhandoff.actors.engine import PublishRefused, StaleTicket
 from kvhandoff.actors.engine_fleet import EngineFleet, FleetInstance
 from kvhandoff.actors.fleet import InstanceUnavailable, UnknownInstance

@@ -240,14 +240,17 @@ def test_a_joined_instance_whose_agents_resolve_out_of_order(nodes) -> None:
     yet known ("the registered regions of ... are not known") and the handoff
     was cancelled."""
 
+    from kvhandoff.actors._faults import FaultPlan
+    from kvhandoff.cli.harness import delay_lookups
+
     async def scenario():
-        fleet = await Fleet.launch(ctx=1, gen=1, **FLEET)
+        fleet = await Fleet.launch(ctx=1, gen=1, fault_plan=FaultPlan(), **FLEET)
         try:
             joined = await fleet.add_instance("gen", tp=2)
             gen_id = next(i["instance_id"] for i in fleet.instances() if i["id"] == joined)
-            await fleet._directory.set_lookup_delay.remote(2.0, gen_id, 1)
+            await delay_lookups(fleet, 2.0, gen_id, 1)
             result = await fleet.handoff("slow-agent", TOKENS, gen=joined, timeout=TIMEOUT)
-            await fleet._directory.set_lookup_delay.remote(0.0)
+            await delay_lookups(fleet, 0.0)
             return result, await fleet_stats(fleet)
         finally:
             await fleet.shutdown()
@@ -341,7 +344,7 @@ def test_a_dead_peer_agent_stays_loaded_while_writes_toward_it_run(nodes) -> Non
     never end, nor the quarantine it keeps (the leftover quarantines of the
     fleet chaos runs). Once the WRITEs end, the agent is unloaded and the
     pair forgotten."""
-    from kvhandoff.actors._dataplane import FaultPlan
+    from kvhandoff.actors._faults import FaultPlan
 
     from .helpers import inside
 

@@ -389,9 +389,9 @@ def test_rank_actors_carry_every_frame_on_notifications(ray_cluster) -> None:
     actors travels as a NIXL notification (no frame rides a Ray call), the
     handoffs complete with every byte verified, a cancel mid-DMA drains and
     releases, and every pool comes back whole."""
-    from kvhandoff.actors._dataplane import FaultPlan
+    from kvhandoff.actors._faults import FaultPlan
     from kvhandoff.actors.deployment import Deployment
-    from kvhandoff.cli._phases import handoff_cancel_at
+    from kvhandoff.cli.harness import handoff_cancel_at
 
     from .helpers import assert_clean, gen_bytes, settled_stats
 

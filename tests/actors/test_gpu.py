@@ -22,9 +22,9 @@ import math
 import pytest
 import torch
 
-from kvhandoff.actors._dataplane import FaultPlan
+from kvhandoff.actors._faults import FaultPlan
 from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment
-from kvhandoff.cli._phases import handoff_cancel_at
+from kvhandoff.cli.harness import handoff_cancel_at
 from kvhandoff.topology import KVLayout, block_bytes
 from tests.actors.test_e2e import assert_clean, cancel_mid_dma, gen_bytes, settled_stats
 

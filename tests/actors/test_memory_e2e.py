@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-from kvhandoff.actors._dataplane import FaultPlan
-from kvhandoff.actors.deployment import Deployment, InvalidConfig
+from kvhandoff.actors import Deployment, InvalidConfig
+from kvhandoff.actors._faults import FaultPlan
 from kvhandoff.topology import KVLayout, block_bytes
 
 from .helpers import assert_clean, settled_stats
@@ -121,5 +121,5 @@ def test_mid_dma_cancel_on_a_paged_kind_leaves_pools_whole(ray_cluster) -> None:
 
 
 def test_unknown_memory_kind_is_an_invalid_config() -> None:
-    with pytest.raises(InvalidConfig, match="memory kind"):
+    with pytest.raises(InvalidConfig, match="memory_kind.*'paged'"):  # the field, and what it may be
         run(Deployment.launch(memory_kind="vllm"))  # refused before any actor starts

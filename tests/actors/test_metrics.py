@@ -217,7 +217,7 @@ def _scrape_until(port: int, deployment: str, ready: Callable[[Any], bool], time
 @pytest.mark.ray
 def test_prometheus_endpoint_reads_back_handoffs_bytes_and_pools(metrics_port: int) -> None:
     from kvhandoff.actors.deployment import Deployment
-    from kvhandoff.cli._phases import handoff_cancel_at, hold_frames, release_frames
+    from kvhandoff.cli.harness import handoff_cancel_at, hold_frames, release_frames
     from kvhandoff.protocol import Role
 
     def holding(ranks: list[tuple[str, str]], blocks: int) -> Callable[[Any], bool]:

@@ -35,8 +35,8 @@ from pathlib import Path
 import pytest
 
 from kvhandoff.actors import Deployment, LaunchFailed, PlacementFailed
-from kvhandoff.actors._dataplane import FaultPlan
-from kvhandoff.cli._phases import CANCEL_PHASES, handoff_cancel_at
+from kvhandoff.actors._faults import FaultPlan
+from kvhandoff.cli.harness import CANCEL_PHASES, handoff_cancel_at
 from kvhandoff.protocol import Role
 
 from .helpers import assert_clean, gen_bytes, inside, settled_stats

@@ -29,9 +29,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvhandoff.actors._dataplane import FaultPlan
+from kvhandoff.actors._config import LaunchConfig, checked
+from kvhandoff.actors._faults import FaultPlan
 from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment
-from kvhandoff.cli._phases import handoff_cancel_at, hold_frames, release_frames
+from kvhandoff.cli.harness import handoff_cancel_at, hold_frames, release_frames
 from kvhandoff.protocol import (
     ABI_MSGPACK_V1,
     ALL_CAPABILITIES,
@@ -75,13 +76,9 @@ async def launch_with(descriptors: dict[tuple[Role, int], Any], **kw: Any) -> De
     that descriptor (`RankConfig.descriptor`) instead of the default."""
     dep = Deployment()
     dep.name = f"kvh-neg-{uuid.uuid4().hex[:8]}"
-    plan_kw: dict[str, Any] = dict(
-        ctx_tp=1, gen_tp=1, layout=None, pool_blocks=POOL, memory="DRAM", chunk_bytes=64 << 10,
-        transfer_timeout_s=10.0, lease_timeout_s=30.0, round_timeout_s=ROUND_TIMEOUT,
-        max_restarts=3, start_timeout_s=600.0, fault_plan=None, synthetic=True,
-        prepared_descriptors=True, gpus_per_rank=1.0, control_frames="ray", ctx_overrides=None, gen_overrides=None,
-    )
-    plan_kw.update(kw)
+    fault_plan = kw.pop("fault_plan", None)
+    fields = {"ctx_tp": 1, "gen_tp": 1, "pool_blocks": POOL, "chunk_bytes": 64 << 10, "round_timeout_s": ROUND_TIMEOUT}
+    cfg = checked(LaunchConfig, **{**fields, **kw})
     plans = [
         (
             spec,
@@ -93,11 +90,11 @@ async def launch_with(descriptors: dict[tuple[Role, int], Any], **kw: Any) -> De
             ],
             resources,
         )
-        for spec, configs, resources in dep._plan(**plan_kw)
+        for spec, configs, resources in dep._plan(cfg, fault_plan)
     ]
     dep._reclaim_timeout_s = 60.0
     try:
-        await dep._start(plans, plan_kw["round_timeout_s"], plan_kw["max_restarts"], plan_kw["start_timeout_s"])
+        await dep._start(plans, cfg)
     except BaseException:
         await dep._teardown()
         raise
@@ -159,7 +156,9 @@ def test_open_without_agreement_is_answered_with_a_typed_reject(ray_cluster) -> 
     cancelled everywhere, nothing was posted, every pool is back to free."""
 
     async def scenario():
-        dep = await launch_with({(Role.CTX, 0): v2([2]), (Role.GEN, 0): v2([2])}, transfer_timeout_s=60.0)
+        dep = await launch_with(
+            {(Role.CTX, 0): v2([2]), (Role.GEN, 0): v2([2])}, transfer_timeout_s=60.0, fault_plan=FaultPlan()
+        )
         try:
             ctx, gen = (await dep.ranks(Role.CTX))[0], (await dep.ranks(Role.GEN))[0]
             parent = ParentKey(request_id="late-mismatch", ctx_attempt=0, gen_attempt=0)
@@ -173,7 +172,7 @@ def test_open_without_agreement_is_answered_with_a_typed_reject(ray_cluster) -> 
             deadline = time.monotonic() + TIMEOUT
             held: list[bytes] = []
             while not held and time.monotonic() < deadline:
-                held = await inside(ctx, lambda self: [f for _, f in self._held[("late-mismatch", "gen", 0)]])
+                held = await inside(ctx, lambda self: [f for _, f in self.faults.frames[("late-mismatch", "gen", 0)]])
                 await asyncio.sleep(0.02)
             await release_frames(ctx, "late-mismatch", Role.GEN, 0)
             gen_outcome = await gen.wait.remote(parent, TIMEOUT)

@@ -19,9 +19,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvhandoff.actors._dataplane import FaultPlan
+from kvhandoff.actors._faults import FaultPlan
 from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment
-from kvhandoff.cli._phases import (
+from kvhandoff.cli.harness import (
     defer_opens,
     handoff_cancel_at,
     held_frames,

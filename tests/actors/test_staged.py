@@ -13,8 +13,9 @@ import math
 
 import pytest
 
-from kvhandoff.actors._dataplane import FaultPlan, edge_pieces
-from kvhandoff.actors.deployment import Deployment, InvalidConfig
+from kvhandoff.actors import Deployment, InvalidConfig
+from kvhandoff.actors._dataplane import edge_pieces
+from kvhandoff.actors._faults import FaultPlan
 from kvhandoff.protocol import ParentKey, Role, StageWrite
 from kvhandoff.topology import KVLayout, block_bytes, memory_pieces, shard_map
 
@@ -190,7 +191,7 @@ def test_a_lost_ack_quarantines_one_slot_and_nothing_wedges(staged: Deployment) 
     gen = run(dep.ranks(Role.GEN))[0]
 
     def drop_one(core):
-        core._reader._drop_acks = 1
+        core.faults.drop_acks = 1
         return 1
 
     run(inside(gen, drop_one))
@@ -254,18 +255,18 @@ def test_a_chunk_is_done_only_once_the_reader_scattered_it(ray_cluster) -> None:
     dep = run(
         Deployment.launch(
             ctx_tp=2, gen_tp=1, layout=PAGED, pool_blocks=8, chunk_bytes=4 << 10, memory_kind="paged",
-            round_timeout_s=ROUND_TIMEOUT, data_mode="staged", staging_window=2,
+            round_timeout_s=ROUND_TIMEOUT, data_mode="staged", staging_window=2, fault_plan=FaultPlan(),
         )
     )
     gen = run(dep.ranks(Role.GEN))[0]
     ctx = run(dep.ranks(Role.CTX))
 
     def hold(core):
-        core._reader._held = []
+        core.faults.notices = []
         return 0
 
     def release(core):
-        held, core._reader._held = core._reader._held or [], None
+        held, core.faults.notices = core.faults.notices or [], None
         for sender, msg, now in held:
             core._reader.on_write(sender, msg, now)
         return len(held)
@@ -302,7 +303,7 @@ def test_a_request_larger_than_one_open_is_refused_typed(staged: Deployment) -> 
     """More blocks per rank than one OPEN carries (MAX_BLOCKS_PER_OPEN) is an
     InvalidRequest before any actor call: it used to break the GEN rank's
     round apply (the OPEN frame exceeded the frame cap)."""
-    from kvhandoff.actors.deployment import InvalidRequest
+    from kvhandoff.actors import InvalidRequest
     from kvhandoff.protocol import MAX_BLOCKS_PER_OPEN
 
     dep = staged

@@ -1,5 +1,9 @@
-"""Cancel a handoff at one exact phase: the harness of the tests, the chaos
-demo and the benchmarks (not part of the public API).
+"""Cancel a handoff at one exact phase: the test harness (`kvhandoff.cli.harness`).
+
+The tests, the chaos demo, the benchmarks and the engine example use it to
+place a cancel where a serving engine's own would land only by chance. It
+is a tool, apart from the runtime: no runtime module imports it, and the
+runtime API has no hook for it.
 
 `Deployment.handoff` is one submission the ranks drive on their own, so there
 is no client step to cancel "between". To reach a phase exactly, this harness
@@ -17,6 +21,10 @@ cancels:
   `FaultPlan` that defers completions, DMA is genuinely in flight);
 - "after_complete": cancel after the handoff completed (a no-op).
 
+"before_open" and "before_ready" hold OPENs or frames in the ranks' fault
+state (actors/_faults.py): a rank launched with a `FaultPlan` is built with
+one; on any other rank the harness installs one when it first holds.
+
 Waits poll one observable condition (1 ms between polls), never a guessed
 duration; every wait is bounded by the handoff's own timeout.
 """
@@ -28,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvhandoff.actors._faults import DirectoryFaults, RankFaults
 from kvhandoff.protocol import ParentKey, Role
 from kvhandoff.topology import shard_map
 
@@ -36,6 +45,7 @@ __all__ = [
     "CANCEL_PHASES",
     "handoff_cancel_at",
     "until_posted",
+    "delay_lookups",
     "hold_frames",
     "release_frames",
     "held_frames",
@@ -73,17 +83,26 @@ def on_endpoint_loop(host: Any, fn: Any, *args: Any) -> Any:
 # endpoint's own loop (``__ray_call__`` + `on_endpoint_loop`: actors/rank/_host.py) --
 
 
+def _faults(core: Any) -> RankFaults:
+    """The rank's fault state: the one it was built with (a `FaultPlan`), or
+    one installed now (a rank built without, e.g. an engine's endpoint)."""
+    if core.faults is None:
+        core.faults = RankFaults()
+    faults: RankFaults = core.faults
+    return faults
+
+
 def _hold(core: Any, request_id: str, role: str, rank: int) -> int:
-    core._held.setdefault((request_id, role, rank), [])
+    _faults(core).frames.setdefault((request_id, role, rank), [])
     return 0
 
 
 def _count(core: Any, request_id: str, role: str, rank: int) -> int:
-    return len(core._held.get((request_id, role, rank), ()))
+    return len(_faults(core).frames.get((request_id, role, rank), ()))
 
 
 def _release(core: Any, request_id: str, role: str, rank: int, drop: bool) -> int:
-    frames = core._held.pop((request_id, role, rank), [])
+    frames = _faults(core).frames.pop((request_id, role, rank), [])
     if not drop:
         for to, frame in frames:
             core._send(to, frame, request_id)
@@ -91,22 +110,35 @@ def _release(core: Any, request_id: str, role: str, rank: int, drop: bool) -> in
 
 
 def _defer_opens(core: Any, request_id: str) -> int:
-    core._defer_open[request_id] = []
+    _faults(core).opens[request_id] = []
     return 0
 
 
 def _deferred(core: Any, request_id: str) -> int:
-    return len(core._defer_open.get(request_id, ()))
+    return len(_faults(core).opens.get(request_id, ()))
 
 
 def _run_deferred(core: Any, request_id: str) -> int:
-    parents = core._defer_open.pop(request_id, [])
+    parents = _faults(core).opens.pop(request_id, [])
     for parent in parents:
         core._open(parent, time.monotonic())
     return len(parents)
 
 
+def _delay_lookups(directory: Any, seconds: float, instance: str | None, count: int | None) -> None:
+    if directory.faults is None:
+        directory.faults = DirectoryFaults()
+    directory.faults.delay(seconds, instance, count)
+
+
 # -- the harness ------------------------------------------------------------------------
+
+
+async def delay_lookups(dep: Any, seconds: float, instance: str | None = None, count: int | None = None) -> None:
+    """`dep`'s directory answers each `lookup` (of `instance` only, when
+    given; the next `count` only, when given) `seconds` late, as a loaded
+    directory would; 0 seconds ends it."""
+    await dep._directory.__ray_call__.remote(_delay_lookups, seconds, instance, count)
 
 
 async def hold_frames(rank: Any, request_id: str, role: Role, peer_rank: int) -> None:

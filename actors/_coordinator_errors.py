@@ -1,0 +1,80 @@
+"""The coordinator's errors and its `TopologyState` (part of the coordinator,
+actors/_coordinator.py, which re-exports them)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "CoordinatorError",
+    "RoundTimeout",
+    "AdmissionStopped",
+    "TopologyFailed",
+    "TopologyState",
+    "InstanceDraining",
+]
+
+
+class CoordinatorError(Exception):
+    """Base of the coordinator's errors (the actors layer; not protocol input errors)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keep the constructor arguments so the error survives a Ray hop intact.
+        return (type(self), self._reduce_args)
+
+    _reduce_args: tuple[Any, ...] = ()
+
+
+class RoundTimeout(CoordinatorError):
+    """Round ``round_no`` ended without a valid answer from ``missing_ranks``
+    within the watchdog bound (``timeout_s``)."""
+
+    def __init__(
+        self, topology: str, round_no: int, missing_ranks: Sequence[int], timeout_s: float
+    ) -> None:
+        self._reduce_args = (topology, round_no, tuple(missing_ranks), timeout_s)
+        super().__init__(
+            f"topology {topology!r}: round {round_no} timed out after {timeout_s:g}s "
+            f"waiting for ranks {list(missing_ranks)}"
+        )
+        self.topology = topology
+        self.round_no = round_no
+        self.missing_ranks = tuple(missing_ranks)
+        self.timeout_s = timeout_s
+
+
+class AdmissionStopped(CoordinatorError):
+    """Admission is stopped while the topology recovers from a failed rank."""
+
+    def __init__(self, topology: str, reason: str) -> None:
+        self._reduce_args = (topology, reason)
+        super().__init__(f"topology {topology!r}: admission stopped ({reason}); retry later")
+        self.topology = topology
+        self.reason = reason
+
+
+class TopologyFailed(CoordinatorError):
+    """The topology is FAILED (restart budget exhausted, or shut down): every
+    call raises this."""
+
+    def __init__(self, topology: str, reason: str) -> None:
+        self._reduce_args = (topology, reason)
+        super().__init__(f"topology {topology!r} failed: {reason}")
+        self.topology = topology
+        self.reason = reason
+
+
+class InstanceDraining(AdmissionStopped):
+    """The instance is draining (it leaves the fleet once its in-flight
+    handoffs end): it admits nothing new. Not retried: route elsewhere."""
+
+
+class TopologyState(str, enum.Enum):
+    STARTING = "starting"  # rank actors not yet verified
+    RUNNING = "running"  # rounds run, admission open
+    DRAINING = "draining"  # no new admissions; in-flight handoffs finish (`drain`)
+    RECOVERING = "recovering"  # a rank is being restarted: admission stopped
+    FAILED = "failed"  # restart budget exhausted: every call raises TopologyFailed
+    SHUT_DOWN = "shut_down"  # shutdown() was called
