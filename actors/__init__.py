@@ -26,6 +26,8 @@ _SOURCES = {
     "FaultPlan": "_faults",
     "LaunchConfig": "_config",
     "FleetConfig": "_config",
+    "EngineConfig": "_config",
+    "EngineFleetConfig": "_config",
     "DEFAULT_LAYOUT": "deployment",
     "Deployment": "deployment",
     "DeploymentClosed": "_errors",
@@ -55,7 +57,7 @@ _SOURCES = {
 }
 
 if TYPE_CHECKING:
-    from ._config import FleetConfig, LaunchConfig
+    from ._config import EngineConfig, EngineFleetConfig, FleetConfig, LaunchConfig
     from ._coordinator import AdmissionStopped, Coordinator, RoundTimeout, TopologyFailed
     from ._errors import (
         DeploymentClosed,
@@ -93,6 +95,8 @@ __all__ = [
     "UnknownInstance",
     "InstanceUnavailable",
     "EngineDeployment",
+    "EngineConfig",
+    "EngineFleetConfig",
     "EngineResult",
     "EnginePlan",
     "EndpointHost",

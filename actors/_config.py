@@ -1,7 +1,9 @@
 """What a launch is given: one typed value, checked in one place.
 
-`LaunchConfig` (one CTX and one GEN instance, `Deployment.launch`) and
-`FleetConfig` (many of each, `Fleet.launch`) share `_Common`. Each is a
+`LaunchConfig` (one CTX and one GEN instance, `Deployment.launch`),
+`FleetConfig` (many of each, `Fleet.launch`), `EngineConfig` and
+`EngineFleetConfig` (an engine's workers, `EngineDeployment.create`,
+`EngineFleet.create`) share `_Transfer`; the first two also `_Common`. Each is a
 frozen msgspec struct whose fields carry their constraints (msgspec `Meta`,
 `Literal`) and whose cross-field rules sit in `__post_init__`; `checked`
 builds one from a base config and keyword overrides, and turns every
@@ -26,7 +28,7 @@ from kvhandoff.actors._checks import short
 from kvhandoff.actors._errors import InvalidConfig
 from kvhandoff.topology import KVLayout
 
-__all__ = ["LaunchConfig", "FleetConfig", "checked"]
+__all__ = ["LaunchConfig", "FleetConfig", "EngineConfig", "EngineFleetConfig", "checked"]
 
 Positive = Annotated[int, Meta(ge=1)]
 Count = Annotated[int, Meta(ge=0)]
@@ -34,20 +36,14 @@ Seconds = Annotated[float, Meta(gt=0)]
 MemoryKindName = Literal["blocked", "paged", "paged_hnd", "split", "paged_interleaved"]
 Carrier = Literal["ray", "nixl", "auto"]
 
-C = TypeVar("C", bound="_Common")
+C = TypeVar("C", bound="_Transfer")
 
 
-class _Common(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The fields a pair and a fleet share."""
+class _Transfer(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What every client's ranks share: memory, chunks, bounds, carrier, name."""
 
-    #: The model's KV shape and block size (None: `DEFAULT_LAYOUT`).
-    layout: KVLayout | None = None
-    #: KV blocks per rank.
-    pool_blocks: Positive = 64
-    #: Where each rank's KV pool lives: host memory or a GPU.
+    #: Where each rank's KV lives: host memory or a GPU.
     memory: Literal["DRAM", "VRAM"] = "DRAM"
-    #: How every rank lays its KV out, as an engine would (topology/_memory.py).
-    memory_kind: MemoryKindName = "blocked"
     #: The most bytes one chunk (one NIXL WRITE) carries.
     chunk_bytes: Positive = 256 << 10
     #: A decided transfer's bound (0: none, which is outside the qualified scope).
@@ -56,6 +52,21 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     lease_timeout_s: Seconds = 30.0
     #: An agreement round's watchdog.
     round_timeout_s: Seconds = 5.0
+    #: How control frames travel between ranks ("auto": measured at launch).
+    control_frames: Carrier = "ray"
+    #: The deployment's name (None: a fresh "kvh-…").
+    name: str | None = None
+
+
+class _Common(_Transfer, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a pair and a fleet of kvhandoff's own ranks share."""
+
+    #: The model's KV shape and block size (None: `DEFAULT_LAYOUT`).
+    layout: KVLayout | None = None
+    #: KV blocks per rank.
+    pool_blocks: Positive = 64
+    #: How every rank lays its KV out, as an engine would (topology/_memory.py).
+    memory_kind: MemoryKindName = "blocked"
     #: The whole start's bound (ranks constructed, registered, connected).
     start_timeout_s: Seconds = 600.0
     #: An instance's placement group's bound (`PlacementFailed`).
@@ -66,15 +77,11 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     synthetic: bool = True
     #: VRAM: each rank's share of a GPU (a fraction in (0, 1], or whole GPUs).
     gpus_per_rank: Annotated[float, Meta(gt=0)] = 1.0
-    #: How control frames travel between ranks ("auto": measured at launch).
-    control_frames: Carrier = "ray"
     #: Custom resources and label selectors that steer each role's instances.
     ctx_resources: dict[str, float] = {}
     gen_resources: dict[str, float] = {}
     ctx_labels: dict[str, str] = {}
     gen_labels: dict[str, str] = {}
-    #: The deployment's name (None: a fresh "kvh-…").
-    name: str | None = None
 
     def __post_init__(self) -> None:
         if self.gpus_per_rank > 1 and self.gpus_per_rank != int(self.gpus_per_rank):
@@ -135,6 +142,30 @@ class FleetConfig(_Common, frozen=True, kw_only=True, forbid_unknown_fields=True
         return list(value) if isinstance(value, list) else [1] * value
 
 
+class EngineFleetConfig(_Transfer, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """An engine's fleet (`EngineFleet.create`): what every instance shares;
+    the engine owns the KV tensors, laid out as `layout` says."""
+
+    layout: KVLayout
+    chunk_bytes: Positive = 1 << 20
+
+
+class EngineConfig(EngineFleetConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One CTX and one GEN instance of an engine's workers
+    (`EngineDeployment.create`): how each side's tensors hold the blocks,
+    and the data plane, as for `LaunchConfig`."""
+
+    ctx_tp: Positive
+    gen_tp: Positive
+    ctx_memory: MemoryKindName = "paged"
+    gen_memory: MemoryKindName = "paged"
+    data_mode: Literal["auto", "direct", "staged"] = "auto"
+    staging_window: Positive = 4
+    staged_below: Count = 0
+    staging_slot_bytes: Count = 0
+    staged_min_descriptors: Count = 0
+
+
 def checked(kind: type[C], base: C | None = None, /, **fields: Any) -> C:
     """A `kind` from `base` (or the defaults) with `fields` replacing its own,
     every constraint checked; raises `InvalidConfig` naming the first field
@@ -157,6 +188,8 @@ def _explain(kind: type[Any], message: str, given: dict[str, Any]) -> str:
     if not sep:
         if message.startswith("Object contains unknown field"):
             return f"{kind.__name__} has no field {message.rpartition(' ')[2]}"
+        if message.startswith("Object missing required field"):
+            return f"{kind.__name__} needs {message.rpartition(' ')[2]}"
         return message
     field = where.rstrip("`").split(".")[0].split("[")[0]
     text = text[:1].lower() + text[1:]

@@ -64,16 +64,10 @@ from typing import Any
 import msgspec
 import ray
 
+from kvhandoff.actors import _checks as checks
 from kvhandoff.actors._carrier import CarrierChoice, choose_carrier
-from kvhandoff.actors._checks import (
-    check_blocks,
-    check_frames,
-    check_int,
-    check_seconds,
-    check_timeout,
-    fresh_parent,
-    short,
-)
+from kvhandoff.actors._config import EngineConfig
+from kvhandoff.actors._config import checked as checks_config
 from kvhandoff.actors._coordinator import AdmissionStopped, Coordinator
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors._errors import (
@@ -85,7 +79,6 @@ from kvhandoff.actors._errors import (
 )
 from kvhandoff.actors._launch import _ref
 from kvhandoff.actors._metrics import record_handoff
-from kvhandoff.actors._stager import DATA_MODES
 from kvhandoff.actors.endpoint import EnginePlan
 from kvhandoff.protocol import (
     HandoffTicket,
@@ -96,7 +89,6 @@ from kvhandoff.protocol import (
     TopologyError,
 )
 from kvhandoff.topology import (
-    KVLayout,
     TopologySpec,
     check_memory_kind,
     qualify_pair,
@@ -163,29 +155,10 @@ class EngineDeployment:
     # -- set-up ---------------------------------------------------------------------
 
     @classmethod
-    async def create(
-        cls,
-        *,
-        ctx_tp: int,
-        gen_tp: int,
-        layout: KVLayout,
-        ctx_memory: str = "paged",
-        gen_memory: str = "paged",
-        memory: str = "DRAM",
-        chunk_bytes: int = 1 << 20,
-        transfer_timeout_s: float = 10.0,
-        lease_timeout_s: float = 30.0,
-        round_timeout_s: float = 5.0,
-        control_frames: str = "ray",
-        name: str | None = None,
-        data_mode: str = "auto",
-        staging_window: int = 4,
-        staged_below: int = 0,
-        staging_slot_bytes: int = 0,
-        staged_min_descriptors: int = 0,
-    ) -> EngineDeployment:
-        """Check the configuration (`InvalidConfig`, before anything starts)
-        and start the directory; `plan` is then ready for the engine's workers.
+    async def create(cls, config: EngineConfig | None = None, /, **fields: Any) -> EngineDeployment:
+        """Check the configuration (an `EngineConfig`, its fields as keywords,
+        or both: `InvalidConfig` naming the field, before anything starts) and
+        start the directory; `plan` is then ready for the engine's workers.
 
         ``ctx_memory`` / ``gen_memory`` name how each side's tensors hold the
         blocks ("blocked", "paged", "paged_hnd", "split": docs/design.md
@@ -194,29 +167,14 @@ class EngineDeployment:
         ``staging_slot_bytes`` / ``staged_min_descriptors`` pick the data
         plane as in `Deployment.launch` (docs/design.md "Data plane"): paged
         layouts move many small pieces, which "auto" stages."""
-        check_int("ctx_tp", ctx_tp, 1)
-        check_int("gen_tp", gen_tp, 1)
-        check_int("chunk_bytes", chunk_bytes, 1)
-        check_seconds(
-            transfer_timeout_s=transfer_timeout_s,
-            lease_timeout_s=lease_timeout_s,
-            round_timeout_s=round_timeout_s,
-        )
-        check_frames(control_frames)
-        if data_mode not in DATA_MODES:
-            raise InvalidConfig(f"data_mode must be one of {list(DATA_MODES)}, got {short(data_mode)}")
-        check_int("staging_window", staging_window, 1)
-        check_int("staged_below", staged_below, 0)
-        check_int("staging_slot_bytes", staging_slot_bytes, 0)
-        check_int("staged_min_descriptors", staged_min_descriptors, 0)
-        if not isinstance(layout, KVLayout):
-            raise InvalidConfig(f"layout must be a KVLayout, got {short(layout)}")
-        name = name or f"kvh-{uuid.uuid4().hex[:8]}"
+        cfg = checks_config(EngineConfig, config, **fields)
+        layout, ctx_tp, gen_tp = cfg.layout, cfg.ctx_tp, cfg.gen_tp
+        name = cfg.name or f"kvh-{uuid.uuid4().hex[:8]}"
         try:
-            mem = MemoryKind(memory)
-            check_memory_kind(ctx_memory)
-            check_memory_kind(gen_memory)
-            common = {"memory": mem, "transfer_timeout_s": transfer_timeout_s}
+            mem = MemoryKind(cfg.memory)
+            check_memory_kind(cfg.ctx_memory)
+            check_memory_kind(cfg.gen_memory)
+            common = {"memory": mem, "transfer_timeout_s": cfg.transfer_timeout_s}
             ctx = TopologySpec(instance_id=f"{name}-ctx", role=Role.CTX, tp=ctx_tp, **common)
             gen = TopologySpec(instance_id=f"{name}-gen", role=Role.GEN, tp=gen_tp, **common)
             shard_map(layout, ctx_tp, gen_tp)
@@ -233,23 +191,23 @@ class EngineDeployment:
             ctx=ctx,
             gen=gen,
             layout=layout,
-            ctx_memory=ctx_memory,
-            gen_memory=gen_memory,
-            chunk_bytes=chunk_bytes,
-            lease_timeout_s=float(lease_timeout_s),
-            control_frames=control_frames,
-            data_mode=data_mode,
-            staging_window=staging_window,
-            staged_below=staged_below,
-            staging_slot_bytes=staging_slot_bytes,
-            staged_min_descriptors=staged_min_descriptors,
+            ctx_memory=cfg.ctx_memory,
+            gen_memory=cfg.gen_memory,
+            chunk_bytes=cfg.chunk_bytes,
+            lease_timeout_s=cfg.lease_timeout_s,
+            control_frames=cfg.control_frames,
+            data_mode=cfg.data_mode,
+            staging_window=cfg.staging_window,
+            staged_below=cfg.staged_below,
+            staging_slot_bytes=cfg.staging_slot_bytes,
+            staged_min_descriptors=cfg.staged_min_descriptors,
         )
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
-        carrier = await choose_carrier(control_frames)
+        carrier = await choose_carrier(cfg.control_frames)
         self = cls(msgspec.structs.replace(plan, control_frames=carrier.carrier))
         self.carrier = carrier
-        self._round_timeout_s = float(round_timeout_s)
+        self._round_timeout_s = cfg.round_timeout_s
         self._owns = True
         self._directory = Directory.options(name=f"{name}.directory").remote()
         await self._directory.descriptors.remote()  # up before any endpoint registers
@@ -317,8 +275,8 @@ class EngineDeployment:
         Returns the ticket; raises `InvalidRequest` (bad arguments: nothing
         was sent) or `PublishRefused` (a rank refused: nothing is held)."""
         self._check_open()
-        parent = fresh_parent(request_id)
-        ids = check_blocks(num_tokens, blocks, self.plan.layout)
+        parent = checks.fresh_parent(request_id)
+        ids = checks.check_blocks(num_tokens, blocks, self.plan.layout)
         try:
             ok = await self._coords[Role.CTX].admit.remote(parent, num_tokens, ids)
         except AdmissionStopped as exc:  # a worker is detached (re-attach it) or a rank restarting
@@ -347,8 +305,8 @@ class EngineDeployment:
         ending is an outcome."""
         self._check_open()
         ticket = self._ticket(ticket)
-        ids = check_blocks(ticket.num_tokens, blocks, self.plan.layout)
-        check_timeout(timeout)
+        ids = checks.check_blocks(ticket.num_tokens, blocks, self.plan.layout)
+        checks.check_timeout(timeout)
         parent = ticket.parent
         start = time.perf_counter()
         submission = asyncio.ensure_future(
@@ -400,10 +358,10 @@ class EngineDeployment:
         try:
             role = Role(role)
         except ValueError:
-            raise InvalidRequest(f"role must be 'ctx' or 'gen', got {short(role)}") from None
+            raise InvalidRequest(f"role must be 'ctx' or 'gen', got {checks.short(role)}") from None
         tp = self.plan.spec(role).tp
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < tp:
-            raise InvalidRequest(f"rank must be an int in [0, {tp}), got {short(rank)}")
+            raise InvalidRequest(f"rank must be an int in [0, {tp}), got {checks.short(rank)}")
         try:
             epoch = int(await self._coords[role].replace_rank.remote(rank, worker))
             await worker.connect.remote()

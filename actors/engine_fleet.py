@@ -38,16 +38,10 @@ from typing import Any
 
 import ray
 
+from kvhandoff.actors import _checks as checks
 from kvhandoff.actors._carrier import CarrierChoice, choose_carrier
-from kvhandoff.actors._checks import (
-    check_blocks,
-    check_frames,
-    check_int,
-    check_seconds,
-    check_timeout,
-    fresh_parent,
-    short,
-)
+from kvhandoff.actors._config import EngineFleetConfig
+from kvhandoff.actors._config import checked as checks_config
 from kvhandoff.actors._coordinator import AdmissionStopped, Coordinator
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors._errors import DeploymentClosed, InvalidConfig, InvalidRequest, LaunchFailed
@@ -113,45 +107,24 @@ class EngineFleet:
         self._layout = layout
 
     @classmethod
-    async def create(
-        cls,
-        *,
-        layout: KVLayout,
-        memory: str = "DRAM",
-        chunk_bytes: int = 1 << 20,
-        transfer_timeout_s: float = 10.0,
-        lease_timeout_s: float = 30.0,
-        round_timeout_s: float = 5.0,
-        control_frames: str = "ray",
-        name: str | None = None,
-    ) -> EngineFleet:
-        """Check the settings every instance shares (`InvalidConfig`) and
-        start the fleet's directory; then `plan` and `attach` instances."""
-        if not isinstance(layout, KVLayout):
-            raise InvalidConfig(f"layout must be a KVLayout, got {short(layout)}")
-        check_int("chunk_bytes", chunk_bytes, 1)
-        check_seconds(
-            transfer_timeout_s=transfer_timeout_s,
-            lease_timeout_s=lease_timeout_s,
-            round_timeout_s=round_timeout_s,
-        )
-        check_frames(control_frames)
-        try:
-            mem = MemoryKind(memory)
-        except ValueError:
-            raise InvalidConfig(f"memory must be one of {[m.value for m in MemoryKind]}, got {memory!r}") from None
-        self = cls(name or f"kvh-{uuid.uuid4().hex[:8]}", layout)
-        self._round_timeout_s = float(round_timeout_s)
+    async def create(cls, config: EngineFleetConfig | None = None, /, **fields: Any) -> EngineFleet:
+        """Check the settings every instance shares (an `EngineFleetConfig`,
+        its fields as keywords, or both: `InvalidConfig`) and start the
+        fleet's directory; then `plan` and `attach` instances."""
+        cfg = checks_config(EngineFleetConfig, config, **fields)
+        mem = MemoryKind(cfg.memory)
+        self = cls(cfg.name or f"kvh-{uuid.uuid4().hex[:8]}", cfg.layout)
+        self._round_timeout_s = cfg.round_timeout_s
         self._common = {
             "memory": mem,
-            "transfer_timeout_s": float(transfer_timeout_s),
-            "chunk_bytes": chunk_bytes,
-            "lease_timeout_s": float(lease_timeout_s),
-            "control_frames": control_frames,
+            "transfer_timeout_s": cfg.transfer_timeout_s,
+            "chunk_bytes": cfg.chunk_bytes,
+            "lease_timeout_s": cfg.lease_timeout_s,
+            "control_frames": cfg.control_frames,
         }
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
-        self.carrier = await choose_carrier(control_frames)
+        self.carrier = await choose_carrier(cfg.control_frames)
         self._common["control_frames"] = self.carrier.carrier
         self._directory = Directory.options(name=f"{self.name}.directory").remote()
         await self._directory.descriptors.remote()  # up before any endpoint registers
@@ -171,12 +144,12 @@ class EngineFleet:
             check_memory_kind(memory_kind)
         except (ValueError, TopologyError) as exc:
             raise InvalidConfig(str(exc)) from None
-        check_int("tp", tp, 1)
+        checks.check_int("tp", tp, 1)
         if name is None:
             name = f"{role.value}{self._counters[role]}"
             self._counters[role] += 1
         elif not isinstance(name, str) or not _NAME.match(name):
-            raise InvalidConfig(f"instance name must match {_NAME.pattern}, got {short(name)}")
+            raise InvalidConfig(f"instance name must match {_NAME.pattern}, got {checks.short(name)}")
         before = self._names.get(name)
         if before is not None and before.state not in ("removed",):
             raise InvalidConfig(f"instance {name!r} exists ({before.state}): a new incarnation needs it removed")
@@ -306,7 +279,7 @@ class EngineFleet:
         if inst.state not in ("serving", "draining"):
             raise InstanceUnavailable(inst.name, inst.state)
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < inst.tp:
-            raise InvalidRequest(f"rank must be an int in [0, {inst.tp}), got {short(rank)}")
+            raise InvalidRequest(f"rank must be an int in [0, {inst.tp}), got {checks.short(rank)}")
         try:
             epoch = int(await inst.coord.replace_rank.remote(rank, worker))
             await worker.connect.remote()
@@ -322,8 +295,8 @@ class EngineFleet:
         ticket names that instance and its incarnation."""
         self._check_open()
         inst = self._serving(ctx, Role.CTX)
-        parent = fresh_parent(request_id)
-        ids = check_blocks(num_tokens, blocks, self._layout)
+        parent = checks.fresh_parent(request_id)
+        ids = checks.check_blocks(num_tokens, blocks, self._layout)
         try:
             ok = await inst.coord.admit.remote(parent, num_tokens, ids)
         except AdmissionStopped as exc:
@@ -346,8 +319,8 @@ class EngineFleet:
         self._check_open()
         ticket = self._ticket(ticket)
         inst = self._serving(gen, Role.GEN)
-        ids = check_blocks(ticket.num_tokens, blocks, self._layout)
-        check_timeout(timeout)
+        ids = checks.check_blocks(ticket.num_tokens, blocks, self._layout)
+        checks.check_timeout(timeout)
         parent = ticket.parent
         self._received.remember(parent, inst.id, time.monotonic())
         start = time.perf_counter()
@@ -539,8 +512,8 @@ class FleetInstance:
     async def publish(self, request_id: str, num_tokens: int, blocks: Any) -> HandoffTicket:
         """`EngineFleet.publish` on this (CTX) instance."""
         self._check_role(Role.CTX)
-        parent = fresh_parent(request_id)
-        ids = check_blocks(num_tokens, blocks, self._layout)
+        parent = checks.fresh_parent(request_id)
+        ids = checks.check_blocks(num_tokens, blocks, self._layout)
         try:
             ok = await self._coord.admit.remote(parent, num_tokens, ids)
         except AdmissionStopped as exc:
@@ -557,8 +530,8 @@ class FleetInstance:
         """`EngineFleet.receive` into this (GEN) instance."""
         self._check_role(Role.GEN)
         ticket = await self._ticket(ticket)
-        ids = check_blocks(ticket.num_tokens, blocks, self._layout)
-        check_timeout(timeout)
+        ids = checks.check_blocks(ticket.num_tokens, blocks, self._layout)
+        checks.check_timeout(timeout)
         parent = ticket.parent
         start = time.perf_counter()
         submission = asyncio.ensure_future(

@@ -13,6 +13,7 @@ from . import (
     _negotiation,
     _pool,
     _registry,
+    _round_messages,
     _rounds,
     _session,
     _staging,
@@ -26,6 +27,7 @@ from ._messages import *  # noqa: F403
 from ._negotiation import *  # noqa: F403
 from ._pool import *  # noqa: F403
 from ._registry import *  # noqa: F403
+from ._round_messages import *  # noqa: F403
 from ._rounds import *  # noqa: F403
 from ._session import *  # noqa: F403
 from ._staging import *  # noqa: F403
@@ -41,6 +43,7 @@ __all__ = [
     *_pool.__all__,
     *_registry.__all__,
     *_session.__all__,
+    *_round_messages.__all__,
     *_rounds.__all__,
     *_decision.__all__,
     *_staging.__all__,

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from ._messages import CancelReason
 from ._negotiation import Negotiated, NegotiationOutcome, refusal_kind
-from ._rounds import News, RoundDecision
+from ._round_messages import RoundDecision
+from ._rounds import News
 from ._session import (
     Action,
     AdmissionStop,

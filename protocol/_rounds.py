@@ -66,7 +66,6 @@ from collections.abc import Callable, Iterable, Mapping
 
 from ._errors import RoundError, StaleError
 from ._round_messages import (
-    MAX_REQUEST_BLOCKS,
     MAX_ROUND_ITEMS,
     AdmissionRequest,
     RankReport,
@@ -75,7 +74,6 @@ from ._round_messages import (
     RoundProposal,
     RoundTimedOut,
     RoundVote,
-    StaleEpochError,
     VoteRejected,
     VoteRejectReason,
     _sort_key,
@@ -83,25 +81,8 @@ from ._round_messages import (
 )
 from ._ticket import DIGEST_LEN, ParentKey
 
-__all__ = [
-    "MAX_ROUND_ITEMS",
-    "MAX_REQUEST_BLOCKS",
-    "AdmissionRequest",
-    "RoundProposal",
-    "RoundVote",
-    "RankReport",
-    "RoundDecision",
-    "RoundTimedOut",
-    "VoteRejectReason",
-    "VoteRejected",
-    "StaleEpochError",
-    "RoundOrderError",
-    "RoundPhaseError",
-    "RoundPhase",
-    "News",
-    "RoundLeader",
-    "RoundFollower",
-]
+__all__ = ["RoundPhaseError", "RoundPhase", "News", "RoundLeader", "RoundFollower"]
+
 
 class News(enum.Enum):
     """What a rank tells its round follower about one parent between rounds."""

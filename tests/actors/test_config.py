@@ -15,7 +15,13 @@ import msgspec
 import pytest
 
 from kvhandoff import actors
-from kvhandoff.actors import FleetConfig, InvalidConfig, LaunchConfig
+from kvhandoff.actors import (
+    EngineConfig,
+    EngineFleetConfig,
+    FleetConfig,
+    InvalidConfig,
+    LaunchConfig,
+)
 from kvhandoff.actors._config import checked
 from kvhandoff.topology import DEFAULT_LAYOUT
 
@@ -107,3 +113,18 @@ def test_launch_takes_a_config_not_an_argument_list() -> None:
         assert list(params) == ["config", "fault_plan", "fields"], params
         assert params["config"].kind is inspect.Parameter.POSITIONAL_ONLY
         assert params["fault_plan"].kind is inspect.Parameter.KEYWORD_ONLY
+    for create in (actors.EngineDeployment.create, actors.EngineFleet.create):
+        assert list(inspect.signature(create).parameters) == ["config", "fields"], create
+
+
+def test_engine_configs_need_a_layout_and_share_the_transfer_fields() -> None:
+    with pytest.raises(InvalidConfig, match="needs `layout`"):
+        checked(EngineFleetConfig)
+    with pytest.raises(InvalidConfig, match="needs `ctx_tp`"):
+        checked(EngineConfig, layout=DEFAULT_LAYOUT, gen_tp=1)
+    cfg = checked(EngineConfig, layout=DEFAULT_LAYOUT, ctx_tp=2, gen_tp=1, round_timeout_s=2)
+    assert (cfg.chunk_bytes, cfg.ctx_memory, cfg.round_timeout_s) == (1 << 20, "paged", 2.0)
+    for bad, named in (({"ctx_memory": "x"}, "ctx_memory"), ({"lease_timeout_s": 0}, "lease_timeout_s"),
+                       ({"control_frames": "tcp"}, "control_frames"), ({"pool_blocks": 8}, "pool_blocks")):
+        with pytest.raises(InvalidConfig, match=named):
+            checked(EngineConfig, layout=DEFAULT_LAYOUT, ctx_tp=1, gen_tp=1, **bad)

@@ -24,14 +24,14 @@ def test_public_names_exist() -> None:
 def test_cancel_phases_are_exactly_the_documented_ones() -> None:
     """The harness's CANCEL_PHASES names exactly the phases its docstring
     documents (each `- "phase":` item), plus None for "no cancel"."""
-    from kvhandoff.cli import _phases
+    from kvhandoff.cli import harness
 
-    doc = inspect.getdoc(_phases) or ""
+    doc = inspect.getdoc(harness) or ""
     documented = set(re.findall(r'^- "([a-z_]+)":', doc, flags=re.MULTILINE))
     assert documented, "the harness's docstring lists no cancel phase"
-    assert None in _phases.CANCEL_PHASES
-    assert len(set(_phases.CANCEL_PHASES)) == len(_phases.CANCEL_PHASES)
-    assert set(_phases.CANCEL_PHASES) - {None} == documented
+    assert None in harness.CANCEL_PHASES
+    assert len(set(harness.CANCEL_PHASES)) == len(harness.CANCEL_PHASES)
+    assert set(harness.CANCEL_PHASES) - {None} == documented
 
 
 def test_test_hooks_are_not_in_the_public_api() -> None:
