@@ -4,6 +4,7 @@
 # issue) and on this one. Ratios are compared run against run on one machine.
 # Usage (repo root, .dev and .ab_base carried): [ROUNDS=2] bash bench/h200_ab.sh
 # (2 rounds write 7 files: the device returns at most 8.)
+# CONTROL_ONLY=1: the control and cancel sections only, ROUNDS times.
 # SCALE=1: the fleet's scale section instead (one run ~2 min per tree and
 # round), with THIRD_TREE (another carried tree) as a third arm if given,
 # HEAD_FLAGS / BASE_FLAGS added to that arm only, and BASE_TREE=head to run
@@ -42,6 +43,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
   run "$base_tree" "ab_base_control_$round" --sections control,cancel --sizes-mib 64 --concurrency 1,8,32
   run "$head_tree" "ab_head_control_$round" --sections control,cancel --sizes-mib 64 --concurrency 1,8,32
 done
+if [ -n "${CONTROL_ONLY:-}" ]; then ls -la "$out"; exit 0; fi
 run "$base_tree" ab_base_vram --memory VRAM --gpus-per-rank 0.5 --sections data --sizes-mib 256,1024 --chunk-mib 64 --repeats 5
 run "$head_tree" ab_head_vram --memory VRAM --gpus-per-rank 0.5 --sections data --sizes-mib 256,1024 --chunk-mib 64 --repeats 5
 ls -la "$out"
