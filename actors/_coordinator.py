@@ -89,6 +89,7 @@ from typing import Any
 import msgspec
 import ray
 
+from kvhandoff.actors import _coordinator_errors as _errors
 from kvhandoff.actors._coordinator_errors import (
     AdmissionStopped,
     CoordinatorError,
@@ -114,16 +115,7 @@ from kvhandoff.protocol import (
     StaleEpochError,
 )
 
-__all__ = [
-    "Coordinator",
-    "CoordinatorCore",
-    "CoordinatorError",
-    "RoundTimeout",
-    "AdmissionStopped",
-    "TopologyFailed",
-    "TopologyState",
-    "InstanceDraining",
-]
+__all__ = ["Coordinator", "CoordinatorCore", *_errors.__all__]  # the errors re-exported
 
 
 #: The byte budget of the recent round decisions a coordinator keeps (`decision_log`).
