@@ -581,16 +581,10 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         self._owned.add(task)
         task.add_done_callback(self._owned.discard)
 
-    async def cancel(self, parent: ParentKey, free: bool = False) -> str | None:
+    async def cancel(self, parent: ParentKey) -> str | None:
         """Cancel ``parent`` in the next round; returns its outcome in that
         round's decision ("cancelled", "failed", ...) or None if the
-        coordinator does not know the parent.
-
-        ``free`` (a GEN coordinator; a client handing back an attempt it
-        abandoned): once the cancel is decided, every rank also frees the
-        parent, which gives back the blocks of one that was already
-        decode-ready and changes nothing for any other. One client call does
-        both, and the fan-out to the ranks starts beside them."""
+        coordinator does not know the parent."""
         await self._ensure_started()
         alone = self._alone_calls.get(parent)
         if alone is not None:
@@ -603,10 +597,7 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._pending_cancels.setdefault(parent, []).append(future)
         self._wakeup.set()
-        outcome = await future
-        if free:  # the current incarnations (a restarted rank never held it)
-            await asyncio.gather(*(h.free.remote(parent) for h in self._handles), return_exceptions=True)
-        return outcome
+        return await future
 
     async def nudge(self, rank: int | None = None, epoch: int | None = None) -> None:
         """A rank has news: run a round soon. Fire-and-forget for ranks; a

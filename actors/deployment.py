@@ -39,12 +39,12 @@ stopped caring about a request, so it must hand back what the attempt holds:
 - An attempt that ends other than cleanly (its `timeout` passed, its caller
   was cancelled, a newer attempt of the same request id superseded it, a rank
   or coordinator died, or anything raised) is handed to an owned *reclaim*
-  task: it cancels the parent in both instances (the cancel round is applied
-  on every rank before the coordinator answers, and a parent cancelled in a
-  round can never complete in a later one), then frees it on every GEN rank,
-  which returns the blocks of a parent that was decode-ready and not yet
-  returned. `handoff` returns without waiting
-  for it (the caller asked for a bound); the reclaim itself is bounded
+  task: one call that cancels the parent in both instances (the cancel round
+  is applied on every rank before the coordinator answers, and a parent
+  cancelled in a round can never complete in a later one; one that completed
+  first gave its blocks back when it did, as the submission asked). `handoff`
+  returns without waiting for it (the caller asked for a bound); the
+  reclaim itself is bounded
   (`_reclaim_timeout_s`), and `shutdown()` cancels and awaits what is left
   before it kills the actors.
 - `completed` means every GEN rank verified its shard and reported its bytes,
@@ -501,10 +501,9 @@ class Deployment(Launcher):
         await self.refresh_view()
         return self._cached_ranks(role)
 
-    def _cancel_call(self, attempt: _Attempt | None, parent: ParentKey, free: bool = False) -> Any:
-        """The cancel's Ray call: to the GEN coordinator the attempt went to
-        (`free`: its ranks free the parent too, `Coordinator.cancel`)."""
-        return self._coords[Role.GEN].cancel.remote(parent, free)
+    def _cancel_call(self, attempt: _Attempt | None, parent: ParentKey) -> Any:
+        """The cancel's Ray call: to the GEN coordinator the attempt went to."""
+        return self._coords[Role.GEN].cancel.remote(parent)
 
     async def _run(self, attempt: _Attempt, timeout: float) -> HandoffResult:
         """Drive one attempt under its `timeout`; whatever way it ends, an
@@ -618,28 +617,23 @@ class Deployment(Launcher):
         """Hand back everything an attempt that did not end cleanly may hold
         (bounded by `_reclaim_timeout_s`; owned, cancelled by shutdown()).
 
-        One call to the GEN coordinator, and order matters there: first a
-        cancel in both instances (sent after the submission, so it cannot
-        overtake its admission; applied on every rank before the coordinator
-        answers; once cancelled, the parent can never complete later), then a
-        free on every GEN rank, which releases the parent if it was already
-        decode-ready (and is refused, changing nothing, if it was not)."""
+        One call: a cancel to the GEN coordinator, which cancels in both
+        instances (sent after the submission, so it cannot overtake its
+        admission; applied on every rank before the coordinator answers; once
+        cancelled, the parent can never complete later). Nothing needs a free
+        after it: the submission asked the GEN ranks to return the blocks
+        once verified (`release_when_ready`), so a parent that completed
+        before the cancel gave its blocks back at its completion's apply."""
         parent = attempt.parent
         try:
             async with asyncio.timeout(self._reclaim_timeout_s):
                 # The cancel goes after the submission (same caller, same
                 # coordinator: Ray keeps their order), so it cannot overtake it.
-                await self._cancel_parent(parent, attempt, free=True)
+                await self._cancel_parent(parent, attempt)
         except TimeoutError:
             log.warning("%s: handing back %s took over %gs", self.name, parent, self._reclaim_timeout_s)
         except Exception as exc:
             log.warning("%s: handing back %s failed: %r", self.name, parent, exc)
-
-    async def _free(self, parent: ParentKey, gen_ranks: Any) -> list[int | BaseException]:
-        """Free `parent` on the listed GEN ranks: per rank, the bytes it verified
-        (0 if it was not decode-ready there) or the error (it died)."""
-        handles = self._cached_ranks(Role.GEN)
-        return list(await asyncio.gather(*(handles[g].free.remote(parent) for g in gen_ranks), return_exceptions=True))
 
     async def cancel(self, request_id: str) -> None:
         """Cancel a request at any moment: both instances decide it in their next round."""
@@ -655,12 +649,12 @@ class Deployment(Launcher):
         attempt.cancel_requested = True
         await self._cancel_parent(attempt.parent, attempt)
 
-    async def _cancel_parent(self, parent: ParentKey, attempt: _Attempt | None = None, free: bool = False) -> None:
+    async def _cancel_parent(self, parent: ParentKey, attempt: _Attempt | None = None) -> None:
         # The GEN coordinator cancels in both instances (it forwards to the CTX
         # coordinator after any admission it asked there: in order).
         self.calls["cancel"] += 1
         with contextlib.suppress(Exception):
-            await self._cancel_call(attempt, parent, free)
+            await self._cancel_call(attempt, parent)
 
     async def set_trace(self, every: int, export: bool = False) -> None:
         """Trace one request in `every` from now on (0: off; 1: every one):

@@ -621,12 +621,12 @@ class Fleet(Deployment):
         except Exception:
             return []  # its coordinator is gone: nothing left to ask
 
-    def _cancel_call(self, attempt: _Attempt | None, parent: ParentKeyLike, free: bool = False) -> Any:
+    def _cancel_call(self, attempt: _Attempt | None, parent: ParentKeyLike) -> Any:
         if attempt is not None and attempt.gen:
-            return self._by_id[attempt.gen].coord.cancel.remote(parent, free)
+            return self._by_id[attempt.gen].coord.cancel.remote(parent)
         # An attempt that already ended: every GEN instance forgets nothing it held.
         return asyncio.gather(
-            *(i.coord.cancel.remote(parent, free) for i in self._serving(Role.GEN)), return_exceptions=True
+            *(i.coord.cancel.remote(parent) for i in self._serving(Role.GEN)), return_exceptions=True
         )
 
     def _gen_tp(self, attempt: _Attempt) -> int:
