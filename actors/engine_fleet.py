@@ -295,23 +295,7 @@ class EngineFleet:
         ticket names that instance and its incarnation."""
         self._check_open()
         inst = self._serving(ctx, Role.CTX)
-        parent = checks.fresh_parent(request_id)
-        ids = checks.check_blocks(num_tokens, blocks, self._layout)
-        try:
-            ok = await inst.coord.admit.remote(parent, num_tokens, ids)
-        except AdmissionStopped as exc:
-            raise PublishRefused(request_id, f"the CTX instance admits nothing now: {exc.reason}") from None
-        if not ok:
-            raise PublishRefused(request_id, "a CTX rank refused the blocks (see its stats' counters)")
-        return HandoffTicket(
-            deployment=self.name,
-            request_id=parent.request_id,
-            ctx_attempt=parent.ctx_attempt,
-            gen_attempt=parent.gen_attempt,
-            ctx_instance=inst.id,
-            ctx_digest=topology_digest(inst.spec),
-            num_tokens=num_tokens,
-        )
+        return await _publish(self.name, inst.coord, inst.id, inst.spec, self._layout, request_id, num_tokens, blocks)
 
     async def receive(self, ticket: HandoffTicket | str, blocks: Any, *, gen: str, timeout: float = 60.0) -> EngineResult:
         """`EngineDeployment.receive` into GEN instance `gen` (its id): the
@@ -324,28 +308,15 @@ class EngineFleet:
         parent = ticket.parent
         self._received.remember(parent, inst.id, time.monotonic())
         start = time.perf_counter()
-        submission = asyncio.ensure_future(
-            _ref(inst.coord.submit.remote(parent, ticket.num_tokens, True, ids, ticket.ctx_instance))
-        )
         try:
-            decided = await asyncio.wait_for(asyncio.shield(submission), timeout)
-        except TimeoutError:
-            decided = "timeout"
+            decided = await _submitted(self.name, inst.coord, ticket, ids, timeout)
         except asyncio.CancelledError:
             self._spawn(self._cancel_parent(parent, ticket.ctx_instance))
             raise
-        except Exception as exc:  # its coordinator died, or it is draining: an outcome
-            log.warning("%s: receive of %s raised: %r", self.name, parent, exc)
-            decided = "rejected" if isinstance(exc, AdmissionStopped) else "failed"
         if decided not in ("completed", "rejected"):
             await self._cancel_parent(parent, ticket.ctx_instance)
         left = max(timeout - (time.perf_counter() - start), self._round_timeout_s)
-        back = await self._returned_on(inst.workers, parent, left)
-        if decided == "completed" and not back:
-            decided = "failed"
-        latency = time.perf_counter() - start
-        record_handoff(self.name, str(decided), latency)
-        return EngineResult(request_id=parent.request_id, outcome=str(decided), blocks_returned=back, latency_s=latency)
+        return await _result(self.name, inst.workers, parent, decided, start, left)
 
     async def cancel(self, ticket: HandoffTicket | str) -> None:
         """Cancel at any moment, from either side: on the ticket's CTX
@@ -366,7 +337,7 @@ class EngineFleet:
         inst = self._by_id.get(instance or "")
         if inst is None:
             return True  # no GEN instance ever received it: none holds it
-        return await self._returned_on(inst.workers, ticket.parent, timeout)
+        return await _returned_on(inst.workers, ticket.parent, timeout)
 
     # -- views ------------------------------------------------------------------------------
 
@@ -462,10 +433,6 @@ class EngineFleet:
             coords.append(ctx.coord)
         await asyncio.gather(*(c.cancel.remote(parent) for c in coords), return_exceptions=True)
 
-    async def _returned_on(self, workers: list[Any], parent: ParentKey, timeout: float) -> bool:
-        answers = await asyncio.gather(*(w.returned.remote(parent, timeout) for w in workers), return_exceptions=True)
-        return all(a is True for a in answers)
-
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -512,19 +479,8 @@ class FleetInstance:
     async def publish(self, request_id: str, num_tokens: int, blocks: Any) -> HandoffTicket:
         """`EngineFleet.publish` on this (CTX) instance."""
         self._check_role(Role.CTX)
-        parent = checks.fresh_parent(request_id)
-        ids = checks.check_blocks(num_tokens, blocks, self._layout)
-        try:
-            ok = await self._coord.admit.remote(parent, num_tokens, ids)
-        except AdmissionStopped as exc:
-            raise PublishRefused(request_id, f"the CTX instance admits nothing now: {exc.reason}") from None
-        if not ok:
-            raise PublishRefused(request_id, "a CTX rank refused the blocks (see its stats' counters)")
-        return HandoffTicket(
-            deployment=self.name, request_id=parent.request_id, ctx_attempt=parent.ctx_attempt,
-            gen_attempt=parent.gen_attempt, ctx_instance=self.plan.instance,
-            ctx_digest=topology_digest(self.plan.ctx), num_tokens=num_tokens,
-        )
+        plan = self.plan
+        return await _publish(self.name, self._coord, plan.instance, plan.ctx, self._layout, request_id, num_tokens, blocks)
 
     async def receive(self, ticket: HandoffTicket | str, blocks: Any, *, timeout: float = 60.0) -> EngineResult:
         """`EngineFleet.receive` into this (GEN) instance."""
@@ -534,26 +490,11 @@ class FleetInstance:
         checks.check_timeout(timeout)
         parent = ticket.parent
         start = time.perf_counter()
-        submission = asyncio.ensure_future(
-            _ref(self._coord.submit.remote(parent, ticket.num_tokens, True, ids, ticket.ctx_instance))
-        )
-        try:
-            decided = await asyncio.wait_for(asyncio.shield(submission), timeout)
-        except TimeoutError:
-            decided = "timeout"
-        except Exception as exc:  # its coordinator died, or it is draining: an outcome
-            log.warning("%s: receive of %s raised: %r", self.name, parent, exc)
-            decided = "rejected" if isinstance(exc, AdmissionStopped) else "failed"
+        decided = await _submitted(self.name, self._coord, ticket, ids, timeout)
         if decided not in ("completed", "rejected"):
             await self._cancel_parent(parent, ticket.ctx_instance)
         left = max(timeout - (time.perf_counter() - start), 5.0)
-        answers = await asyncio.gather(*(w.returned.remote(parent, left) for w in self._workers), return_exceptions=True)
-        back = all(a is True for a in answers)
-        if decided == "completed" and not back:
-            decided = "failed"
-        latency = time.perf_counter() - start
-        record_handoff(self.name, str(decided), latency)
-        return EngineResult(request_id=parent.request_id, outcome=str(decided), blocks_returned=back, latency_s=latency)
+        return await _result(self.name, self._workers, parent, decided, start, left)
 
     async def cancel(self, ticket: HandoffTicket | str) -> None:
         """Cancel at any moment: on the ticket's CTX instance and on every
@@ -606,3 +547,62 @@ class FleetInstance:
         with contextlib.suppress(ValueError):
             coords.append(ray.get_actor(f"{self.name}.coord.{ctx_instance}"))
         await asyncio.gather(*(c.cancel.remote(parent) for c in coords), return_exceptions=True)
+
+
+async def _publish(
+    name: str, coord: Any, instance: str, spec: TopologySpec, layout: KVLayout, request_id: Any, num_tokens: Any, blocks: Any
+) -> HandoffTicket:
+    """Admit a prefilled request on CTX instance `instance` (its coordinator
+    `coord`) and name it in a ticket; `PublishRefused` if a rank refused."""
+    parent = checks.fresh_parent(request_id)
+    ids = checks.check_blocks(num_tokens, blocks, layout)
+    try:
+        ok = await coord.admit.remote(parent, num_tokens, ids)
+    except AdmissionStopped as exc:
+        raise PublishRefused(request_id, f"the CTX instance admits nothing now: {exc.reason}") from None
+    if not ok:
+        raise PublishRefused(request_id, "a CTX rank refused the blocks (see its stats' counters)")
+    return HandoffTicket(
+        deployment=name,
+        request_id=parent.request_id,
+        ctx_attempt=parent.ctx_attempt,
+        gen_attempt=parent.gen_attempt,
+        ctx_instance=instance,
+        ctx_digest=topology_digest(spec),
+        num_tokens=num_tokens,
+    )
+
+
+async def _submitted(name: str, coord: Any, ticket: HandoffTicket, ids: tuple[int, ...], timeout: float) -> str:
+    """Submit a claimed ticket to GEN coordinator `coord` and wait for its
+    decision, at most `timeout`: "timeout" then, and a coordinator that died
+    or drains is an outcome ("failed", "rejected"), never an exception."""
+    submission = asyncio.ensure_future(
+        _ref(coord.submit.remote(ticket.parent, ticket.num_tokens, True, ids, ticket.ctx_instance))
+    )
+    try:
+        return str(await asyncio.wait_for(asyncio.shield(submission), timeout))
+    except TimeoutError:
+        return "timeout"
+    except Exception as exc:  # its coordinator died, or it is draining: an outcome
+        log.warning("%s: receive of %s raised: %r", name, ticket.parent, exc)
+        return "rejected" if isinstance(exc, AdmissionStopped) else "failed"
+
+
+async def _returned_on(workers: list[Any], parent: ParentKey, timeout: float) -> bool:
+    """Whether every worker holds `parent`'s blocks again within `timeout`."""
+    answers = await asyncio.gather(*(w.returned.remote(parent, timeout) for w in workers), return_exceptions=True)
+    return all(a is True for a in answers)
+
+
+async def _result(
+    name: str, workers: list[Any], parent: ParentKey, decided: str, start: float, left: float
+) -> EngineResult:
+    """A receive's result once its GEN workers answered: "completed" only
+    with every worker's blocks back (else "failed"), recorded in the metrics."""
+    back = await _returned_on(workers, parent, left)
+    if decided == "completed" and not back:
+        decided = "failed"
+    latency = time.perf_counter() - start
+    record_handoff(name, decided, latency)
+    return EngineResult(request_id=parent.request_id, outcome=decided, blocks_returned=back, latency_s=latency)
