@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 # `kvhandoff --help` import no Ray, torch or NIXL. Each public name and the
 # submodule that defines it:
 _SOURCES = {
-    "AdmissionStopped": "_coordinator",
+    "AdmissionStopped": "_coordinator_errors",
     "Coordinator": "_coordinator",
-    "RoundTimeout": "_coordinator",
-    "TopologyFailed": "_coordinator",
+    "RoundTimeout": "_coordinator_errors",
+    "TopologyFailed": "_coordinator_errors",
     "FaultPlan": "_faults",
     "LaunchConfig": "_config",
     "FleetConfig": "_config",
@@ -58,7 +58,8 @@ _SOURCES = {
 
 if TYPE_CHECKING:
     from ._config import EngineConfig, EngineFleetConfig, FleetConfig, LaunchConfig
-    from ._coordinator import AdmissionStopped, Coordinator, RoundTimeout, TopologyFailed
+    from ._coordinator import Coordinator
+    from ._coordinator_errors import AdmissionStopped, RoundTimeout, TopologyFailed
     from ._errors import (
         DeploymentClosed,
         DeploymentError,

@@ -8,59 +8,36 @@ alone. `CoordinatorCore` inherits it as `PeersMixin`."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from typing import TYPE_CHECKING, Any
 
 import ray
 
 from kvhandoff.actors._coordinator_errors import AdmissionStopped
-from kvhandoff.actors._coordinator_rounds import _Carried, _key
-from kvhandoff.actors._trace import SENT, TraceRecorder
+from kvhandoff.actors._coordinator_rounds import _key
+from kvhandoff.actors._coordinator_state import CoordinatorState
+from kvhandoff.actors._trace import SENT
 from kvhandoff.protocol import (
     AdmissionRequest,
     ParentKey,
-    RecentMemory,
     RoundDecision,
     RoundError,
-    RoundLeader,
     StaleEpochError,
     pairing_undo,
 )
 
 
-class PeersMixin:
+class PeersMixin(CoordinatorState):
     """The pairing of `CoordinatorCore`: it owns the state declared here."""
 
-    topology: str
-    calls: collections.Counter[str]
-    trace: TraceRecorder
     _trace_peer: str
-    _handles: list[Any]
-    _epochs: list[int]
-    _leader: RoundLeader | None
-    _round_timeout: float
     _peer_name: str | None
     _peer: Any
     _fleet: str | None
     _peers: dict[str, Any]
-    _peer_of: RecentMemory[ParentKey, str]
-    _peer_claims: bool
-    _admits_at_open: bool
     _alone_calls: dict[ParentKey, asyncio.Future[None]]
-    _direct: dict[str, bool]
     _asking_direct: set[str]
-    _pending_admits: dict[ParentKey, tuple[int, asyncio.Future[bool], bool, tuple[int, ...], str]]
-    _submitted: dict[ParentKey, asyncio.Future[str]]
-    _complete_at_decision: set[ParentKey]
-    _peer_failed: set[ParentKey]
-    _round_lock: asyncio.Lock
-    _wakeup: asyncio.Event
-    _carried: _Carried | None
     _last_decided: int
-    _counts: collections.Counter[str]
-    _rank_errors: collections.deque[str]
-    _outcomes: RecentMemory[ParentKey, str]
 
     if TYPE_CHECKING:  # CoordinatorCore's
         def _own(self, coro: Any) -> None: ...

@@ -7,7 +7,6 @@ stops. `CoordinatorCore` inherits it as `RanksMixin`."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -21,25 +20,15 @@ from kvhandoff.actors._coordinator_errors import (
     TopologyFailed,
     TopologyState,
 )
-from kvhandoff.actors._metrics import InstanceMetrics
-from kvhandoff.actors._trace import TraceRecorder
-from kvhandoff.protocol import ParentKey, RoundError, RoundLeader
+from kvhandoff.actors._coordinator_state import CoordinatorState
+from kvhandoff.protocol import RoundError
 
 RankFactory = Callable[[int, int], Any]  # (rank, epoch) -> ActorHandle
 
 
-class RanksMixin:
+class RanksMixin(CoordinatorState):
     """The rank lifecycle of `CoordinatorCore`: it owns the state declared here."""
 
-    topology: str
-    state: TopologyState
-    calls: collections.Counter[str]
-    trace: TraceRecorder
-    _tp: int
-    _handles: list[Any]
-    _epochs: list[int]
-    _leader: RoundLeader | None
-    _metrics: InstanceMetrics
     _rank_factory: RankFactory | None
     _max_restarts: int
     _restart_timeout: float
@@ -50,23 +39,10 @@ class RanksMixin:
     _reclaim_restarts: int
     _reclaimed_by_restart: int
     _reattach_directory: str | None
-    _detached: set[int]
     _reattached: int
     _draining: bool
-    _admits_at_open: bool
     _failure_reason: str
     _start_status: dict[int, str]
-    _pending_admits: dict[ParentKey, tuple[int, asyncio.Future[bool], bool, tuple[int, ...], str]]
-    _pending_cancels: dict[ParentKey, list[asyncio.Future[str | None]]]
-    _pending_failures: set[ParentKey]
-    _submitted: dict[ParentKey, asyncio.Future[str]]
-    _admit_at_decision: set[ParentKey]
-    _complete_at_decision: set[ParentKey]
-    _returns_awaited: set[ParentKey]
-    _want_votes: bool
-    _round_lock: asyncio.Lock
-    _wakeup: asyncio.Event
-    _rank_errors: collections.deque[str]
 
     if TYPE_CHECKING:  # CoordinatorCore's, and the rounds'
         async def _ensure_started(self) -> None: ...

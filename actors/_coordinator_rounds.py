@@ -15,15 +15,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvhandoff.actors._coordinator_errors import RoundTimeout, TopologyFailed, TopologyState
-from kvhandoff.actors._metrics import InstanceMetrics
-from kvhandoff.actors._trace import TraceRecorder, decision_ids, news_ids, proposal_ids
+from kvhandoff.actors._coordinator_state import CoordinatorState
+from kvhandoff.actors._trace import decision_ids, news_ids, proposal_ids
 from kvhandoff.protocol import (
     MAX_ROUND_ITEMS,
     AdmissionRequest,
     ParentKey,
-    RecentMemory,
     RoundDecision,
-    RoundLeader,
     RoundProposal,
     RoundTimedOut,
     RoundVote,
@@ -67,47 +65,18 @@ def _key(parent: ParentKey) -> tuple[str, int, int]:
     return (parent.request_id, parent.ctx_attempt, parent.gen_attempt)
 
 
-class RoundsMixin:
+class RoundsMixin(CoordinatorState):
     """The rounds of `CoordinatorCore`: it owns the state declared here."""
 
-    topology: str
-    state: TopologyState
-    calls: collections.Counter[str]
-    trace: TraceRecorder
-    _tp: int
-    _handles: list[Any]
-    _epochs: list[int]
-    _leader: RoundLeader | None
-    _metrics: InstanceMetrics
-    _round_timeout: float
     _batch_window: float
     _max_batch: int
     _lazy_apply_s: float
-    _peer_claims: bool
-    _detached: set[int]
-    _direct: dict[str, bool]
-    _peer_of: RecentMemory[ParentKey, str]
-    _pending_admits: dict[ParentKey, tuple[int, asyncio.Future[bool], bool, tuple[int, ...], str]]
-    _pending_cancels: dict[ParentKey, list[asyncio.Future[str | None]]]
-    _pending_failures: set[ParentKey]
-    _submitted: dict[ParentKey, asyncio.Future[str]]
-    _admit_at_decision: set[ParentKey]
-    _complete_at_decision: set[ParentKey]
-    _returns_awaited: set[ParentKey]
-    _peer_failed: set[ParentKey]
-    _want_votes: bool
-    _round_lock: asyncio.Lock
     _round_done: asyncio.Event
-    _wakeup: asyncio.Event
     _tails: list[asyncio.Task[None]]
-    _carried: _Carried | None
     _rounds: int
     _rounds_timed_out: int
-    _counts: collections.Counter[str]
     _rejected_votes: collections.Counter[str]
     _round_seconds: collections.deque[float]
-    _rank_errors: collections.deque[str]
-    _outcomes: RecentMemory[ParentKey, str]
     _timeouts: collections.deque[RoundTimeout]
 
     if TYPE_CHECKING:  # CoordinatorCore's, and the other mixins'

@@ -73,7 +73,7 @@ import ray
 from kvhandoff.actors._carrier import CarrierChoice, choose_carrier
 from kvhandoff.actors._checks import check_request_id, check_timeout, check_tokens, short
 from kvhandoff.actors._config import LaunchConfig, checked
-from kvhandoff.actors._coordinator import AdmissionStopped
+from kvhandoff.actors._coordinator_errors import AdmissionStopped
 from kvhandoff.actors._errors import (
     DeploymentClosed,
     DeploymentError,

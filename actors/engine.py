@@ -68,7 +68,8 @@ from kvhandoff.actors import _checks as checks
 from kvhandoff.actors._carrier import CarrierChoice, choose_carrier
 from kvhandoff.actors._config import EngineConfig
 from kvhandoff.actors._config import checked as checks_config
-from kvhandoff.actors._coordinator import AdmissionStopped, Coordinator
+from kvhandoff.actors._coordinator import Coordinator
+from kvhandoff.actors._coordinator_errors import AdmissionStopped
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors._errors import (
     DeploymentClosed,
