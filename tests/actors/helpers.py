@@ -34,15 +34,17 @@ async def settled_stats(dep: Deployment, timeout: float = 10.0) -> dict:
         await asyncio.sleep(0.05)
 
 
-async def wait_stats(dep: Deployment, ready: Callable[[dict], bool], timeout: float = 60.0) -> dict:
-    """Stats once `ready(stats)` holds and no rank holds a lease (bounded: an
-    L1 limit, not a pace)."""
+async def wait_stats(
+    dep: Deployment, ready: Callable[[dict], bool], timeout: float = 60.0, *, idle: bool = True
+) -> dict:
+    """Stats once `ready(stats)` holds and, with `idle`, no rank holds a lease
+    (bounded: an L1 limit, not a pace)."""
     deadline = time.monotonic() + timeout
     while True:
         stats = await dep.stats()
         # A rank that is restarting answers with an error entry: not there yet.
-        idle = all("error" not in s and s["leased"] == 0 for s in stats["ranks"])
-        if (idle and ready(stats)) or time.monotonic() > deadline:
+        up = all("error" not in s and (not idle or s["leased"] == 0) for s in stats["ranks"])
+        if (up and ready(stats)) or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.05)
 

@@ -96,6 +96,10 @@ async def until_posted(rank: Any, timeout: float = TIMEOUT) -> ParentKey:
 # ---- defect 1: a rejected admission must not break a healthy rank ---------------------
 
 
+def _ctx(stats: dict) -> list[dict]:
+    return [s for s in stats["ranks"] if s["role"] == "ctx"]
+
+
 def test_rejected_admission_returns_tentative_leases_quietly(ray_cluster) -> None:
     """TP ranks with unequal free blocks: rank 1 leases in its vote, rank 0 cannot,
     so the round rejects. Rank 1 gives its tentative lease back; no rank breaks,
@@ -110,7 +114,10 @@ def test_rejected_admission_returns_tentative_leases_quietly(ray_cluster) -> Non
             hog = POOL - BLOCKS + 1  # rank 0 keeps BLOCKS - 1 free blocks: one too few
             await inside(ctx[0], lambda self: len(self.pool.lease("hog", hog)))
             refused = await dep.handoff("too-big-for-rank-0", TOKENS, timeout=TIMEOUT)
-            during = await dep.stats()
+            # The rejection is answered at the decision; the ranks apply it
+            # next (rank 1 returns its tentative lease then): wait for that,
+            # bounded (L1), rather than read one snapshot that may race it.
+            during = await wait_stats(dep, lambda st: _ctx(st)[1]["leased"] == 0, TIMEOUT, idle=False)
             await inside(ctx[0], lambda self: self.pool.release("hog").value)
             fine = await dep.handoff("fits", TOKENS, timeout=TIMEOUT)
             coord = await dep.coordinator(Role.CTX).stats.remote()
@@ -121,7 +128,7 @@ def test_rejected_admission_returns_tentative_leases_quietly(ray_cluster) -> Non
     epochs, refused, during, fine, coord, stats = run(scenario())
     assert refused.outcome == "rejected", refused
     assert all("error" not in s for s in during["ranks"]), during["ranks"]  # no rank broke
-    ctx = [s for s in during["ranks"] if s["role"] == "ctx"]
+    ctx = _ctx(during)
     assert ctx[0]["leased"] == POOL - BLOCKS + 1  # only the hog
     assert ctx[1]["leased"] == 0 and ctx[1]["free"] == POOL  # the tentative lease came back
     assert coord["restarts"] == 0 and coord["epochs"] == epochs, coord  # nobody broke
