@@ -17,8 +17,14 @@ from typing import Any
 import msgspec
 
 from kvhandoff.actors._carrier import CARRIERS
-from kvhandoff.actors._errors import InvalidConfig, InvalidRequest
-from kvhandoff.protocol import MAX_REQUEST_BLOCKS, AdmissionRequest, ParentKey
+from kvhandoff.actors._errors import InvalidConfig, InvalidRequest, StaleTicket
+from kvhandoff.protocol import (
+    MAX_REQUEST_BLOCKS,
+    AdmissionRequest,
+    HandoffTicket,
+    ParentKey,
+    TicketError,
+)
 from kvhandoff.topology import KVLayout, blocks_for_tokens
 
 __all__ = [
@@ -32,6 +38,7 @@ __all__ = [
     "check_int",
     "check_seconds",
     "check_frames",
+    "own_ticket",
 ]
 
 #: A valid parent, to check a token count against the admission message's type.
@@ -124,3 +131,16 @@ def check_seconds(**values: Any) -> None:
 def check_frames(control_frames: Any) -> None:
     if control_frames not in CARRIERS:
         raise InvalidConfig(f"control_frames must be one of {list(CARRIERS)}, got {short(control_frames)}")
+
+
+def own_ticket(ticket: Any, deployment: str) -> HandoffTicket:
+    """``ticket`` (a `HandoffTicket` or its string form) if it is one of
+    ``deployment``'s: `TicketError` for anything that is not a ticket,
+    `StaleTicket` for another deployment's."""
+    if isinstance(ticket, str):
+        ticket = HandoffTicket.decode(ticket)
+    if not isinstance(ticket, HandoffTicket):
+        raise TicketError(f"a ticket is a HandoffTicket or its string form, got {type(ticket).__name__}")
+    if ticket.deployment != deployment:
+        raise StaleTicket(f"ticket of deployment {ticket.deployment!r}, this is {deployment!r}")
+    return ticket

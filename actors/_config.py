@@ -28,7 +28,7 @@ from kvhandoff.actors._checks import short
 from kvhandoff.actors._errors import InvalidConfig
 from kvhandoff.topology import KVLayout
 
-__all__ = ["LaunchConfig", "FleetConfig", "EngineConfig", "EngineFleetConfig", "checked"]
+__all__ = ["LaunchConfig", "FleetConfig", "EngineConfig", "EngineFleetConfig", "checked", "staging_of"]
 
 Positive = Annotated[int, Meta(ge=1)]
 Count = Annotated[int, Meta(ge=0)]
@@ -164,6 +164,17 @@ class EngineConfig(EngineFleetConfig, frozen=True, kw_only=True, forbid_unknown_
     staged_below: Count = 0
     staging_slot_bytes: Count = 0
     staged_min_descriptors: Count = 0
+
+
+#: The data-plane fields `LaunchConfig`, `EngineConfig`, `EnginePlan` and
+#: `RankConfig` share, under the same names and meanings.
+STAGING_FIELDS = ("data_mode", "staging_window", "staged_below", "staging_slot_bytes", "staged_min_descriptors")
+
+
+def staging_of(source: Any) -> dict[str, Any]:
+    """The data-plane fields of ``source`` (a config or an `EnginePlan`), to
+    pass on as keyword arguments."""
+    return {name: getattr(source, name) for name in STAGING_FIELDS}
 
 
 def checked(kind: type[C], base: C | None = None, /, **fields: Any) -> C:

@@ -102,7 +102,7 @@ from kvhandoff.actors._coordinator_peers import PeersMixin
 from kvhandoff.actors._coordinator_ranks import RankFactory, RanksMixin, _kill
 from kvhandoff.actors._coordinator_rounds import RoundsMixin, _Carried
 from kvhandoff.actors._metrics import InstanceMetrics, resident_bytes
-from kvhandoff.actors._trace import TraceEvent, TraceRecorder, news_ids
+from kvhandoff.actors._trace import TraceEvent, TraceRecorder, news_ids, with_events_of
 from kvhandoff.protocol import (
     MAX_ROUND_ITEMS,
     AdmissionRequest,
@@ -231,9 +231,7 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         self.state = TopologyState.STARTING
         self._failure_reason = ""
         # Pending client work, taken in arrival order by the next round.
-        self._pending_admits: dict[
-            ParentKey, tuple[int, asyncio.Future[bool], bool, tuple[int, ...], str]
-        ] = {}
+        self._pending_admits: dict[ParentKey, tuple[AdmissionRequest, asyncio.Future[bool]]] = {}
         # Engine deployments: the peer (CTX) instance published the parent
         # already (`publish`); a submission claims it there (`claim_many`)
         # instead of admitting it. On the CTX side, the parents claimed once.
@@ -398,7 +396,7 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         a rank restarts, `TopologyFailed` once the topology failed, and
         `RoundError` for a parent already pending or in flight."""
         await self._ensure_started()
-        future = self._queue_admission(parent, num_tokens, blocks=blocks)
+        future = self._queue_admission(self._checked(AdmissionRequest(parent, num_tokens), blocks))
         self._wakeup.set()
         return await future
 
@@ -419,7 +417,8 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         for parent in parents:
             self._check_admissible(parent)
         futures = [
-            self._queue_admission(parent, tokens, peer_instance=peer_instance) for parent, tokens in requests
+            self._queue_admission(self._checked(AdmissionRequest(parent, tokens, peer_instance=peer_instance)))
+            for parent, tokens in requests
         ]
         self._admit_at_decision.update(parents)
         self._wakeup.set()
@@ -464,19 +463,20 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         ):
             raise RoundError(f"parent {parent!r} is already pending or in flight")
 
-    def _queue_admission(
-        self,
-        parent: ParentKey,
-        num_tokens: int,
-        release_when_ready: bool = False,
-        blocks: Sequence[int] = (),
-        peer_instance: str = "",
-    ) -> asyncio.Future[bool]:
-        _check_request(parent, num_tokens)
-        blocks = _check_blocks(blocks)
-        self._check_admissible(parent)
+    def _checked(self, request: AdmissionRequest, blocks: Sequence[int] = ()) -> AdmissionRequest:
+        """``request`` with the engine's ``blocks`` as a round takes it (a
+        Struct built in Python is not validated); raises `RoundError` for what
+        no rank could vote on or a parent already pending or in flight,
+        `AdmissionStopped` while a rank restarts."""
+        _check_request(request.parent, request.num_tokens)
+        checked = _check_blocks(blocks)
+        self._check_admissible(request.parent)
+        return msgspec.structs.replace(request, blocks=checked) if checked else request
+
+    def _queue_admission(self, request: AdmissionRequest) -> asyncio.Future[bool]:
+        """Queue a `_checked` request for the next round; answered by its decision."""
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._pending_admits[parent] = (num_tokens, future, release_when_ready, blocks, peer_instance)
+        self._pending_admits[request.parent] = (request, future)
         return future
 
     async def submit(
@@ -521,29 +521,22 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
             and self._direct.get(peer_instance, False)
             and self._idle_for_alone()
         )
-        if alone:
-            _check_request(parent, num_tokens)
-            blocks = _check_blocks(blocks)
-            self._check_admissible(parent)
-            if parent in self._alone_calls or parent in self._submitted:
-                raise RoundError(f"parent {parent!r} is already pending or in flight")
-        else:
-            self._queue_admission(parent, num_tokens, release_when_ready, blocks, peer_instance)
+        request = self._checked(
+            AdmissionRequest(parent, num_tokens, release_when_ready=release_when_ready, peer_instance=peer_instance),
+            blocks,
+        )
+        if not alone:
+            self._queue_admission(request)
+        elif parent in self._alone_calls or parent in self._submitted:
+            raise RoundError(f"parent {parent!r} is already pending or in flight")
         if release_when_ready:
             self._complete_at_decision.add(parent)
-            if blocks:
+            if request.blocks:
                 self._returns_awaited.add(parent)
         self._peer_of.remember(parent, peer_instance, time.monotonic())
         outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._submitted[parent] = outcome
         if alone:
-            request = AdmissionRequest(
-                parent=parent,
-                num_tokens=num_tokens,
-                release_when_ready=release_when_ready,
-                blocks=blocks,
-                peer_instance=peer_instance,
-            )
             self._alone_calls[parent] = asyncio.ensure_future(self._admit_alone(request))
         else:
             self._wakeup.set()
@@ -714,15 +707,8 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
     async def trace_events(self, request_id: str) -> list[TraceEvent]:
         """The events of a traced request here and on every rank (taken:
         forgotten there)."""
-        events = self.trace.take(request_id)
-        found = await asyncio.gather(
-            *(h.trace_events.remote(request_id) for h in self._handles if hasattr(h, "trace_events")),
-            return_exceptions=True,
-        )
-        for more in found:
-            if isinstance(more, list):
-                events.extend(more)
-        return events
+        calls = (h.trace_events.remote(request_id) for h in self._handles if hasattr(h, "trace_events"))
+        return await with_events_of(self.trace.take(request_id), calls)
 
     async def stats(self) -> dict[str, Any]:
         """Counters and latencies (for the CLI, benchmarks and tests)."""

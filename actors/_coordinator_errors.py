@@ -45,25 +45,30 @@ class RoundTimeout(CoordinatorError):
         self.timeout_s = timeout_s
 
 
-class AdmissionStopped(CoordinatorError):
-    """Admission is stopped while the topology recovers from a failed rank."""
+class _TopologyError(CoordinatorError):
+    """An error of ``topology`` for ``reason``; each kind words its message
+    (``_message``, formatted with both)."""
+
+    _message = "topology {topology!r}: {reason}"
 
     def __init__(self, topology: str, reason: str) -> None:
         self._reduce_args = (topology, reason)
-        super().__init__(f"topology {topology!r}: admission stopped ({reason}); retry later")
+        super().__init__(self._message.format(topology=topology, reason=reason))
         self.topology = topology
         self.reason = reason
 
 
-class TopologyFailed(CoordinatorError):
+class AdmissionStopped(_TopologyError):
+    """Admission is stopped while the topology recovers from a failed rank."""
+
+    _message = "topology {topology!r}: admission stopped ({reason}); retry later"
+
+
+class TopologyFailed(_TopologyError):
     """The topology is FAILED (restart budget exhausted, or shut down): every
     call raises this."""
 
-    def __init__(self, topology: str, reason: str) -> None:
-        self._reduce_args = (topology, reason)
-        super().__init__(f"topology {topology!r} failed: {reason}")
-        self.topology = topology
-        self.reason = reason
+    _message = "topology {topology!r} failed: {reason}"
 
 
 class InstanceDraining(AdmissionStopped):

@@ -185,12 +185,7 @@ class RanksMixin(CoordinatorState):
                 if handle is not None:
                     _kill(handle)
                 continue
-            leader.set_epoch(rank, epoch)
-            self._epochs[rank] = epoch
-            self._handles[rank] = handle
-            self._watch_rank(rank)
-            if self.trace.every:
-                self._own(self._rank_set_trace(handle))
+            self._seat(rank, epoch, handle)
             self._metrics.restarted("failure" if budgeted else "quarantine")
             return
 
@@ -243,12 +238,7 @@ class RanksMixin(CoordinatorState):
             if rank not in self._detached:
                 self._retire(rank, old)  # the engine replaced a rank we still held: fence it
             await handle.round_join.remote(leader.next_round, epoch)
-            leader.set_epoch(rank, epoch)
-            self._epochs[rank] = epoch
-            self._handles[rank] = handle
-            self._watch_rank(rank)
-            if self.trace.every:
-                self._own(self._rank_set_trace(handle))
+            self._seat(rank, epoch, handle)
             self._detached.discard(rank)
             self._metrics.restarted("reattach")
             self._reattached += 1
@@ -257,6 +247,18 @@ class RanksMixin(CoordinatorState):
                 self._failure_reason = ""
         self._wakeup.set()
         return epoch
+
+    def _seat(self, rank: int, epoch: int, handle: Any) -> None:
+        """Incarnation ``epoch`` of ``rank`` (``handle``, joined at the next
+        round) is the rank from here on: the leader counts its votes, its death
+        is watched, and it traces when this coordinator does."""
+        assert self._leader is not None
+        self._leader.set_epoch(rank, epoch)
+        self._epochs[rank] = epoch
+        self._handles[rank] = handle
+        self._watch_rank(rank)
+        if self.trace.every:
+            self._own(self._rank_set_trace(handle))
 
     def _watch_rank(self, rank: int) -> None:
         """Learn of rank `rank`'s death at once: its `watch` never answers
@@ -316,7 +318,7 @@ class RanksMixin(CoordinatorState):
 
     def _fail_admits(self, error: Exception) -> None:
         admits, self._pending_admits = self._pending_admits, {}
-        for parent, (_, future, _, _, _) in admits.items():
+        for parent, (_, future) in admits.items():
             self._admit_at_decision.discard(parent)
             self._complete_at_decision.discard(parent)
             self._returns_awaited.discard(parent)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -153,19 +154,7 @@ class RoundsMixin(CoordinatorState):
             leader = self._leader
             assert leader is not None
             loop = asyncio.get_running_loop()
-            admissions: list[AdmissionRequest] = []
-            for parent, (num_tokens, _, release, blocks, peer) in self._pending_admits.items():
-                if len(admissions) >= self._max_batch:
-                    break
-                admissions.append(
-                    AdmissionRequest(
-                        parent=parent,
-                        num_tokens=num_tokens,
-                        release_when_ready=release,
-                        blocks=blocks,
-                        peer_instance=peer,
-                    )
-                )
+            admissions = [request for request, _ in itertools.islice(self._pending_admits.values(), self._max_batch)]
             cancels = list(self._pending_cancels)[:MAX_ROUND_ITEMS]
             failures = sorted(self._pending_failures & leader.in_flight, key=_key)
             failures = failures[:MAX_ROUND_ITEMS]

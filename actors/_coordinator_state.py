@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from kvhandoff.actors._coordinator_errors import TopologyState
 from kvhandoff.actors._metrics import InstanceMetrics
 from kvhandoff.actors._trace import TraceRecorder
-from kvhandoff.protocol import ParentKey, RecentMemory, RoundLeader
+from kvhandoff.protocol import AdmissionRequest, ParentKey, RecentMemory, RoundLeader
 
 if TYPE_CHECKING:
     from kvhandoff.actors._coordinator_rounds import _Carried
@@ -34,7 +34,8 @@ class CoordinatorState:
     _metrics: InstanceMetrics
     _detached: set[int]
     _admits_at_open: bool
-    _pending_admits: dict[ParentKey, tuple[int, asyncio.Future[bool], bool, tuple[int, ...], str]]
+    #: Admissions a round takes next (each `_checked`), and what its decision answers.
+    _pending_admits: dict[ParentKey, tuple[AdmissionRequest, asyncio.Future[bool]]]
     _pending_cancels: dict[ParentKey, list[asyncio.Future[str | None]]]
     _pending_failures: set[ParentKey]
     _submitted: dict[ParentKey, asyncio.Future[str]]

@@ -510,6 +510,7 @@ class PreparedEdge:
         self.pieces = pieces
 
 
+@dataclasses.dataclass(eq=False)
 class Chunk:
     """One posted WRITE. Poll it to DONE or ERR; only then release it.
 
@@ -519,15 +520,12 @@ class Chunk:
     ERR; with several, one failing does not end the others, whose bytes may
     still land (the protocol then takes the edge as UNKNOWN)."""
 
-    def __init__(
-        self, transport: NixlTransport, handle: object, nbytes: int, state: XferState, descriptors: int = 1
-    ) -> None:
-        self._transport = transport
-        self.handle = handle
-        self.nbytes = nbytes
-        self.state = state
-        self.released = False
-        self.descriptors = descriptors
+    _transport: NixlTransport
+    handle: object
+    nbytes: int
+    state: XferState
+    descriptors: int = 1
+    released: bool = dataclasses.field(default=False, init=False)
 
     @property
     def terminal(self) -> bool:
@@ -685,37 +683,6 @@ class NixlTransport:
             raise DataPlaneError(f"NIXL rejected the descriptors ({len(regions)} regions)")
         return local, far
 
-    def build(
-        self,
-        peer: str,
-        work: Sequence[Region] | ChunkPlan,
-        notif: bytes = b"",
-        prepared: PreparedEdge | None = None,
-    ) -> object:
-        """A WRITE handle for `work`: from the prepared lists by index when
-        `prepared` is given (and `work` is a plan), else from built descriptors."""
-        if peer not in self.peers:
-            raise DataPlaneError(f"unknown peer agent {peer!r}")
-        if isinstance(work, ChunkPlan) and prepared is not None:
-            if prepared.peer != peer or not len(work.local):
-                raise DataPlaneError(f"prepared lists for {prepared.peer!r} used toward {peer!r}")
-            try:
-                return self.agent.make_prepped_xfer(
-                    "WRITE", prepared.local, work.local, prepared.remote, work.remote, notif
-                )
-            except Exception as exc:
-                raise DataPlaneError(
-                    f"NIXL could not make the prepared WRITE to {peer}: {exc}"
-                ) from exc
-        regions = work.regions if isinstance(work, ChunkPlan) else work
-        if not regions:
-            raise DataPlaneError("a chunk needs at least one region")
-        local, far = self._descs(regions, remote=True)
-        try:
-            return self.agent.initialize_xfer("WRITE", local, far, peer, notif)
-        except Exception as exc:
-            raise DataPlaneError(f"NIXL could not build the WRITE to {peer}: {exc}") from exc
-
     def start(self, handle: object, nbytes: int, notif: bytes = b"", descriptors: int = 1) -> Chunk:
         """Post a built WRITE handle of `descriptors` descriptors."""
         try:
@@ -735,9 +702,33 @@ class NixlTransport:
         notif: bytes = b"",
         prepared: PreparedEdge | None = None,
     ) -> Chunk:
-        """Build and post one WRITE of `work` (regions, or a chunk plan) to `peer`."""
+        """Build and post one WRITE of `work` (regions, or a chunk plan) to
+        `peer`: from the prepared lists by index when `prepared` is given (and
+        `work` is a plan), else from built descriptors."""
         nbytes = _nbytes(work)
-        return self.start(self.build(peer, work, notif, prepared), nbytes, notif, _descriptors(work, prepared))
+        if peer not in self.peers:
+            raise DataPlaneError(f"unknown peer agent {peer!r}")
+        if isinstance(work, ChunkPlan) and prepared is not None:
+            if prepared.peer != peer or not len(work.local):
+                raise DataPlaneError(f"prepared lists for {prepared.peer!r} used toward {peer!r}")
+            try:
+                handle = self.agent.make_prepped_xfer(
+                    "WRITE", prepared.local, work.local, prepared.remote, work.remote, notif
+                )
+            except Exception as exc:
+                raise DataPlaneError(
+                    f"NIXL could not make the prepared WRITE to {peer}: {exc}"
+                ) from exc
+        else:
+            regions = work.regions if isinstance(work, ChunkPlan) else work
+            if not regions:
+                raise DataPlaneError("a chunk needs at least one region")
+            local, far = self._descs(regions, remote=True)
+            try:
+                handle = self.agent.initialize_xfer("WRITE", local, far, peer, notif)
+            except Exception as exc:
+                raise DataPlaneError(f"NIXL could not build the WRITE to {peer}: {exc}") from exc
+        return self.start(handle, nbytes, notif, _descriptors(work, prepared))
 
     def check(self, chunk: Chunk) -> XferState:
         try:

@@ -9,6 +9,7 @@ __all__ = [
     "LaunchFailed",
     "PlacementFailed",
     "DeploymentClosed",
+    "StaleTicket",
 ]
 
 
@@ -19,6 +20,11 @@ class DeploymentError(Exception):
 class InvalidRequest(DeploymentError, ValueError):
     """A `handoff` argument that can never succeed (bad request id, token count,
     timeout or cancel phase). Raised before any actor call; nothing changed."""
+
+
+class StaleTicket(DeploymentError, ValueError):
+    """A ticket of another deployment or CTX topology (a front end that kept
+    a ticket across a redeploy): refused before any call."""
 
 
 class InvalidConfig(DeploymentError, ValueError):

@@ -20,7 +20,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvhandoff.actors._dataplane import (
     Chunk,
@@ -65,18 +65,20 @@ class FaultPlan:
         return bool(self.defer_polls or self.fail_every or self.hold or self.fail_partial_every or self.defer_s)
 
 
+class _WriteOrder(NamedTuple):
+    """One WRITE order: the arguments of `NixlTransport.post` (bound as it
+    binds them), kept to post it late."""
+
+    peer: str
+    work: Sequence[Region] | ChunkPlan
+    notif: bytes = b""
+    prepared: PreparedEdge | None = None
+
+
 class _DeferredHandle:
-    def __init__(
-        self,
-        peer: str,
-        work: Sequence[Region] | ChunkPlan,
-        notif: bytes,
-        prepared: PreparedEdge | None,
-    ) -> None:
-        self.peer = peer
-        self.work = work if isinstance(work, ChunkPlan) else list(work)
-        self.notif = notif
-        self.prepared = prepared
+    def __init__(self, write: _WriteOrder) -> None:
+        # A region list is the caller's: copied, in case it reuses it before the real post.
+        self.write = write if isinstance(write.work, ChunkPlan) else write._replace(work=list(write.work))
         self.polls = 0
         self.born = time.monotonic()
         self.real: Chunk | None = None
@@ -98,29 +100,25 @@ class FaultyTransport(NixlTransport):
         # (and polled by `progress_partial`) so they finish for real.
         self.partial_failures: list[Chunk] = []
 
-    def post(
-        self,
-        peer: str,
-        work: Sequence[Region] | ChunkPlan,
-        notif: bytes = b"",
-        prepared: PreparedEdge | None = None,
-    ) -> Chunk:
-        nbytes = _nbytes(work)
-        if peer not in self.peers:
-            raise DataPlaneError(f"unknown peer agent {peer!r}")
+    def post(self, *args: Any, **kwargs: Any) -> Chunk:
+        """`NixlTransport.post` (the same arguments: a `_WriteOrder`'s) as the plan faults it."""
+        write = _WriteOrder(*args, **kwargs)
+        nbytes = _nbytes(write.work)
+        if write.peer not in self.peers:
+            raise DataPlaneError(f"unknown peer agent {write.peer!r}")
         self._count += 1
-        handle = _DeferredHandle(peer, work, notif, prepared)
-        descriptors = _descriptors(work, prepared)
+        handle = _DeferredHandle(write)
+        descriptors = _descriptors(write.work, write.prepared)
         if self.plan.fail_every and self._count % self.plan.fail_every == 0:
             handle.failed = True
             return Chunk(self, handle, nbytes, XferState.ERR, descriptors=0)  # nothing posted
         if self.plan.fail_partial_every and self._count % self.plan.fail_partial_every == 0:
-            handle.real = super().post(peer, work, notif, prepared)  # the bytes really go
+            handle.real = super().post(*write)  # the bytes really go
             handle.failed = True  # ... and the chunk reports ERR at once
             self.partial_failures.append(handle.real)
             return Chunk(self, handle, nbytes, XferState.ERR, descriptors)
         if self.plan.defer_polls <= 0 and self.plan.defer_s <= 0 and not self.plan.hold:
-            handle.real = super().post(peer, work, notif, prepared)
+            handle.real = super().post(*write)
             return Chunk(self, handle, nbytes, handle.real.state, descriptors)
         return Chunk(self, handle, nbytes, XferState.PROC, descriptors)
 
@@ -137,7 +135,7 @@ class FaultyTransport(NixlTransport):
             too_soon = time.monotonic() - handle.born < self.plan.defer_s
             if self.plan.hold or handle.polls < self.plan.defer_polls or too_soon:
                 return XferState.PROC
-            handle.real = super().post(handle.peer, handle.work, handle.notif, handle.prepared)
+            handle.real = super().post(*handle.write)
         return handle.real.poll()
 
     def release(self, chunk: Chunk) -> bool:

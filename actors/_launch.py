@@ -18,11 +18,12 @@ stopped by the caller's teardown:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import ray
 
-from kvhandoff.actors._config import LaunchConfig
+from kvhandoff.actors._config import LaunchConfig, staging_of
 from kvhandoff.actors._coordinator import Coordinator
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors._errors import InvalidConfig, LaunchFailed, PlacementFailed
@@ -88,6 +89,41 @@ async def _ref(ref: Any) -> Any:
     return await ref
 
 
+async def cancel_tasks(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel a client handle's background tasks and wait for them to end.
+    Tasks of this loop only: a caller that ran earlier calls under another
+    loop (asyncio.run per call) had those tasks ended with it."""
+    loop = asyncio.get_running_loop()
+    live = [t for t in tasks if not t.done() and t.get_loop() is loop]
+    for task in live:
+        task.cancel()
+    await asyncio.gather(*live, return_exceptions=True)
+
+
+def rank_configs(
+    deployment: str, spec: TopologySpec, peer: TopologySpec, layout: KVLayout, **fields: Any
+) -> list[RankConfig]:
+    """One `RankConfig` per rank of ``spec``, toward ``peer``; ``fields`` are
+    the same on every rank."""
+    return [
+        RankConfig(deployment=deployment, spec=spec, peer_spec=peer, layout=layout, rank=r, **fields)
+        for r in range(spec.tp)
+    ]
+
+
+def placed(
+    spec: TopologySpec, gpus_per_rank: float, resources: Any, labels: Any
+) -> InstancePlacement:
+    """``spec``'s placement request: one bundle per rank on one node
+    (`place_instance`); a request no node could ever hold is `InvalidConfig`."""
+    try:
+        return place_instance(
+            spec, num_ranks=spec.tp, gpus_per_rank=gpus_per_rank, resources=resources, labels=labels
+        )
+    except TopologyError as exc:
+        raise InvalidConfig(str(exc)) from None
+
+
 class Launcher:
     """The launch steps of a `Deployment` (a base class of it)."""
 
@@ -142,44 +178,32 @@ class Launcher:
         device = "cuda" if mem is MemoryKind.VRAM else "cpu"
         plans = []
         for spec, peer in ((self.ctx_spec, self.gen_spec), (self.gen_spec, self.ctx_spec)):
-            configs = [
-                RankConfig(
-                    deployment=self.name,
-                    spec=spec,
-                    peer_spec=peer,
-                    layout=self.layout,
-                    rank=r,
-                    pool_blocks=cfg.pool_blocks,
-                    chunk_bytes=cfg.chunk_bytes,
-                    lease_timeout_s=cfg.lease_timeout_s,
-                    device=device,
-                    fault_plan=fault_plan,
-                    conservative=not self.qualified,
-                    synthetic=cfg.synthetic,
-                    prepared_descriptors=cfg.prepared_descriptors,
-                    frames=cfg.control_frames,
-                    memory_kind=cfg.memory_kind,
-                    data_mode=cfg.data_mode,
-                    staging_window=cfg.staging_window,
-                    staged_below=cfg.staged_below,
-                    staging_slot_bytes=cfg.staging_slot_bytes,
-                    staged_min_descriptors=cfg.staged_min_descriptors,
-                    admit_at_open=self._admit_at_open and spec.role is Role.CTX,
-                )
-                for r in range(spec.tp)
-            ]
+            configs = rank_configs(
+                self.name,
+                spec,
+                peer,
+                self.layout,
+                pool_blocks=cfg.pool_blocks,
+                chunk_bytes=cfg.chunk_bytes,
+                lease_timeout_s=cfg.lease_timeout_s,
+                device=device,
+                fault_plan=fault_plan,
+                conservative=not self.qualified,
+                synthetic=cfg.synthetic,
+                prepared_descriptors=cfg.prepared_descriptors,
+                frames=cfg.control_frames,
+                memory_kind=cfg.memory_kind,
+                **staging_of(cfg),
+                admit_at_open=self._admit_at_open and spec.role is Role.CTX,
+            )
             # One placement group per instance: one bundle per rank actor.
-            try:
-                ctx = spec.role is Role.CTX
-                request = place_instance(
-                    spec,
-                    num_ranks=spec.tp,
-                    gpus_per_rank=cfg.gpus_per_rank,
-                    resources=cfg.ctx_resources if ctx else cfg.gen_resources,
-                    labels=cfg.ctx_labels if ctx else cfg.gen_labels,
-                )
-            except TopologyError as exc:
-                raise InvalidConfig(str(exc)) from None
+            ctx = spec.role is Role.CTX
+            request = placed(
+                spec,
+                cfg.gpus_per_rank,
+                cfg.ctx_resources if ctx else cfg.gen_resources,
+                cfg.ctx_labels if ctx else cfg.gen_labels,
+            )
             self._placements[spec.role] = request
             resources: list[dict[str, Any]] = [dict(o) for o in request.actor_options]
             plans.append((spec, configs, resources))

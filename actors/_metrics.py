@@ -220,28 +220,21 @@ class _Sink:
         return metric
 
     def inc(self, name: str, value: float, tags: dict[str, str]) -> None:
-        if value <= 0:
-            return  # Ray refuses a zero increment; nothing happened anyway
-        try:
-            metric = self._metric(name)
-            if metric is not None:
-                metric.inc(value, tags=tags)
-        except Exception as exc:
-            self._failed(name, exc)
+        if value > 0:  # Ray refuses a zero increment; nothing happened anyway
+            self._record(name, "inc", value, tags)
 
     def set(self, name: str, value: float, tags: dict[str, str]) -> None:
-        try:
-            metric = self._metric(name)
-            if metric is not None:
-                metric.set(value, tags=tags)
-        except Exception as exc:
-            self._failed(name, exc)
+        self._record(name, "set", value, tags)
 
     def observe(self, name: str, value: float, tags: dict[str, str]) -> None:
+        self._record(name, "observe", value, tags)
+
+    def _record(self, name: str, how: str, value: float, tags: dict[str, str]) -> None:
+        """``metric.<how>(value, tags=tags)``; a failure is counted, never raised."""
         try:
             metric = self._metric(name)
             if metric is not None:
-                metric.observe(value, tags=tags)
+                getattr(metric, how)(value, tags=tags)
         except Exception as exc:
             self._failed(name, exc)
 

@@ -180,7 +180,9 @@ class _Peer:
 # cores satisfy them structurally: `CtxRankCore` is a `WriterHost`,
 # `GenRankCore` a `ReaderHost` (actors/rank/). Their methods are bound once,
 # when a writer or reader is built: a staged chunk calls them without a
-# lookup through the core.
+# lookup through the core. What a core holds as a plain attribute is declared
+# as one; read-only properties declare what a core computes, and its config
+# (a frozen `RankConfig`, read through a narrower type).
 
 
 class StagingConfig(Protocol):
@@ -205,23 +207,20 @@ class StagingConfig(Protocol):
 class StagerHost(Protocol):
     """What a staged writer and a staged reader both read of their rank core."""
 
+    ns: RankNamespace
+    buffer: KVMemory
+
     @property
     def config(self) -> StagingConfig: ...
-    @property
-    def ns(self) -> RankNamespace: ...
-    @property
-    def buffer(self) -> KVMemory: ...
 
 
 class WriterHost(StagerHost, Protocol):
     """A CTX rank core, as its `StagedWriter` sees it."""
 
-    @property
-    def side(self) -> CtxRank: ...
-    @property
-    def our(self) -> Endpoint: ...
-    @property
-    def transport(self) -> NixlTransport: ...
+    side: CtxRank
+    our: Endpoint
+    transport: NixlTransport
+
     @property
     def xfer(self) -> RecentMemory[ParentKey, list[float]]:
         """The data phase per parent: [first post, last DONE, bytes]."""
@@ -247,19 +246,15 @@ class WriterHost(StagerHost, Protocol):
 class ReaderHost(StagerHost, Protocol):
     """A GEN rank core, as its `StagedReader` sees it."""
 
-    @property
-    def side(self) -> GenRank: ...
-    @property
-    def pool(self) -> BlockPool: ...
-    @property
-    def shards(self) -> ShardMap: ...
+    side: GenRank
+    pool: BlockPool
+    shards: ShardMap
+    #: The rank's fault state (actors/_faults.py; None in production).
+    faults: RankFaults | None
+
     @property
     def channel(self) -> NixlNotifChannel:
         """The rank's NIXL notification channel (ACKs go out on it)."""
-        ...
-    @property
-    def faults(self) -> RankFaults | None:
-        """The rank's fault state (actors/_faults.py; None in production)."""
         ...
 
 

@@ -29,10 +29,11 @@ peer instance did) are not hops: nothing on the path waited for them.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -272,3 +273,12 @@ def hop_summary(traces: Sequence[HandoffTrace]) -> dict[str, Any]:
         "common_path": {"share": count / len(traces), "steps": steps},
         "by_carrier_p50": {c: n / len(same) for c, n in sorted(carriers.items())},
     }
+
+
+async def with_events_of(events: list[TraceEvent], calls: Iterable[Awaitable[Any]]) -> list[TraceEvent]:
+    """``events`` and the events each of ``calls`` answers (an actor's
+    ``trace_events``); a call that fails adds none."""
+    for more in await asyncio.gather(*calls, return_exceptions=True):
+        if isinstance(more, list):
+            events.extend(more)
+    return events

@@ -82,25 +82,13 @@ from kvhandoff.actors._errors import (
     LaunchFailed,
 )
 from kvhandoff.actors._faults import FaultPlan
-from kvhandoff.actors._launch import Launcher, _ref
+from kvhandoff.actors._launch import Launcher, _ref, cancel_tasks
 from kvhandoff.actors._metrics import record_handoff, record_hops
-from kvhandoff.actors._placement import (
-    remove_group,
-)
-from kvhandoff.actors._trace import HandoffTrace, TraceRecorder, critical_path
-from kvhandoff.protocol import (
-    Endpoint,
-    ParentKey,
-    RecentMemory,
-    Role,
-)
+from kvhandoff.actors._placement import remove_group
+from kvhandoff.actors._trace import HandoffTrace, TraceRecorder, critical_path, with_events_of
+from kvhandoff.protocol import Endpoint, ParentKey, RecentMemory, Role
 from kvhandoff.topology import DEFAULT_LAYOUT as _TOPOLOGY_DEFAULT_LAYOUT
-from kvhandoff.topology import (
-    InstancePlacement,
-    TopologySpec,
-    block_bytes,
-    blocks_for_tokens,
-)
+from kvhandoff.topology import InstancePlacement, TopologySpec, block_bytes, blocks_for_tokens
 
 __all__ = ["Deployment", "SyncDeployment", "HandoffResult", "DEFAULT_LAYOUT"]
 
@@ -678,14 +666,8 @@ class Deployment(Launcher):
         are taken: a second call returns None, as does a request not sampled."""
         self._check_open()
         check_request_id(request_id)
-        events = self._trace.take(request_id)
-        found = await asyncio.gather(
-            *(c.trace_events.remote(request_id) for c, _ in self._trace_coordinators()),
-            return_exceptions=True,
-        )
-        for more in found:
-            if isinstance(more, list):
-                events.extend(more)
+        calls = (c.trace_events.remote(request_id) for c, _ in self._trace_coordinators())
+        events = await with_events_of(self._trace.take(request_id), calls)
         return critical_path(request_id, events) if events else None
 
     def _trace_coordinators(self) -> list[tuple[Any, str]]:
@@ -735,13 +717,7 @@ class Deployment(Launcher):
         if self._closed:
             return
         self._closed = True
-        # Tasks of this loop only: a caller that ran earlier calls under
-        # another loop (asyncio.run per call) had those tasks ended with it.
-        loop = asyncio.get_running_loop()
-        tasks = [t for t in self._tasks if not t.done() and t.get_loop() is loop]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_tasks(self._tasks)
         await self._teardown()
 
     async def _teardown(self) -> None:

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
+from kvhandoff.actors._config import staging_of
 from kvhandoff.actors.rank import (
     ENDPOINT_METHODS,
     CtxRankCore,
@@ -130,11 +131,7 @@ def _config(plan: EnginePlan, role: Role, rank: int, tensors: Sequence[torch.Ten
         memory_kind=plan.ctx_memory if role is Role.CTX else plan.gen_memory,
         peer_memory_kind=plan.gen_memory if role is Role.CTX else plan.ctx_memory,
         restartable=False,
-        data_mode=plan.data_mode,
-        staging_window=plan.staging_window,
-        staged_below=plan.staged_below,
-        staging_slot_bytes=plan.staging_slot_bytes,
-        staged_min_descriptors=plan.staged_min_descriptors,
+        **staging_of(plan),
         fleet=bool(plan.instance),
         coordinator=f"{plan.name}.coord.{plan.instance}" if plan.instance else "",
     )

@@ -66,7 +66,7 @@ import ray
 
 from kvhandoff.actors import _checks as checks
 from kvhandoff.actors._carrier import CarrierChoice, choose_carrier
-from kvhandoff.actors._config import EngineConfig
+from kvhandoff.actors._config import EngineConfig, staging_of
 from kvhandoff.actors._config import checked as checks_config
 from kvhandoff.actors._coordinator import Coordinator
 from kvhandoff.actors._coordinator_errors import AdmissionStopped
@@ -77,18 +77,12 @@ from kvhandoff.actors._errors import (
     InvalidConfig,
     InvalidRequest,
     LaunchFailed,
+    StaleTicket,
 )
-from kvhandoff.actors._launch import _ref
+from kvhandoff.actors._launch import _ref, cancel_tasks
 from kvhandoff.actors._metrics import record_handoff
 from kvhandoff.actors.endpoint import EnginePlan
-from kvhandoff.protocol import (
-    HandoffTicket,
-    MemoryKind,
-    ParentKey,
-    Role,
-    TicketError,
-    TopologyError,
-)
+from kvhandoff.protocol import HandoffTicket, MemoryKind, ParentKey, Role, TopologyError
 from kvhandoff.topology import (
     TopologySpec,
     check_memory_kind,
@@ -112,11 +106,6 @@ class PublishRefused(DeploymentError):
         super().__init__(f"publish of {request_id!r} refused: {reason}")
         self.request_id = request_id
         self.reason = reason
-
-
-class StaleTicket(DeploymentError, ValueError):
-    """A ticket of another deployment or CTX topology (a front end that kept
-    a ticket across a redeploy): refused before any call."""
 
 
 class EngineResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -197,11 +186,7 @@ class EngineDeployment:
             chunk_bytes=cfg.chunk_bytes,
             lease_timeout_s=cfg.lease_timeout_s,
             control_frames=cfg.control_frames,
-            data_mode=cfg.data_mode,
-            staging_window=cfg.staging_window,
-            staged_below=cfg.staged_below,
-            staging_slot_bytes=cfg.staging_slot_bytes,
-            staged_min_descriptors=cfg.staged_min_descriptors,
+            **staging_of(cfg),
         )
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
@@ -408,10 +393,7 @@ class EngineDeployment:
         if self._closed:
             return
         self._closed = True
-        tasks = [t for t in self._tasks if not t.done()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_tasks(self._tasks)
         if self._owns:
             await self._teardown()
 
@@ -437,12 +419,7 @@ class EngineDeployment:
         task.add_done_callback(self._tasks.discard)
 
     def _ticket(self, ticket: Any) -> HandoffTicket:
-        if isinstance(ticket, str):
-            ticket = HandoffTicket.decode(ticket)
-        if not isinstance(ticket, HandoffTicket):
-            raise TicketError(f"a ticket is a HandoffTicket or its string form, got {type(ticket).__name__}")
-        if ticket.deployment != self.plan.name:
-            raise StaleTicket(f"ticket of deployment {ticket.deployment!r}, this is {self.plan.name!r}")
+        ticket = checks.own_ticket(ticket, self.plan.name)
         if ticket.ctx_instance != self.plan.ctx.instance_id or ticket.ctx_digest != self._ctx_digest:
             raise StaleTicket(f"ticket of another CTX topology ({ticket.ctx_instance!r})")
         return ticket

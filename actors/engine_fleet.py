@@ -45,11 +45,18 @@ from kvhandoff.actors._config import checked as checks_config
 from kvhandoff.actors._coordinator import Coordinator
 from kvhandoff.actors._coordinator_errors import AdmissionStopped
 from kvhandoff.actors._directory import Directory
-from kvhandoff.actors._errors import DeploymentClosed, InvalidConfig, InvalidRequest, LaunchFailed
-from kvhandoff.actors._launch import _ref
+from kvhandoff.actors._errors import (
+    DeploymentClosed,
+    InvalidConfig,
+    InvalidRequest,
+    LaunchFailed,
+    StaleTicket,
+)
+from kvhandoff.actors._launch import _ref, cancel_tasks
+from kvhandoff.actors._membership import drained, rank_stats, take_out
 from kvhandoff.actors._metrics import record_handoff
 from kvhandoff.actors.endpoint import EnginePlan
-from kvhandoff.actors.engine import EngineResult, PublishRefused, StaleTicket
+from kvhandoff.actors.engine import EngineResult, PublishRefused
 from kvhandoff.actors.fleet import InstanceUnavailable, UnknownInstance
 from kvhandoff.protocol import (
     HandoffTicket,
@@ -57,7 +64,6 @@ from kvhandoff.protocol import (
     ParentKey,
     RecentMemory,
     Role,
-    TicketError,
     TopologyError,
 )
 from kvhandoff.topology import KVLayout, TopologySpec, check_memory_kind, shard_map, topology_digest
@@ -245,33 +251,19 @@ class EngineFleet:
         if inst.state not in ("serving", "draining"):
             raise InstanceUnavailable(inst.name, inst.state)
         inst.state = "draining"
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        if not await inst.coord.drain.remote(timeout):
+
+        async def peers() -> list[Any]:
+            return [w for o in self._live(Role.GEN if inst.role is Role.CTX else Role.CTX) for w in o.workers]
+
+        if not await drained(inst.coord, inst.id, peers, timeout):
             return False
-        others = [w for o in self._live(Role.GEN if inst.role is Role.CTX else Role.CTX) for w in o.workers]
-        delay = 0.005
-        while sum(await asyncio.gather(*(w.paired_with.remote(inst.id) for w in others))):
-            if loop.time() >= deadline:
-                return False
-            await asyncio.sleep(delay)  # an observable condition, polled with backoff
-            delay = min(delay * 2, 0.2)
         await self._remove(inst)
         return True
 
     async def _remove(self, inst: _EngineInstance) -> None:
         inst.state = "removed"
-        with contextlib.suppress(Exception):
-            await self._directory.remove_instance.remote(inst.id)
-        if inst.role is Role.CTX:
-            for other in self._live(Role.GEN):
-                with contextlib.suppress(Exception):
-                    await other.coord.forget_peer.remote(inst.id)
-        if inst.coord is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(_ref(inst.coord.shutdown.remote(False)), 10.0)
-            with contextlib.suppress(Exception):
-                ray.kill(inst.coord, no_restart=True)
+        gens = [o.coord for o in self._live(Role.GEN)]
+        await take_out(self._directory, inst.id, inst.role, inst.coord, gens, kill_ranks=False)
 
     async def reattach(self, instance: str, rank: int, worker: Any) -> int:
         """`EngineDeployment.reattach` for one instance of the fleet."""
@@ -353,14 +345,8 @@ class EngineFleet:
         """Every live instance's coordinator and every worker's endpoint stats."""
         self._check_open()
         live = [i for i in self._names.values() if i.state in ("serving", "draining", "detached")]
-        ranks = [(i, r, w) for i in live for r, w in enumerate(i.workers)]
-        per_rank = await asyncio.gather(*(w.stats.remote() for _, _, w in ranks), return_exceptions=True)
+        out = await rank_stats([(i.name, i.role, r, w) for i in live for r, w in enumerate(i.workers)])
         coords = await asyncio.gather(*(i.coord.stats.remote() for i in live), return_exceptions=True)
-        out = []
-        for (inst, rank, _), s in zip(ranks, per_rank):
-            entry = s if isinstance(s, dict) else {"error": repr(s)[:300], "role": inst.role.value, "rank": rank}
-            entry["instance"] = inst.name
-            out.append(entry)
         return {
             "fleet": self.name,
             "instances": self.instances(),
@@ -377,10 +363,7 @@ class EngineFleet:
         if self._closed:
             return
         self._closed = True
-        tasks = [t for t in self._tasks if not t.done()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_tasks(self._tasks)
         coords = [i.coord for i in self._by_id.values() if i.coord is not None]
         await asyncio.gather(
             *(asyncio.wait_for(_ref(c.shutdown.remote(False)), 10.0) for c in coords), return_exceptions=True
@@ -414,12 +397,7 @@ class EngineFleet:
         return inst
 
     def _ticket(self, ticket: Any) -> HandoffTicket:
-        if isinstance(ticket, str):
-            ticket = HandoffTicket.decode(ticket)
-        if not isinstance(ticket, HandoffTicket):
-            raise TicketError(f"a ticket is a HandoffTicket or its string form, got {type(ticket).__name__}")
-        if ticket.deployment != self.name:
-            raise StaleTicket(f"ticket of deployment {ticket.deployment!r}, this is {self.name!r}")
+        ticket = checks.own_ticket(ticket, self.name)
         inst = self._by_id.get(ticket.ctx_instance)
         if inst is None or inst.role is not Role.CTX or ticket.ctx_digest != topology_digest(inst.spec):
             raise StaleTicket(f"ticket of a CTX instance this fleet does not have ({ticket.ctx_instance!r})")
@@ -530,12 +508,7 @@ class FleetInstance:
                 self._gen_coords[instance] = ray.get_actor(f"{self.name}.coord.{instance}")
 
     async def _ticket(self, ticket: Any) -> HandoffTicket:
-        if isinstance(ticket, str):
-            ticket = HandoffTicket.decode(ticket)
-        if not isinstance(ticket, HandoffTicket):
-            raise TicketError(f"a ticket is a HandoffTicket or its string form, got {type(ticket).__name__}")
-        if ticket.deployment != self.name:
-            raise StaleTicket(f"ticket of deployment {ticket.deployment!r}, this is {self.name!r}")
+        ticket = checks.own_ticket(ticket, self.name)
         if ticket.ctx_instance not in self._ctx_digests:
             await self._membership()
         digest = self._ctx_digests.get(ticket.ctx_instance)

@@ -82,7 +82,8 @@ from kvhandoff.actors._errors import (
     PlacementFailed,
 )
 from kvhandoff.actors._faults import FaultPlan
-from kvhandoff.actors._launch import _RankFactory, _ref
+from kvhandoff.actors._launch import _RankFactory, _ref, placed, rank_configs
+from kvhandoff.actors._membership import drained, rank_stats, take_out
 from kvhandoff.actors._placement import (
     bundle_strategy,
     create_group,
@@ -103,7 +104,6 @@ from kvhandoff.topology import (
     TopologySpec,
     blocks_for_tokens,
     check_memory_kind,
-    place_instance,
     qualify_pair,
     shard_map,
     topology_digest,
@@ -323,35 +323,25 @@ class Fleet(Deployment):
             if not other:
                 raise InstanceUnavailable(f"any {'gen' if role is Role.CTX else 'ctx'} instance", "absent: none to pair with")
             peer = other[0].spec
-        configs = [
-            RankConfig(
-                deployment=self.name,
-                spec=spec,
-                peer_spec=peer,
-                layout=self.layout,
-                rank=r,
-                pool_blocks=self.pool_blocks,
-                chunk_bytes=self._common["chunk_bytes"],
-                lease_timeout_s=self._common["lease_timeout_s"],
-                device=self._common["device"],
-                fault_plan=self._common["fault_plan"],
-                synthetic=self.synthetic,
-                frames=self._common["frames"],
-                memory_kind=self._memory_kind,
-                data_mode="direct",
-                coordinator=f"{self.name}.coord.{spec.instance_id}",
-                fleet=True,
-                admit_at_open=self._admits_at_open(role, tp),
-            )
-            for r in range(tp)
-        ]
-        try:
-            resources, labels = self._steer[role]
-            request = place_instance(
-                spec, num_ranks=tp, gpus_per_rank=self._gpus_per_rank, resources=resources, labels=labels
-            )
-        except TopologyError as exc:
-            raise InvalidConfig(str(exc)) from None
+        configs = rank_configs(
+            self.name,
+            spec,
+            peer,
+            self.layout,
+            pool_blocks=self.pool_blocks,
+            chunk_bytes=self._common["chunk_bytes"],
+            lease_timeout_s=self._common["lease_timeout_s"],
+            device=self._common["device"],
+            fault_plan=self._common["fault_plan"],
+            synthetic=self.synthetic,
+            frames=self._common["frames"],
+            memory_kind=self._memory_kind,
+            data_mode="direct",
+            coordinator=f"{self.name}.coord.{spec.instance_id}",
+            fleet=True,
+            admit_at_open=self._admits_at_open(role, tp),
+        )
+        request = placed(spec, self._gpus_per_rank, *self._steer[role])
         inst = _Instance(
             name=name, role=role, tp=tp, incarnation=incarnation, spec=spec, configs=configs,
             resources=[dict(o) for o in request.actor_options],
@@ -473,19 +463,12 @@ class Fleet(Deployment):
         inst.state = "draining"
         if not any(e[:2] == ("drain", name) for e in self.events):
             self.events.append(("drain", name, time.monotonic() - self._t0))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        if not await inst.coord.drain.remote(timeout):
+
+        async def peers() -> list[Any]:
+            return await self._ranks_of(self._serving(Role.GEN if inst.role is Role.CTX else Role.CTX))
+
+        if not await drained(inst.coord, inst.id, peers, timeout):
             return False
-        # Its own rounds are done; the other role's ranks may still hold the
-        # last step of a parent with it (a CTX release after the RECEIPT).
-        other = await self._ranks_of(self._serving(Role.GEN if inst.role is Role.CTX else Role.CTX))
-        delay = 0.005
-        while sum(await asyncio.gather(*(h.paired_with.remote(inst.id) for h in other))):
-            if loop.time() >= deadline:
-                return False
-            await asyncio.sleep(delay)  # a condition we observe, polled with backoff
-            delay = min(delay * 2, 0.2)
         await self._remove(inst, "removed")
         return True
 
@@ -495,17 +478,8 @@ class Fleet(Deployment):
         inst.state = state
         if inst.watch is not None and inst.watch is not asyncio.current_task():
             inst.watch.cancel()
-        with contextlib.suppress(Exception):
-            await self._directory.remove_instance.remote(inst.id)
-        if inst.role is Role.CTX:
-            for o in self._serving(Role.GEN):
-                with contextlib.suppress(Exception):
-                    await o.coord.forget_peer.remote(inst.id)
-        if inst.coord is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(_ref(inst.coord.shutdown.remote()), 10.0)
-            with contextlib.suppress(Exception):
-                ray.kill(inst.coord, no_restart=True)
+        gens = [o.coord for o in self._serving(Role.GEN)]
+        await take_out(self._directory, inst.id, inst.role, inst.coord, gens, kill_ranks=True)
         if inst.group is not None:
             with contextlib.suppress(Exception):
                 remove_group(inst.group)
@@ -668,18 +642,14 @@ class Fleet(Deployment):
         live = [i for i in self._instances.values() if i.state in ("serving", "draining")]
         coords = await asyncio.gather(*(i.coord.stats.remote() for i in live), return_exceptions=True)
         handles = await asyncio.gather(*(self._rank_handles(i) for i in live), return_exceptions=True)
-        who = [
-            (i, r, h)
-            for i, found in zip(live, handles)
-            if not isinstance(found, BaseException)
-            for r, h in enumerate(found)
-        ]
-        per_rank = await asyncio.gather(*(h.stats.remote() for _, _, h in who), return_exceptions=True)
-        ranks = []
-        for (inst, rank, _), s in zip(who, per_rank):
-            entry = s if isinstance(s, dict) else {"error": repr(s)[:500], "role": inst.role.value, "rank": rank}
-            entry["instance"] = inst.name
-            ranks.append(entry)
+        ranks = await rank_stats(
+            [
+                (i.name, i.role, r, h)
+                for i, found in zip(live, handles)
+                if not isinstance(found, BaseException)
+                for r, h in enumerate(found)
+            ]
+        )
         return {
             "name": self.name,
             "qualified": self.qualified,

@@ -18,9 +18,6 @@ thirds is printed in bytes per transfer, as JSON on the last line.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
-import gc
 import json
 import sys
 import time
@@ -30,17 +27,11 @@ import numpy as np
 import ray
 import torch
 
+from kvhandoff.cli._bench_soak import settled_resident, slope
+
 BLOCK = 16 * 1024
 BLOCKS = 512
 PER_WRITE = 8
-
-
-def settled() -> int:
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 @ray.remote(num_cpus=0)
@@ -63,8 +54,8 @@ class Agent:
     def add_peer(self, metadata: bytes) -> None:
         self.peer = self.agent.add_remote_agent(metadata)
 
-    def rss(self) -> tuple[int, int]:
-        return self.count, settled()
+    def rss(self) -> tuple[int, int | None]:
+        return self.count, settled_resident()
 
     async def drain(self, seconds: float) -> int:
         end = time.monotonic() + seconds
@@ -114,16 +105,6 @@ class Agent:
         return self.count
 
 
-def slope(points: list[tuple[int, int]]) -> float:
-    n = len(points)
-    if n < 3:
-        return float("nan")
-    mx = sum(p[0] for p in points) / n
-    my = sum(p[1] for p in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else float("nan")
-
-
 def main() -> None:
     seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 60.0
     ray.init(num_cpus=2, include_dashboard=False)
@@ -152,8 +133,8 @@ def main() -> None:
         first = tail[0][0] if tail else 0
         out[mode] = {
             "writes": samples[-1][0] - samples[0][0] if samples else 0,
-            "writer_bytes_per_write": slope([(c - first, r) for c, r, _ in tail]),
-            "target_bytes_per_write": slope([(c - first, r) for c, _, r in tail]),
+            "writer_bytes_per_write": slope([c - first for c, _, _ in tail], [r for _, r, _ in tail]),
+            "target_bytes_per_write": slope([c - first for c, _, _ in tail], [r for _, _, r in tail]),
             "samples": samples,
         }
     print(json.dumps({k: ({kk: vv for kk, vv in v.items() if kk != "samples"} if isinstance(v, dict) else v) for k, v in out.items()}))

@@ -25,15 +25,21 @@ class Bare:
         return 0
 
 
+async def round_trips(target, n: int) -> list[float]:
+    """`n` sequential `target.ping` round trips, in seconds each."""
+
+    async def one() -> float:
+        start = time.perf_counter()
+        await target.ping.remote()
+        return time.perf_counter() - start
+
+    return [await one() for _ in range(n)]
+
+
 @ray.remote(num_cpus=0)
 class Caller:
     async def rtts(self, target, n: int) -> list[float]:
-        out = []
-        for _ in range(n):
-            start = time.perf_counter()
-            await target.ping.remote()
-            out.append(time.perf_counter() - start)
-        return out
+        return await round_trips(target, n)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -51,10 +57,7 @@ async def main(n: int) -> dict:
         samples: dict[str, list[float]] = {k: [] for k in ("driver->bare", "driver->rank", "actor->bare", "actor->rank")}
         for _ in range(n // 100):
             for name, target in (("bare", bare), ("rank", rank)):
-                for _ in range(50):
-                    start = time.perf_counter()
-                    await target.ping.remote()
-                    samples[f"driver->{name}"].append(time.perf_counter() - start)
+                samples[f"driver->{name}"] += await round_trips(target, 50)
                 samples[f"actor->{name}"] += await caller.rtts.remote(target, 50)
         # The rank while small handoffs run back to back.
         busy: list[float] = []

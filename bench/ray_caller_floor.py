@@ -13,9 +13,6 @@ printed in bytes per call, as JSON on the last line.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
-import gc
 import json
 import sys
 import time
@@ -23,13 +20,7 @@ from typing import Any
 
 import ray
 
-
-def settled() -> int:
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+from kvhandoff.cli._bench_soak import settled_resident, slope
 
 
 @ray.remote(num_cpus=0)
@@ -58,16 +49,8 @@ class Caller:
             self.calls += fanout
         return self.calls
 
-    def rss(self) -> tuple[int, int]:
-        return self.calls, settled()
-
-
-def slope(points: list[tuple[int, int]]) -> float:
-    n = len(points)
-    mx = sum(p[0] for p in points) / n
-    my = sum(p[1] for p in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else float("nan")
+    def rss(self) -> tuple[int, int | None]:
+        return self.calls, settled_resident()
 
 
 def main() -> None:
@@ -82,7 +65,7 @@ def main() -> None:
     while True:
         done, _ = ray.wait([done_ref], timeout=10)
         calls, rss = ray.get(caller.rss.remote())
-        callee_rss = ray.get(callee.__ray_call__.remote(lambda self: settled()))
+        callee_rss = ray.get(callee.__ray_call__.remote(settled_resident))
         samples.append((calls, rss, callee_rss))
         print(round(time.time() - start), calls, rss, callee_rss, flush=True)
         if done:
@@ -93,8 +76,8 @@ def main() -> None:
             {
                 "calls": samples[-1][0],
                 "seconds": round(time.time() - start, 1),
-                "caller_bytes_per_call": slope([(c, r) for c, r, _ in tail]),
-                "callee_bytes_per_call": slope([(c, r) for c, _, r in tail]),
+                "caller_bytes_per_call": slope([c for c, _, _ in tail], [r for _, r, _ in tail]),
+                "callee_bytes_per_call": slope([c for c, _, _ in tail], [r for _, _, r in tail]),
             }
         )
     )

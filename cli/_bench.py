@@ -77,7 +77,7 @@ from kvhandoff.cli._baselines import (
     transfer_timings,
 )
 from kvhandoff.cli._console import Reporter
-from kvhandoff.cli._flags import SECTIONS
+from kvhandoff.cli._flags import SECTIONS, launch_options
 from kvhandoff.cli.harness import on_endpoint_loop
 from kvhandoff.protocol import Role
 from kvhandoff.topology import KVLayout, block_bytes, memory_pieces, shard_map
@@ -192,12 +192,8 @@ class _Bench:
                     staging_slot_bytes=a.staging_slot_mib * MiB,
                     layout=layout,
                     pool_blocks=pool_blocks,
-                    memory=a.memory,
                     chunk_bytes=a.chunk_mib * MiB,
-                    round_timeout_s=a.round_timeout_s,
-                    gpus_per_rank=a.gpus_per_rank,
-                    control_frames=a.control_frames,
-                    start_timeout_s=a.start_timeout,
+                    **launch_options(a),
                     admit_at_open=False if getattr(a, "admit_in_rounds", False) else None,
                     synthetic=False,  # time the protocol and the data plane, not the test pattern
                 )
@@ -1293,6 +1289,12 @@ def _ms(seconds: float | None) -> float:
     return math.nan if seconds is None else seconds * 1e3
 
 
+def _p50_p99_row(label: str, dist: dict[str, Any], unit: str = "") -> list[Any]:
+    """A table row of a distribution of seconds: `label`, its p50 and p99 in
+    ms (keys "p50" and "p99", each with `unit` appended) and its count."""
+    return [label, _ms(dist["p50" + unit]), _ms(dist["p99" + unit]), dist["n"]]
+
+
 def render(out: dict[str, Any]) -> str:
     """The human-readable tables, in markdown."""
     parts = []
@@ -1444,18 +1446,10 @@ def render(out: dict[str, Any]) -> str:
     if "control" in out:
         ctl = out["control"]
         rows = [
-            [
-                f"small handoff ({ctl['small_tokens']} tokens, {ctl['small_bytes'] // KiB} KiB), ms",
-                _ms(ctl["latency"]["p50_s"]),
-                _ms(ctl["latency"]["p99_s"]),
-                ctl["latency"]["n"],
-            ],
-            [
-                "Ray actor round trip (ping), ms",
-                _ms(ctl["ping"]["p50_s"]),
-                _ms(ctl["ping"]["p99_s"]),
-                ctl["ping"]["n"],
-            ],
+            _p50_p99_row(
+                f"small handoff ({ctl['small_tokens']} tokens, {ctl['small_bytes'] // KiB} KiB), ms", ctl["latency"], "_s"
+            ),
+            _p50_p99_row("Ray actor round trip (ping), ms", ctl["ping"], "_s"),
             ["ratio handoff / ping", ctl["latency_over_ping_p50"], "", ""],
         ]
         parts.append(_table("Control plane latency", ["", "p50", "p99", "n"], rows))
@@ -1518,18 +1512,8 @@ def render(out: dict[str, Any]) -> str:
     if "cancel" in out:
         cn = out["cancel"]
         rows = [
-            [
-                "cancel -> handoff returned (every rank released)",
-                _ms(cn["release_s"]["p50"]),
-                _ms(cn["release_s"]["p99"]),
-                cn["release_s"]["n"],
-            ],
-            [
-                "cancel -> every pool all free (polled)",
-                _ms(cn["all_free_s"]["p50"]),
-                _ms(cn["all_free_s"]["p99"]),
-                cn["all_free_s"]["n"],
-            ],
+            _p50_p99_row("cancel -> handoff returned (every rank released)", cn["release_s"]),
+            _p50_p99_row("cancel -> every pool all free (polled)", cn["all_free_s"]),
             ["one chunk (raw NIXL, median)", _ms(out.get("chunk_s")), "", ""],
             ["one agreement round (coordinator p50)", _ms(cn["round_s_p50"]), "", ""],
         ]

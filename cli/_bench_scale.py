@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvhandoff.cli._console import Reporter
+from kvhandoff.cli._flags import launch_options
 from kvhandoff.topology import KVLayout
 
 __all__ = ["scale", "scale_targets"]
@@ -196,16 +197,8 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
     # Before each measurement the same clients run uncounted for a while:
     # the first handoffs of a fresh fleet pay for cold Ray workers and paths.
     warm_s = min(2.0, args.sustain_s / 2)
-    common = dict(
-        layout=SCALE_LAYOUT,
-        pool_blocks=pool,
-        memory=args.memory,
-        round_timeout_s=args.round_timeout_s,
-        start_timeout_s=args.start_timeout,
-        gpus_per_rank=args.gpus_per_rank,
-        control_frames=args.control_frames,
-        synthetic=False,  # time the protocol, not the test pattern
-    )
+    # synthetic=False: time the protocol, not the test pattern.
+    common = dict(layout=SCALE_LAYOUT, pool_blocks=pool, synthetic=False, **launch_options(args))
     rows = []
     own_pairs: dict[str, Any] = {}
     carrier: dict[str, Any] | None = None
@@ -299,31 +292,24 @@ def scale_table(scale_out: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     headers = ["setup", "clients", "handoffs/s", "x 1x1", "p50 ms", "host CPU ms / handoff", "busy cores"]
     rows: list[list[Any]] = []
 
-    def host(r: dict[str, Any]) -> list[str]:
+    def row(setup: str, r: dict[str, Any], over_1x1: str = "-") -> list[Any]:
+        p50 = r.get("latency_p50_s")
         cpu = r.get("cpu_per_handoff") or {}
         us, cores = cpu.get("host_us"), cpu.get("host_busy_cores")
-        return [f"{us / 1e3:.2f}" if us is not None else "-", f"{cores:.1f}" if cores is not None else "-"]
+        return [
+            setup, r["clients"], f"{r['handoffs_per_s']:.0f}", over_1x1, f"{p50 * 1e3:.1f}" if p50 else "-",
+            f"{us / 1e3:.2f}" if us is not None else "-", f"{cores:.1f}" if cores is not None else "-",
+        ]
 
     for r in scale_out.get("rows", []):
-        p50 = r.get("latency_p50_s")
-        rows.append([
-            f"fleet {r['instances']}x{r['instances']}", r["clients"], f"{r['handoffs_per_s']:.0f}",
-            f"{r['over_1x1']:.2f}" if r.get("over_1x1") else "-", f"{p50 * 1e3:.1f}" if p50 else "-", *host(r),
-        ])
+        over = f"{r['over_1x1']:.2f}" if r.get("over_1x1") else "-"
+        rows.append(row(f"fleet {r['instances']}x{r['instances']}", r, over))
     own = scale_out.get("own_pairs")
     if own:
-        p50 = own.get("latency_p50_s")
-        rows.append([
-            f"fleet {own['instances']}x{own['instances']}, own pairs", own["clients"], f"{own['handoffs_per_s']:.0f}",
-            "-", f"{p50 * 1e3:.1f}" if p50 else "-", *host(own),
-        ])
+        rows.append(row(f"fleet {own['instances']}x{own['instances']}, own pairs", own))
     ind = scale_out.get("independent")
     if ind:
-        p50 = ind.get("latency_p50_s")
-        rows.append([
-            f"{ind['deployments']} independent pairs", ind["clients"], f"{ind['handoffs_per_s']:.0f}",
-            "-", f"{p50 * 1e3:.1f}" if p50 else "-", *host(ind),
-        ])
+        rows.append(row(f"{ind['deployments']} independent pairs", ind))
     return headers, rows
 
 

@@ -47,7 +47,7 @@ from kvhandoff.cli._console import Reporter
 from kvhandoff.protocol import CLOSED_SESSION_MEMORY, RETAIN_S, Role
 from kvhandoff.topology import KVLayout
 
-__all__ = ["soak", "slope"]
+__all__ = ["settled_resident", "soak", "slope"]
 
 #: One layer's 4-token page of 8 heads x 128 dims (16 KiB per block): small handoffs.
 SOAK_LAYOUT = KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, dtype="float16", tokens_per_block=4)
@@ -68,12 +68,12 @@ def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
 
 
-def _settled_resident(_: Any = None) -> int | None:
+def settled_resident(_: Any = None) -> int | None:
     """Resident bytes once garbage is collected and the allocator has handed
     its free pages back (glibc `malloc_trim`): what the process retains, not
     its allocator's slack, which otherwise jitters by megabytes between
     samples. Run in each actor through `__ray_call__` (a bench tool, no hook
-    in the actors)."""
+    in the actors), and by the floor probes (bench/*_floor.py)."""
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -176,7 +176,7 @@ def memories_full(stats: dict[str, Any]) -> bool:
 
 async def _resident(named: dict[str, Any]) -> dict[str, int | None]:
     """Settled resident bytes of every rank and coordinator, and of this driver."""
-    found = await _everywhere(named, _settled_resident)
+    found = await _everywhere(named, settled_resident)
     return {name: value if isinstance(value, int) else None for name, value in found.items()}
 
 

@@ -92,13 +92,9 @@ def cancel_ways(exact_phases: bool) -> tuple[str, ...]:
 
 
 def plan_workload(
-    requests: int,
-    cancel_rate: float,
-    seed: int,
+    requests: int, cancel_rate: float, seed: int,
     *,
-    exact_phases: bool,
-    min_tokens: int = MIN_TOKENS,
-    max_tokens: int = MAX_TOKENS,
+    exact_phases: bool, min_tokens: int = MIN_TOKENS, max_tokens: int = MAX_TOKENS,
 ) -> list[Planned]:
     """A deterministic workload for `seed`.
 

@@ -116,6 +116,15 @@ _PREFILL_PARAMS = {
 }
 
 
+#: The engine's own options, beside the example's ``ENGINE_ARGS`` (which
+#: override them): those kvhandoff's `VllmEngine` runs with, so that the two
+#: connectors are compared on the same engine.
+_ENGINE_OPTIONS = {
+    "skip_tokenizer_init": True, "enable_prefix_caching": False, "enforce_eager": True,
+    "distributed_executor_backend": "uni",
+}
+
+
 @ray.remote(num_cpus=0)
 class NixlEngine:
     """One vLLM engine with `TimedNixlConnector`, in its own process (the
@@ -142,14 +151,7 @@ class NixlEngine:
             kv_load_failure_policy="fail",
             kv_connector_extra_config={"kv_lease_duration": kv_lease_s},
         )
-        args = {
-            "skip_tokenizer_init": True,
-            "enable_prefix_caching": False,
-            "enforce_eager": True,
-            "distributed_executor_backend": "uni",
-            **engine_args,
-        }
-        self.llm = LLM(model=model, kv_transfer_config=transfer, **args)
+        self.llm = LLM(model=model, kv_transfer_config=transfer, **(_ENGINE_OPTIONS | engine_args))
         self._engine = self.llm.llm_engine
         self._connector_state = importlib.import_module(_MODULE)  # the module vLLM loaded the connector from
         self._futures: dict[str, asyncio.Future[dict[str, Any]]] = {}

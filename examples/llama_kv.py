@@ -51,15 +51,9 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 def build_model(
     seed: int = 0,
     *,
-    num_layers: int = 2,
-    hidden_size: int = 64,
-    num_heads: int = 4,
-    num_kv_heads: int = 4,
-    head_dim: int = 16,
-    vocab_size: int = 256,
-    intermediate_size: int = 128,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
+    num_layers: int = 2, hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 4, head_dim: int = 16,
+    vocab_size: int = 256, intermediate_size: int = 128,
+    device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
 ) -> LlamaForCausalLM:
     """A small Llama with seeded random weights, in eval mode.
 
@@ -78,19 +72,10 @@ def build_model(
     `reference_generate`).
     """
     config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        attn_implementation="sdpa",
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=head_dim, max_position_embeddings=4096, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="sdpa",
     )
     model = LlamaForCausalLM(config)
     gen = torch.Generator(device="cpu").manual_seed(seed)

@@ -178,18 +178,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     sem = asyncio.Semaphore(args.concurrency)
 
+    async def answer(engine: Any, rid: str, call: Any, abort_within_s: float | None) -> dict[str, Any] | None:
+        """`call`'s answer, a vLLM abort of `rid` sent to `engine` first after
+        up to `abort_within_s` (None: no abort); None if it hung."""
+        if abort_within_s is not None:
+            await asyncio.sleep(rng.random() * abort_within_s)
+            await engine.abort.remote(rid)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(call.future()), args.request_timeout_s)
+        except TimeoutError:
+            return None
+
     async def one(k: int) -> None:
         rid, stage = f"req{k}", plan[k]
         row: dict[str, Any] = {"id": rid, "abort_at": stage, "outcome": None}
         async with sem:
             row["prefill"], prefill = proxy.prefill()
             first = prefill.generate.remote(rid, prompts[k], 1)
-            if stage == "prefill":
-                await asyncio.sleep(rng.random() * 0.02)
-                await prefill.abort.remote(rid)
-            try:
-                p = await asyncio.wait_for(asyncio.wrap_future(first.future()), args.request_timeout_s)
-            except TimeoutError:
+            p = await answer(prefill, rid, first, 0.02 if stage == "prefill" else None)
+            if p is None:
                 row["outcome"] = "hung in prefill"
                 results.append(row)
                 return
@@ -211,12 +218,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 return
             with proxy.decode() as (row["decode"], decode):
                 second = decode.generate.remote(rid, prompts[k], args.max_tokens, ticket_params)
-                if stage in ("load", "decode"):
-                    await asyncio.sleep(rng.random() * (0.01 if stage == "load" else 0.05))
-                    await decode.abort.remote(rid)
-                try:
-                    d = await asyncio.wait_for(asyncio.wrap_future(second.future()), args.request_timeout_s)
-                except TimeoutError:
+                d = await answer(decode, rid, second, {"load": 0.01, "decode": 0.05}.get(stage))
+                if d is None:
                     row["outcome"] = "hung in decode"
                     results.append(row)
                     return

@@ -9,6 +9,9 @@ wrong, so callers can tell a malformed frame from a stale ticket.
 
 from __future__ import annotations
 
+import inspect
+from typing import Any, ClassVar
+
 __all__ = [
     "ProtocolError",
     "FrameError",
@@ -33,10 +36,40 @@ class ProtocolError(Exception):
     catch everything the layer documents; raise a subclass.
     """
 
+    #: The names of this class's constructor parameters when all are plain
+    #: positional ones, else None (set for every subclass): `__reduce__`.
+    _init_names: ClassVar[tuple[str, ...] | None] = None
+
     def __init__(self, *args: object) -> None:
         if type(self) is ProtocolError:
             raise TypeError("ProtocolError is abstract; raise a subclass")
         super().__init__(*args)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        params = inspect.signature(cls).parameters.values()
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        if all(p.kind in positional for p in params):
+            cls._init_names = tuple(p.name for p in params)
+        else:
+            cls._init_names = None
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        # Errors cross Ray hops by pickle: rebuild one from its constructor's
+        # arguments, which every subclass keeps as attributes of the same
+        # names. One whose constructor takes ``*args`` (or whose arguments are
+        # not all kept) pickles as any exception does.
+        if self._init_names is not None:
+            try:
+                return (type(self), tuple(getattr(self, name) for name in self._init_names))
+            except AttributeError:
+                pass
+        return super().__reduce__()
+
+
+def _detailed(text: str, detail: str) -> str:
+    """`text`, followed by ``: detail`` when there is a detail."""
+    return f"{text}: {detail}" if detail else text
 
 
 class FrameError(ProtocolError):
@@ -65,10 +98,6 @@ class StaleError(ProtocolError):
         self.got = got
         self.expected = expected
 
-    def __reduce__(self) -> tuple[object, ...]:
-        # Rebuild from the constructor's arguments when crossing a Ray hop.
-        return (type(self), (self.what, self.got, self.expected))
-
 
 class UnknownSessionError(ProtocolError):
     """A message names a session that was never installed here (default-deny)."""
@@ -82,9 +111,6 @@ class IllegalTransition(ProtocolError):
         self.machine = machine
         self.state = state
         self.event = event
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.machine, self.state, self.event))
 
 
 class PoolError(ProtocolError):

@@ -319,9 +319,6 @@ class NotNegotiatedError(NegotiationError):
         self.known = known
         self.expected = expected
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.known, self.expected))
-
 
 #: What a rank holds about its topology's protocol: the agreement, or why there is none.
 NegotiationOutcome = Union[Negotiated, NegotiationError]

@@ -17,7 +17,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from ._errors import RoundError, StaleError
+from ._errors import RoundError, StaleError, _detailed
 from ._messages import MAX_BLOCKS_PER_OPEN
 from ._ticket import DIGEST_LEN, MAX_ID_LEN, ParentKey
 
@@ -189,8 +189,11 @@ class VoteRejected(RoundError):
 
     def __init__(self, reason: VoteRejectReason, vote: RoundVote, detail: str = "") -> None:
         super().__init__(
-            f"vote of rank {vote.rank} (epoch {vote.epoch}) for round {vote.round_no} "
-            f"rejected: {reason.value}{': ' + detail if detail else ''}"
+            _detailed(
+                f"vote of rank {vote.rank} (epoch {vote.epoch}) for round {vote.round_no} "
+                f"rejected: {reason.value}",
+                detail,
+            )
         )
         self.reason = reason
         self.round_no = vote.round_no
@@ -199,9 +202,6 @@ class VoteRejected(RoundError):
         self.vote = vote
         self.detail = detail
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.reason, self.vote, self.detail))
-
 
 class StaleEpochError(StaleError):
     """A round call or nudge carried an endpoint epoch other than the rank's
@@ -209,10 +209,6 @@ class StaleEpochError(StaleError):
 
     def __init__(self, got: int, expected: int) -> None:
         super().__init__("endpoint epoch", got, expected)
-
-    def __reduce__(self) -> tuple[object, ...]:
-        # Rebuild from the constructor arguments (errors cross Ray by pickle).
-        return (type(self), (self.got, self.expected))
 
 
 class RoundOrderError(RoundError):
@@ -235,6 +231,3 @@ class RoundOrderError(RoundError):
         self.got = got
         self.expected = expected
         self.kind = kind
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.rank, self.what, self.got, self.expected))

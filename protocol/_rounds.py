@@ -64,7 +64,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable, Mapping
 
-from ._errors import RoundError, StaleError
+from ._errors import RoundError, StaleError, _detailed
 from ._round_messages import (
     MAX_ROUND_ITEMS,
     AdmissionRequest,
@@ -101,16 +101,10 @@ class RoundPhaseError(RoundError):
     """A leader call that its current phase does not allow."""
 
     def __init__(self, phase: RoundPhase, event: str, detail: str = "") -> None:
-        super().__init__(
-            f"RoundLeader: {event} is illegal in phase {phase.name}"
-            f"{': ' + detail if detail else ''}"
-        )
+        super().__init__(_detailed(f"RoundLeader: {event} is illegal in phase {phase.name}", detail))
         self.phase = phase
         self.event = event
         self.detail = detail
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.phase, self.event, self.detail))
 
 
 # The leader's whole phase machine: (phase, event) -> next phase. Anything

@@ -73,7 +73,7 @@ CTX rank (prefill)::
                      block_bytes=b, peer=buf)      #   the GEN agent's buffer (PeerBuffer)
         # -> Prepared(parent) once, when the n-th edge is PREPARED: vote it prepared
     ctx.decided(parent, now)                       # after the CTX round decided the parent
-        # -> SendMessage(Ready) per edge, then PostChunk(ticket, i) up to the window
+        # -> per edge: SendMessage(Ready), then PostChunk(ticket, i) up to the window
     ctx.chunk_done(ticket, i, nbytes, now)         # -> more PostChunk, or Terminal(COMPLETED)
     ctx.chunk_failed(ticket, i, now)               # NIXL ERR: quiescent, cancels the parent
     ctx.receive_receipt(receipt)                   # bytes acknowledged
@@ -241,8 +241,8 @@ class ParentState(enum.Enum):
 class EdgeState(enum.Enum):
     OPEN_PROPOSED = "open_proposed"  # GEN: OPEN sent; CTX has not answered (GEN's initial state)
     PREPARED = "prepared"  # CTX: OPEN validated and recorded; a proposal only (CTX's initial state)
-    READY = "ready"  # CTX: READY published, nothing posted; GEN: READY received
-    POSTING = "posting"  # CTX: chunks posted (DMA may be in flight)
+    READY = "ready"  # GEN: READY received (a CTX edge goes from PREPARED to POSTING at once)
+    POSTING = "posting"  # CTX: READY published and chunks posted (DMA may be in flight)
     DRAINING = "draining"  # CTX: cancelled with chunks posted; no new chunks, polling the posted
     CANCELLING = "cancelling"  # GEN: CANCEL sent; waiting for the CTX's TERMINAL
     COMPLETED = "completed"  # terminal: every byte written (and, on GEN, checked)
@@ -272,7 +272,6 @@ class ParentEvent(enum.Enum):
 
 class EdgeEvent(enum.Enum):
     DECIDED = "decided"  # CTX: the parent was decided
-    START_POSTING = "start_posting"  # CTX: the data plane may post (at once unless deferred)
     CHUNK_POSTED = "chunk_posted"  # CTX: a PostChunk was emitted (the chunk may now be in flight)
     CHUNK_DONE = "chunk_done"  # CTX: a posted chunk reported DONE (more remain)
     ALL_CHUNKS_DONE = "all_chunks_done"  # CTX: the last chunk reported DONE
@@ -404,11 +403,10 @@ GEN_PARENT_TRANSITIONS: Mapping[tuple[ParentState, ParentEvent], Transition] = {
 }
 
 CTX_EDGE_TRANSITIONS: Mapping[tuple[EdgeState, EdgeEvent], Transition] = {
-    (_ES.PREPARED, _EE.DECIDED): _t(_ES.READY, _FX.SEND_READY),
-    (_ES.READY, _EE.START_POSTING): _t(_ES.READY, _FX.POST),
+    # Decided: READY goes out and the first window of chunks is posted, in
+    # one step (an edge always has a chunk), so a CTX edge is never READY.
+    (_ES.PREPARED, _EE.DECIDED): _t(_ES.POSTING, _FX.SEND_READY, _FX.POST),
     (_ES.PREPARED, _EE.CANCEL): _t(_ES.NOT_STARTED, _FX.SEND_TERMINAL),
-    (_ES.READY, _EE.CHUNK_POSTED): _t(_ES.POSTING),
-    (_ES.READY, _EE.CANCEL): _t(_ES.NOT_STARTED, _FX.SEND_TERMINAL),
     (_ES.POSTING, _EE.CHUNK_POSTED): _t(_ES.POSTING),
     (_ES.POSTING, _EE.CHUNK_DONE): _t(_ES.POSTING, _FX.POST),
     (_ES.POSTING, _EE.ALL_CHUNKS_DONE): _t(_ES.COMPLETED, _FX.SEND_TERMINAL),
@@ -582,8 +580,8 @@ _STATE_DOCS: Mapping[enum.Enum, str] = {
     _PS.QUARANTINED: "an edge is UNKNOWN: blocks kept until reclaim()",
     _ES.OPEN_PROPOSED: "GEN: OPEN sent; CTX has not answered (GEN's initial state)",
     _ES.PREPARED: "CTX: OPEN validated and recorded; a proposal only (CTX's initial state)",
-    _ES.READY: "CTX: READY published, nothing posted; GEN: READY received",
-    _ES.POSTING: "CTX: chunks posted (DMA may be in flight)",
+    _ES.READY: "GEN: READY received (a CTX edge goes from PREPARED to POSTING at once)",
+    _ES.POSTING: "CTX: READY published and chunks posted (DMA may be in flight)",
     _ES.DRAINING: "CTX: cancelled with chunks posted; no new chunks, polling the posted",
     _ES.CANCELLING: "GEN: CANCEL sent; waiting for the CTX's TERMINAL",
     _ES.COMPLETED: "terminal: every byte written (and, on GEN, checked)",
@@ -1403,16 +1401,12 @@ class CtxRank(_Rank):
         edges_per_parent: int,
         transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
         chunk_window: int = DEFAULT_CHUNK_WINDOW,
-        post_on_decide: bool = True,
         conservative: bool = False,
         quarantine_limit: float = DEFAULT_QUARANTINE_LIMIT,
     ) -> None:
         """`edges_per_parent` is how many edges (GEN ranks) every parent has on this
         CTX rank (from the shard map): the parent is `Prepared` once that many
         OPENs are recorded, and an OPEN beyond it is refused.
-
-        `post_on_decide=False` defers posting from `decided()` to `start_posting()`
-        (for an actor that must gather a staging slot first); the default posts at once.
 
         `conservative=True` is the path outside the qualified scope: a cancel
         never interrupts a decided transfer (parent FINISHING); it applies once
@@ -1427,7 +1421,6 @@ class CtxRank(_Rank):
             raise LeaseError(f"edges_per_parent must be at least 1, got {edges_per_parent}")
         self.edges_per_parent = edges_per_parent
         self.chunk_window = chunk_window
-        self.post_on_decide = post_on_decide
         self.conservative = conservative
         #: Chunks that reported ERR with more than one descriptor (unproven).
         self.unproven_chunks = 0
@@ -1655,7 +1648,8 @@ class CtxRank(_Rank):
         )
 
     def decided(self, parent: ParentKey, now: float) -> list[Action]:
-        """The CTX round decided `parent`: publish READY on every edge and start posting."""
+        """The CTX round decided `parent`: publish READY on every edge and post
+        each edge's first window of chunks."""
         actions = self._fire_parent(parent, _PE.DECIDED)
         record = self._parents.get(parent)
         if record is None or record.state is not _PS.DECIDED:
@@ -1663,26 +1657,7 @@ class CtxRank(_Rank):
         record.deadline = now + self.transfer_timeout
         for edge in record.edges.values():
             actions += self._fire_edge(edge, _EE.DECIDED)
-        if self.post_on_decide:
-            actions += self.start_posting(parent, now)
         return actions + self._settle(record, now)
-
-    def start_posting(self, parent: ParentKey, now: float) -> list[Action]:
-        """Post the first window of chunks of every READY edge of a DECIDED parent.
-
-        A no-op once the parent is cancelled or finished (a cancel that won the
-        race means nothing is ever posted: the edges are NOT_STARTED).
-        """
-        state = self.parent_state(parent)
-        if state in (_PS.CANCELLING, _PS.SETTLED, _PS.RELEASED, _PS.QUARANTINED):
-            return []
-        if state is not _PS.DECIDED:
-            raise IllegalTransition(self._machine("parent"), state, "start_posting")
-        actions: list[Action] = []
-        for edge in self._parents[parent].edges.values():
-            if edge.state is _ES.READY:
-                actions += self._fire_edge(edge, _EE.START_POSTING)
-        return actions
 
     def chunk_done(
         self, ticket: ContextTicket, index: int, nbytes: int, now: float

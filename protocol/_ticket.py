@@ -83,7 +83,25 @@ class ParentKey(_Frozen, frozen=True):
     gen_attempt: U32
 
 
-class ContextTicket(_Frozen, frozen=True):
+class _NamesParent:
+    """Mixin of the structs that name one parent attempt by its three fields."""
+
+    __slots__ = ()
+
+    request_id: str
+    ctx_attempt: int
+    gen_attempt: int
+
+    @property
+    def parent(self) -> ParentKey:
+        return ParentKey(
+            request_id=self.request_id,
+            ctx_attempt=self.ctx_attempt,
+            gen_attempt=self.gen_attempt,
+        )
+
+
+class ContextTicket(_Frozen, _NamesParent, frozen=True):
     """Generation-safe identity of one edge session (one ctx rank → one gen rank)."""
 
     request_id: Id
@@ -93,14 +111,6 @@ class ContextTicket(_Frozen, frozen=True):
     gen: Endpoint
     ctx_digest: Digest
     gen_digest: Digest
-
-    @property
-    def parent(self) -> ParentKey:
-        return ParentKey(
-            request_id=self.request_id,
-            ctx_attempt=self.ctx_attempt,
-            gen_attempt=self.gen_attempt,
-        )
 
     @property
     def edge(self) -> tuple[int, int]:
@@ -118,7 +128,7 @@ class TicketError(ProtocolError, ValueError):
     wrong prefix, not base64, not a ticket, a field out of its bounds)."""
 
 
-class HandoffTicket(_Frozen, frozen=True):
+class HandoffTicket(_Frozen, _NamesParent, frozen=True):
     """What a front end carries from the prefill server to the decode server.
 
     It names one published attempt of a request: the deployment, the parent
@@ -137,14 +147,6 @@ class HandoffTicket(_Frozen, frozen=True):
     ctx_instance: Id
     ctx_digest: Digest
     num_tokens: U32
-
-    @property
-    def parent(self) -> ParentKey:
-        return ParentKey(
-            request_id=self.request_id,
-            ctx_attempt=self.ctx_attempt,
-            gen_attempt=self.gen_attempt,
-        )
 
     def encode(self) -> str:
         raw = msgspec.msgpack.encode(self)

@@ -221,7 +221,6 @@ class Pair:
         chunk_window: int = 2,
         timeout: float = TIMEOUT,
         conservative: bool = False,
-        post_on_decide: bool = True,
         not_started_verdict: bool = True,
         direct: bool = False,
     ) -> None:
@@ -241,7 +240,6 @@ class Pair:
         self.timeout = timeout
         self.chunk_window = chunk_window
         self.conservative = conservative
-        self.post_on_decide = post_on_decide
         self.ctx_blocks = ctx_blocks
         self.gen_blocks = gen_blocks
         self.n_gen = n_gen
@@ -333,7 +331,6 @@ class Pair:
             transfer_timeout=self.timeout,
             chunk_window=self.chunk_window,
             conservative=self.conservative,
-            post_on_decide=self.post_on_decide,
         )
 
     def _new_gen(self, epoch: int, rank: int) -> GenRank:

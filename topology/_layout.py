@@ -155,6 +155,13 @@ def blocks_for_tokens(layout: KVLayout, num_tokens: int) -> int:
 def block_offset(layout: KVLayout, tp: int, *, layer: int, kv: int, head: int) -> int:
     """Byte offset, within a block on one of `tp` ranks, of the slab of local
     head `head` for `(layer, kv)` (kv: 0 = K, 1 = V)."""
+    hpr = _local_heads(layout, tp, layer=layer, kv=kv, head=head)
+    return ((layer * 2 + kv) * hpr + head) * layout.head_bytes
+
+
+def _local_heads(layout: KVLayout, tp: int, *, layer: int, kv: int, head: int) -> int:
+    """`heads_per_rank(layout, tp)`, once `(layer, kv, head)` is checked to
+    name one slab of a block on one of `tp` ranks (a `TopologyError` if not)."""
     hpr = heads_per_rank(layout, tp)
     if not 0 <= layer < layout.num_layers:
         raise TopologyError(f"layer {layer} out of range [0, {layout.num_layers})")
@@ -162,4 +169,4 @@ def block_offset(layout: KVLayout, tp: int, *, layer: int, kv: int, head: int) -
         raise TopologyError(f"kv must be 0 (K) or 1 (V), got {kv!r}")
     if not 0 <= head < hpr:
         raise TopologyError(f"local head {head} out of range [0, {hpr})")
-    return ((layer * 2 + kv) * hpr + head) * layout.head_bytes
+    return hpr

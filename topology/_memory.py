@@ -38,7 +38,7 @@ import functools
 
 from kvhandoff.protocol import TopologyError
 
-from ._layout import KVLayout, heads_per_rank
+from ._layout import KVLayout, _local_heads, heads_per_rank
 from ._shard import Edge, ShardMap
 
 __all__ = [
@@ -115,13 +115,7 @@ def row_place(
     """`(region, offset)` of the row (layer, kv, local head `head`, token in the
     block) in a block of a rank of `kind` among `tp` ranks."""
     check_memory_kind(kind)
-    hl = heads_per_rank(layout, tp)
-    if not 0 <= layer < layout.num_layers:
-        raise TopologyError(f"layer {layer} out of range [0, {layout.num_layers})")
-    if kv not in (0, 1):
-        raise TopologyError(f"kv must be 0 (K) or 1 (V), got {kv!r}")
-    if not 0 <= head < hl:
-        raise TopologyError(f"local head {head} out of range [0, {hl})")
+    hl = _local_heads(layout, tp, layer=layer, kv=kv, head=head)
     if not 0 <= token < layout.tokens_per_block:
         raise TopologyError(f"token {token} out of range [0, {layout.tokens_per_block})")
     row = layout.head_dim * layout.dtype_bytes

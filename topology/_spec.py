@@ -21,6 +21,7 @@ TP index varies fastest; `devices[rank]` is that rank's device.
 
 from __future__ import annotations
 
+import enum
 import math
 import re
 from collections.abc import Sequence
@@ -87,6 +88,12 @@ def _check_bool(field: str, value: object) -> bool:
     return value
 
 
+def _check_name(field: str, value: object, max_len: int, pattern: re.Pattern[str], chars: str) -> None:
+    # The patterns are ASCII: a name that matches has as many bytes as chars.
+    if not isinstance(value, str) or not pattern.match(value) or len(value) > max_len:
+        raise TopologyFieldError(field, value, f"must be 1..{max_len} chars of [{chars}]")
+
+
 class TopologySpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The layout of one instance (one engine of one role).
 
@@ -139,18 +146,10 @@ def _check_spec(spec: TopologySpec) -> None:
     only to canonical spellings of the same value)."""
     set_ = msgspec.structs.force_setattr
 
-    iid = spec.instance_id
-    if not isinstance(iid, str):
-        raise TopologyFieldError("instance_id", iid, "must be a str")
-    if not 1 <= len(iid.encode()) <= MAX_ID_LEN or not _ID_RE.match(iid):
-        raise TopologyFieldError(
-            "instance_id", iid, f"must be 1..{MAX_ID_LEN} chars of [A-Za-z0-9_.:-]"
-        )
-
-    try:
-        set_(spec, "role", Role(spec.role))
-    except ValueError:
-        raise TopologyFieldError("role", spec.role, "must be 'ctx' or 'gen'") from None
+    if not isinstance(spec.instance_id, str):
+        raise TopologyFieldError("instance_id", spec.instance_id, "must be a str")
+    _check_name("instance_id", spec.instance_id, MAX_ID_LEN, _ID_RE, "A-Za-z0-9_.:-")
+    _to_enum(spec, "role", Role)
 
     for field in ("tp", "pp", "cp"):
         _check_int(field, getattr(spec, field), 1, MAX_PARALLEL)
@@ -172,20 +171,8 @@ def _check_spec(spec: TopologySpec) -> None:
     # `+ 0.0` turns -0.0 into 0.0 and ints into floats: equal specs, equal digests.
     set_(spec, "transfer_timeout_s", float(timeout) + 0.0)
 
-    backend = spec.backend
-    if (
-        not isinstance(backend, str)
-        or not 1 <= len(backend) <= MAX_BACKEND_LEN
-        or not _BACKEND_RE.match(backend)
-    ):
-        raise TopologyFieldError(
-            "backend", backend, f"must be 1..{MAX_BACKEND_LEN} chars of [A-Za-z0-9_]"
-        )
-
-    try:
-        set_(spec, "memory", MemoryKind(spec.memory))
-    except ValueError:
-        raise TopologyFieldError("memory", spec.memory, "must be 'DRAM' or 'VRAM'") from None
+    _check_name("backend", spec.backend, MAX_BACKEND_LEN, _BACKEND_RE, "A-Za-z0-9_")
+    _to_enum(spec, "memory", MemoryKind)
 
     devices: Any = spec.devices
     if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
@@ -205,6 +192,16 @@ def _check_spec(spec: TopologySpec) -> None:
         if len(set(devices)) != len(devices):
             raise TopologyFieldError("devices", devices, "two ranks on one device")
     set_(spec, "devices", devices)
+
+
+def _to_enum(spec: TopologySpec, field: str, kind: type[enum.Enum]) -> None:
+    """Set `spec.<field>` to its member of `kind` (a spelling of one's value)."""
+    value = getattr(spec, field)
+    try:
+        msgspec.structs.force_setattr(spec, field, kind(value))
+    except ValueError:
+        allowed = " or ".join(repr(member.value) for member in kind)
+        raise TopologyFieldError(field, value, f"must be {allowed}") from None
 
 
 def make_topology(**fields: object) -> TopologySpec:

@@ -95,27 +95,16 @@ class CtxRankCore(RankCore):
         if self.arena is not None:
             below = staged_below(self.buffer.device, config.staged_below)
             least = staged_min_descriptors(self.buffer.device, config.staged_min_descriptors)
-            self._writer = StagedWriter(self, self.arena, config.staging_window, below, least)
+            self._writer = self._staged = StagedWriter(self, self.arena, config.staging_window, below, least)
+            self._stage_takers[StageAck] = self._writer.on_ack
 
     # -- the role's hooks ---------------------------------------------------------------
 
     def _ctx_and_gen(self) -> tuple[TopologySpec, TopologySpec]:
         return self.config.spec, self.config.peer_spec
 
-    def _stage_notice(self, sender: str, notice: Any, now: float) -> None:
-        if self._writer is None or not isinstance(notice, StageAck):
-            self.counters["staged_misdirected"] += 1
-            return
-        self._writer.on_ack(sender, notice, now)
-
     def _stage_polling(self) -> bool:
         return (self._writer is not None and self._writer.busy()) or super()._stage_polling()
-
-    def _staging_stats(self) -> dict[str, Any]:
-        out = super()._staging_stats()
-        if self._writer is not None:
-            out.update(self._writer.stats())
-        return out
 
     def _make_side(self, transfer_timeout: float) -> CtxRank:
         return CtxRank(

@@ -69,13 +69,8 @@ class GenRankCore(RankCore):
         self._reader: StagedReader | None = None
         super().__init__(config, epoch, tensors=tensors)  # last: it registers this rank
         if self.arena is not None:
-            self._reader = StagedReader(self, self.arena, config.staging_window)
-
-    def _stage_notice(self, sender: str, notice: Any, now: float) -> None:
-        if self._reader is None or not isinstance(notice, StageWrite):
-            self.counters["staged_misdirected"] += 1
-            return
-        self._reader.on_write(sender, notice, now)
+            self._reader = self._staged = StagedReader(self, self.arena, config.staging_window)
+            self._stage_takers[StageWrite] = self._reader.on_write
 
     def _stage_polling(self) -> bool:
         # A WRITE may land while a parent is installed, cancelling or
@@ -92,12 +87,6 @@ class GenRankCore(RankCore):
 
     def _chunks_in_flight(self) -> int:
         return self._reader.pending() if self._reader is not None else 0
-
-    def _staging_stats(self) -> dict[str, Any]:
-        out = super()._staging_stats()
-        if self._reader is not None:
-            out.update(self._reader.stats())
-        return out
 
     # -- the role's hooks ---------------------------------------------------------------
 

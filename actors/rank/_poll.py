@@ -10,7 +10,7 @@ import asyncio
 import collections
 import contextlib
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -22,6 +22,28 @@ from kvhandoff.actors.rank._config import log
 from kvhandoff.actors.rank._state import _RankState
 from kvhandoff.protocol import DecodeError, LocalOutcome, ParentKey, decode_stage
 from kvhandoff.protocol import summary as negotiation_summary
+
+_T = TypeVar("_T")
+
+
+async def _answer(
+    waiters: dict[ParentKey, list[asyncio.Future[_T]]], parent: ParentKey, timeout: float, shield: bool = False
+) -> _T | None:
+    """The answer to a future listed under ``waiters[parent]`` (whoever
+    answers pops the list), or None once ``timeout`` passed: the future is
+    unlisted then, and ``parent`` with its last one. ``shield``: a timeout
+    leaves the future itself uncancelled."""
+    future: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
+    waiters.setdefault(parent, []).append(future)
+    try:
+        return await asyncio.wait_for(asyncio.shield(future) if shield else future, timeout)
+    except TimeoutError:
+        waiting = waiters.get(parent, [])
+        if future in waiting:
+            waiting.remove(future)
+        if not waiting:
+            waiters.pop(parent, None)
+        return None
 
 
 class _Polling(_RankState):
@@ -129,10 +151,11 @@ class _Polling(_RankState):
             self.counters["staged_undecodable"] += 1
             log.warning("rank %s: undecodable staging notice from %s: %s", self.ns, sender, exc)
             return
-        self._stage_notice(sender, notice, now)
-
-    def _stage_notice(self, sender: str, notice: Any, now: float) -> None:
-        self.counters["staged_misdirected"] += 1
+        take = self._stage_takers.get(type(notice))
+        if take is None:  # not for this role's staged end, or the rank has none
+            self.counters["staged_misdirected"] += 1
+        else:
+            take(sender, notice, now)
 
     def _stage_polling(self) -> bool:
         """Whether to poll at the short interval because staging notices are
@@ -174,17 +197,8 @@ class _Polling(_RankState):
             return absent
         if parent in self._outcome and self.side.at_rest(parent):
             return self._outcome[parent]
-        future: asyncio.Future[LocalOutcome] = asyncio.get_running_loop().create_future()
-        self._waiters[parent].append(future)
-        try:
-            return await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            waiting = self._waiters.get(parent, [])
-            if future in waiting:
-                waiting.remove(future)
-            if not waiting:
-                self._waiters.pop(parent, None)
-            return "timeout"
+        outcome = await _answer(self._waiters, parent, timeout)
+        return "timeout" if outcome is None else outcome
 
     async def returned(self, parent: ParentKey, timeout: float) -> bool:
         """Wait until this rank holds none of `parent`'s blocks any more: True
@@ -195,17 +209,8 @@ class _Polling(_RankState):
         rank does not hold answers True at once: ask after its outcome."""
         if not self.pool.holds(parent):
             return True
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._returns.setdefault(parent, []).append(future)
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout)
-        except TimeoutError:
-            waiting = self._returns.get(parent, [])
-            if future in waiting:
-                waiting.remove(future)
-            if not waiting:
-                self._returns.pop(parent, None)
-            return False
+        answer = await _answer(self._returns, parent, timeout, shield=True)
+        return bool(answer)
 
     async def stats(self) -> dict[str, Any]:
         self.pool.check_invariants()  # S4: raises if a block is in two states
@@ -268,7 +273,10 @@ class _Polling(_RankState):
         return out
 
     def _staging_stats(self) -> dict[str, Any]:
-        return {"mode": self.config.data_mode, "arena_slots": self.arena.slots if self.arena is not None else 0}
+        out = {"mode": self.config.data_mode, "arena_slots": self.arena.slots if self.arena is not None else 0}
+        if self._staged is not None:
+            out.update(self._staged.stats())
+        return out
 
     def _export_metrics(self, now: float) -> None:
         """Export the pool gauges and the growth of our counters through Ray

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -21,7 +21,7 @@ from kvhandoff.actors._member import RoundMember, VoteNews
 from kvhandoff.actors._metrics import RankMetrics
 from kvhandoff.actors._names import agent_name
 from kvhandoff.actors._staged import StagingArena
-from kvhandoff.actors._stager import DATA_MODES, staging_slot_bytes
+from kvhandoff.actors._stager import DATA_MODES, StagedReader, StagedWriter, staging_slot_bytes
 from kvhandoff.actors._trace import TraceRecorder, rank_actor_name
 from kvhandoff.actors.rank._config import RankConfig, _Pair
 from kvhandoff.protocol import (
@@ -116,6 +116,11 @@ class _RankState:
             raise ValueError(f"staging_slot_bytes must be 0 (the device's default) or positive, got {config.staging_slot_bytes}")
         # The staging arena: `staging_window` slots per peer rank, one staged chunk each.
         self.arena: StagingArena | None = None
+        #: The role's staged end over it (`StagedWriter` on CTX, `StagedReader`
+        #: on GEN), which the role builds once this rank is registered, and
+        #: its handler of each kind of staging notice it takes.
+        self._staged: StagedWriter | StagedReader | None = None
+        self._stage_takers: dict[type, Callable[[str, Any, float], None]] = {}
         if config.data_mode != "direct":
             slot_bytes = -(-staging_slot_bytes(config, str(self.buffer.device)) // 8) * 8
             self.arena = StagingArena(config.staging_window * peer.tp, slot_bytes, self.buffer.device)

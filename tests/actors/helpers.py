@@ -5,11 +5,22 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment
 from kvhandoff.topology import block_bytes
+
+T = TypeVar("T")
+
+TOKENS = 100  # 7 blocks of 16 tokens
+# The watchdog has its own tests (test_coordinator.py); here a loaded 2-core box must not trip it.
+ROUND_TIMEOUT = 20.0
+BOUND_S = 60.0  # generous: the box is shared and has 2 cores
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
 
 
 def gen_bytes(tokens: int, gen_tp: int) -> int:
@@ -78,3 +89,45 @@ async def inside(handle: Any, fn: Callable[[Any], Any]) -> Any:
     from kvhandoff.cli.harness import on_endpoint_loop
 
     return await handle.__ray_call__.remote(on_endpoint_loop, fn)
+
+
+async def then_shutdown(dep: Deployment, work: Awaitable[T]) -> tuple[T, dict]:
+    """What `work` returns, and the stats once the ranks settled; `dep` is
+    shut down either way."""
+    try:
+        return await work, await settled_stats(dep)
+    finally:
+        await dep.shutdown()
+
+
+def assert_completed(results: Sequence[Any], verified: Sequence[int]) -> None:
+    """Every handoff completed, with exactly its `verified` bytes checked by GEN (S2)."""
+    assert len(results) == len(verified)
+    for r, nbytes in zip(results, verified):
+        assert r.outcome == "completed", r
+        assert r.bytes_verified == nbytes
+
+
+async def cancel_then_reuse(
+    dep: Deployment, cancel: Callable[[str], Awaitable[Any]], tokens: int, tag: str, *, rounds: int, timeout: float
+) -> list[tuple[str, str, int]]:
+    """`rounds` times: a request ended by `cancel(request_id)`, then at once a
+    fresh handoff of `tokens` (where the GEN pool holds one request, it takes
+    the cancelled request's blocks). (cancelled's outcome, fresh's outcome,
+    fresh's bytes verified) for each round."""
+    outcomes = []
+    for i in range(rounds):
+        cancelled = await cancel(f"{tag}-c{i}")
+        fresh = await dep.handoff(f"{tag}-f{i}", tokens, timeout=timeout)
+        outcomes.append((cancelled.outcome, fresh.outcome, fresh.bytes_verified))
+    return outcomes
+
+
+def assert_reused_clean(outcomes: list[tuple[str, str, int]], stats: dict, fresh_bytes: int) -> None:
+    """After `cancel_then_reuse`: every cancel ended cancelled, every fresh
+    request completed with all its `fresh_bytes` verified, so no late byte of
+    a cancelled request landed in it (S1/S2), and nothing leaked (L2)."""
+    for cancelled, fresh, verified in outcomes:
+        assert cancelled == "cancelled"
+        assert fresh == "completed" and verified == fresh_bytes
+    assert_clean(stats)

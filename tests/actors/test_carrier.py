@@ -30,11 +30,10 @@ from kvhandoff.actors._carrier import (
 from kvhandoff.actors.fleet import Fleet
 from kvhandoff.protocol import Role
 
-from .helpers import assert_clean, gen_bytes, inside, settled_stats, wait_stats
+from .helpers import BOUND_S, assert_clean, gen_bytes, inside, settled_stats, wait_stats
 
 pytestmark = pytest.mark.ray
 
-BOUND_S = 60.0  # generous: the box is shared and has 2 cores
 MS = 1e-3
 
 

@@ -37,21 +37,14 @@ from kvhandoff.cli.harness import held_frames, hold_frames, release_frames
 from kvhandoff.protocol import ParentKey, RecentMemory, Role
 from kvhandoff.topology import block_bytes
 
-from .helpers import inside
+from .helpers import ROUND_TIMEOUT, TOKENS, inside, run
 
 pytestmark = pytest.mark.ray
 
 POOL = 128
-TOKENS = 100  # 7 blocks of 16 tokens
 TIMEOUT = 20.0
-# The watchdog has its own tests; here a loaded 2-core box must not trip it.
-ROUND_TIMEOUT = 20.0
 IDLE_BOUND = 60.0  # L1/L2: generous bound on giving every block back
 OUTCOMES = {"completed", "cancelled", "rejected", "failed", "timeout"}
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
 
 
 def expected_bytes(tokens: int, gen_tp: int) -> int:

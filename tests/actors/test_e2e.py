@@ -34,15 +34,24 @@ from kvhandoff.protocol import (
 from kvhandoff.protocol import Cancel as CancelMsg
 from kvhandoff.topology import block_bytes, topology_digest
 
-from .helpers import assert_clean, gen_bytes, inside, settled_stats, wait_stats
+from .helpers import (
+    ROUND_TIMEOUT,
+    TOKENS,
+    assert_clean,
+    assert_reused_clean,
+    cancel_then_reuse,
+    gen_bytes,
+    inside,
+    run,
+    settled_stats,
+    then_shutdown,
+    wait_stats,
+)
 
 pytestmark = pytest.mark.ray
 
 POOL = 24
-TOKENS = 100  # 7 blocks of 16 tokens
 TIMEOUT = 20.0
-# The watchdog has its own tests (test_coordinator.py); here a loaded 2-core box must not trip it.
-ROUND_TIMEOUT = 20.0
 # Per-chunk DMA deferral: gives the cancel storms real in-flight DMA to hit.
 # It synchronises nothing: the mid-DMA phase tests hold chunks in flight and let
 # them go once the ranks show the cancel applied (cancel_mid_dma below).
@@ -67,10 +76,6 @@ def deployment(request, ray_cluster):
     )
     yield dep
     asyncio.run(dep.shutdown())
-
-
-def run(coro):
-    return asyncio.run(coro)
 
 
 def test_happy_path_moves_and_verifies_every_byte(deployment: Deployment) -> None:
@@ -241,22 +246,16 @@ def test_mid_dma_cancel_then_immediate_reuse_sees_no_stale_bytes(ray_cluster) ->
             ctx_tp=2, gen_tp=1, pool_blocks=blocks, chunk_bytes=64 << 10,
             fault_plan=FaultPlan(defer_s=DEFER_S), transfer_timeout_s=5.0,
         )
-        try:
-            outcomes = []
-            for i in range(2):
-                cancelled, phases = await cancel_mid_dma(dep, f"reuse-c{i}")
-                assert any("draining" in ph["edges"] for ph in phases), phases
-                fresh = await dep.handoff(f"reuse-f{i}", TOKENS, timeout=TIMEOUT)
-                outcomes.append((cancelled.outcome, fresh.outcome, fresh.bytes_verified))
-            return outcomes, await settled_stats(dep)
-        finally:
-            await dep.shutdown()
+
+        async def cancel(request_id: str) -> object:
+            cancelled, phases = await cancel_mid_dma(dep, request_id)
+            assert any("draining" in ph["edges"] for ph in phases), phases
+            return cancelled
+
+        return await then_shutdown(dep, cancel_then_reuse(dep, cancel, TOKENS, "reuse", rounds=2, timeout=TIMEOUT))
 
     outcomes, stats = run(scenario())
-    for cancelled, fresh, verified in outcomes:
-        assert cancelled == "cancelled"
-        assert fresh == "completed" and verified == gen_bytes(TOKENS, 1)
-    assert_clean(stats)
+    assert_reused_clean(outcomes, stats, gen_bytes(TOKENS, 1))
 
 
 def test_transfer_that_never_finishes_is_quarantined_not_reused(ray_cluster) -> None:

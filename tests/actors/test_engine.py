@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -75,28 +76,25 @@ class Worker(EndpointHost):
         make = ctx_endpoint if self.role is Role.CTX else gen_endpoint
         self.kvhandoff = make(plan, rank, self.kv)
 
+    def _shard(self, seed: int, blocks: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """For each (layer, kv): request `seed`'s KV of our head shard over
+        `blocks` ([tokens, heads, dim]), and the view of our tensors it lives in."""
+        tokens = len(blocks) * LAYOUT.tokens_per_block
+        heads = range(self.first_head, self.first_head + self.heads)
+        for layer in range(LAYOUT.num_layers):
+            for kv in range(2):
+                yield _values(seed, layer, kv, heads, tokens, LAYOUT.head_dim), _view(self.kind, self.kv, layer, kv)
+
     async def prefill(self, seed: int, blocks: list[int]) -> None:
         """Write the request's KV (our head shard) into `blocks`, whole blocks."""
-        lay = LAYOUT
-        tokens = len(blocks) * lay.tokens_per_block
-        heads = range(self.first_head, self.first_head + self.heads)
-        for layer in range(lay.num_layers):
-            for kv in range(2):
-                values = _values(seed, layer, kv, heads, tokens, lay.head_dim)
-                view = _view(self.kind, self.kv, layer, kv)
-                view[blocks] = values.view(len(blocks), lay.tokens_per_block, self.heads, lay.head_dim)
+        for values, view in self._shard(seed, blocks):
+            view[blocks] = values.view(len(blocks), LAYOUT.tokens_per_block, self.heads, LAYOUT.head_dim)
 
     async def matches(self, seed: int, blocks: list[int]) -> bool:
         """Whether `blocks` hold exactly request `seed`'s KV (our head shard)."""
-        lay = LAYOUT
-        tokens = len(blocks) * lay.tokens_per_block
-        heads = range(self.first_head, self.first_head + self.heads)
-        for layer in range(lay.num_layers):
-            for kv in range(2):
-                want = _values(seed, layer, kv, heads, tokens, lay.head_dim)
-                got = _view(self.kind, self.kv, layer, kv)[blocks].reshape(tokens, self.heads, lay.head_dim)
-                if not torch.equal(got, want):
-                    return False
+        for want, view in self._shard(seed, blocks):
+            if not torch.equal(view[blocks].reshape(want.shape), want):
+                return False
         return True
 
     async def busy(self, seconds: float) -> float:
@@ -131,6 +129,12 @@ class Engine:
         await asyncio.gather(*(w.prefill.remote(seed, blocks) for w in self.ctx))
         return await self.dep.publish(request_id, tokens, blocks), blocks
 
+    async def close(self) -> None:
+        """Shut the deployment down and kill the workers."""
+        await self.dep.shutdown()
+        for w in self.ctx + self.gen:
+            ray.kill(w)
+
     async def check_clean(self) -> None:
         stats = await self.dep.stats()
         for s in stats["ranks"]:
@@ -157,9 +161,7 @@ async def _engine(ctx_tp: int, gen_tp: int, ctx_memory: str, gen_memory: str, **
 async def engine(ray_cluster: Any) -> Any:
     eng = await _engine(2, 1, "paged", "split")
     yield eng
-    await eng.dep.shutdown()
-    for w in eng.ctx + eng.gen:
-        ray.kill(w)
+    await eng.close()
 
 
 async def _handoff(eng: Engine, request_id: str, seed: int, tokens: int, *, cancel_after: float | None = None) -> str:
@@ -249,9 +251,7 @@ async def test_a_published_ticket_nobody_claims_ends_by_its_lease(ray_cluster: A
         eng.give(Role.GEN, list(range(BLOCKS))[::-1][:2])
         await eng.check_clean()
     finally:
-        await eng.dep.shutdown()
-        for w in eng.ctx + eng.gen:
-            ray.kill(w)
+        await eng.close()
 
 
 async def test_cancel_with_ready_held_in_flight_never_leaks_or_corrupts(engine: Engine) -> None:
@@ -337,9 +337,7 @@ async def test_unproven_gen_blocks_are_not_returned_until_the_proof_comes(ray_cl
         eng.give(Role.CTX, ctx_blocks)
         await eng.check_clean()
     finally:
-        await eng.dep.shutdown()
-        for w in eng.ctx + eng.gen:
-            ray.kill(w)
+        await eng.close()
 
 
 async def test_a_front_end_in_another_handle_receives_and_an_abandoned_receive_hands_back(engine: Engine) -> None:
@@ -401,9 +399,7 @@ async def test_an_engine_blocking_its_own_loop_does_not_stall_the_endpoint(ray_c
         stats = await eng.dep.stats()
         assert all(c.get("state") == "running" for c in stats["coordinators"].values()), stats["coordinators"]
     finally:
-        await eng.dep.shutdown()
-        for w in eng.ctx + eng.gen:
-            ray.kill(w)
+        await eng.close()
 
 
 async def test_a_request_larger_than_one_open_is_refused_typed(engine: Engine) -> None:
@@ -457,9 +453,7 @@ async def test_a_restarted_worker_reattaches_and_its_next_request_is_exact(ray_c
         await eng.check_clean()
         assert eng.gen[0] is not gen_before[0] and eng.ctx[0] is not None
     finally:
-        await eng.dep.shutdown()
-        for w in eng.ctx + eng.gen:
-            ray.kill(w)
+        await eng.close()
 
 
 async def test_the_engine_cost_bench_runs_a_hosted_endpoint_under_load(ray_cluster: Any) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -110,6 +111,33 @@ async def traffic(fleet: Fleet, pairs: list[tuple[str, str]], stop: asyncio.Even
     return seen
 
 
+async def start_traffic(fleet: Fleet) -> Callable[[], Awaitable[list]]:
+    """Three clients running `traffic` over the four ctx0/ctx1 x gen0/gen1
+    pairs, each from its own first pair; returns once they ran 0.5 s. The
+    returned `stop()` stops them and gives what they all saw."""
+    stop = asyncio.Event()
+    pairs = [(c, g) for c in ("ctx0", "ctx1") for g in ("gen0", "gen1")]
+    clients = [asyncio.create_task(traffic(fleet, pairs[k:] + pairs[:k], stop, f"t{k}")) for k in range(3)]
+    await asyncio.sleep(0.5)
+
+    async def stopped() -> list:
+        stop.set()
+        return [x for c in await asyncio.gather(*clients) for x in c]
+
+    return stopped
+
+
+async def raised(calls: dict[str, Callable[[], Awaitable[object]]]) -> dict[str, Exception]:
+    """The exception each call raised, by key; a call that raised nothing is absent."""
+    errors = {}
+    for key, call in calls.items():
+        try:
+            await call()
+        except Exception as exc:
+            errors[key] = exc
+    return errors
+
+
 def test_handoffs_over_every_pair_with_different_tp(nodes) -> None:
     """CTX tp=2 and tp=1, GEN tp=1 and tp=2, placed on their nodes: every pair
     moves verified bytes, every rank negotiated with every peer instance."""
@@ -147,29 +175,20 @@ def test_bad_input_is_typed_and_changes_nothing(nodes) -> None:
 
     async def scenario():
         fleet = await Fleet.launch(ctx=1, gen=[1, 2], **FLEET)
-        errors = {}
         try:
-            for key, call in {
+            errors = await raised({
                 "unknown": lambda: fleet.handoff("x1", TOKENS, gen="gen9"),
                 "wrong-role": lambda: fleet.handoff("x2", TOKENS, ctx="gen0"),
                 "bad-tp": lambda: fleet.add_instance("ctx", tp=3),
                 "duplicate": lambda: fleet.add_instance("gen", tp=1, name="gen0"),
                 "bad-name": lambda: fleet.add_instance("gen", tp=1, name="no such/name"),
                 "drain-unknown": lambda: fleet.drain("ctx7"),
-            }.items():
-                try:
-                    await call()
-                except Exception as exc:
-                    errors[key] = exc
+            })
             assert await fleet.drain("gen1", TIMEOUT)
-            for key, call in {
+            errors |= await raised({
                 "drained": lambda: fleet.handoff("x3", TOKENS, gen="gen1"),
                 "drain-again": lambda: fleet.drain("gen1"),
-            }.items():
-                try:
-                    await call()
-                except Exception as exc:
-                    errors[key] = exc
+            })
             after = await fleet.handoff("ok", TOKENS, timeout=TIMEOUT)
             return errors, after, fleet.instances(), await fleet_stats(fleet)
         finally:
@@ -199,15 +218,11 @@ def test_drain_and_join_under_traffic(nodes) -> None:
     async def scenario():
         fleet = await Fleet.launch(ctx=2, gen=2, **FLEET)
         try:
-            stop = asyncio.Event()
-            pairs = [(c, g) for c in ("ctx0", "ctx1") for g in ("gen0", "gen1")]
-            clients = [asyncio.create_task(traffic(fleet, pairs[k:] + pairs[:k], stop, f"t{k}")) for k in range(3)]
-            await asyncio.sleep(0.5)
+            stop_traffic = await start_traffic(fleet)
             drained = await fleet.drain("gen0", TIMEOUT)
             joined = await fleet.add_instance("gen", tp=2)
             new = await asyncio.gather(*(fleet.handoff(f"new-{i}", TOKENS, gen=joined, timeout=TIMEOUT) for i in range(4)))
-            stop.set()
-            seen = [x for c in await asyncio.gather(*clients) for x in c]
+            seen = await stop_traffic()
             gen0_id = next(i["instance_id"] for i in fleet.instances() if i["id"] == "gen0")
             return drained, joined, new, seen, gen0_id, fleet.events, await fleet_stats(fleet)
         finally:
@@ -304,18 +319,14 @@ def test_a_dead_rank_fails_only_handoffs_touching_its_instance(nodes) -> None:
     async def scenario():
         fleet = await Fleet.launch(ctx=2, gen=2, **FLEET)
         try:
-            stop = asyncio.Event()
-            pairs = [(c, g) for c in ("ctx0", "ctx1") for g in ("gen0", "gen1")]
-            clients = [asyncio.create_task(traffic(fleet, pairs[k:] + pairs[:k], stop, f"t{k}")) for k in range(3)]
-            await asyncio.sleep(0.5)
+            stop_traffic = await start_traffic(fleet)
             victim = (await fleet.instance_ranks("ctx1"))[0]
             ray.kill(victim, no_restart=True)
             # Wait on progress: the restarted rank carries a new epoch.
             deadline = time.monotonic() + TIMEOUT
             while (await fleet.coordinator_of("ctx1").epochs.remote())[0] == 1 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            stop.set()
-            seen = [x for c in await asyncio.gather(*clients) for x in c]
+            seen = await stop_traffic()
             after = await asyncio.gather(*(fleet.handoff(f"after-{g}", TOKENS, ctx="ctx1", gen=g, timeout=TIMEOUT) for g in ("gen0", "gen1")))
             epochs = await fleet.coordinator_of("ctx1").epochs.remote()
             return seen, after, epochs, await fleet_stats(fleet)
@@ -393,17 +404,13 @@ def test_a_dead_coordinator_is_fenced_and_replaced(nodes) -> None:
     async def scenario():
         fleet = await Fleet.launch(ctx=2, gen=2, **FLEET)
         try:
-            stop = asyncio.Event()
-            pairs = [(c, g) for c in ("ctx0", "ctx1") for g in ("gen0", "gen1")]
-            clients = [asyncio.create_task(traffic(fleet, pairs[k:] + pairs[:k], stop, f"t{k}")) for k in range(3)]
-            await asyncio.sleep(0.5)
+            stop_traffic = await start_traffic(fleet)
             ray.kill(fleet.coordinator_of("gen1"), no_restart=True)
             deadline = time.monotonic() + TIMEOUT
             while next(i["state"] for i in fleet.instances() if i["id"] == "gen1") != "dead":
                 assert time.monotonic() < deadline, fleet.instances()
                 await asyncio.sleep(0.05)
-            stop.set()
-            seen = [x for c in await asyncio.gather(*clients) for x in c]
+            seen = await stop_traffic()
             old_id = next(i["instance_id"] for i in fleet.instances() if i["id"] == "gen1")
             replaced = await fleet.add_instance("gen", tp=1, name="gen1")
             after = await asyncio.gather(*(fleet.handoff(f"after-{c}", TOKENS, ctx=c, gen="gen1", timeout=TIMEOUT) for c in ("ctx0", "ctx1")))

@@ -35,9 +35,10 @@ from kvhandoff.protocol import (
     samples,
 )
 
+from .helpers import BOUND_S
+
 pytestmark = pytest.mark.ray
 
-BOUND_S = 60.0  # generous: the box is shared and has 2 cores
 TICKET = samples()[1].ticket
 _names = itertools.count()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -26,7 +27,17 @@ from kvhandoff.actors._faults import FaultPlan
 from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment
 from kvhandoff.cli.harness import handoff_cancel_at
 from kvhandoff.topology import KVLayout, block_bytes
-from tests.actors.test_e2e import assert_clean, cancel_mid_dma, gen_bytes, settled_stats
+from tests.actors.helpers import (
+    assert_clean,
+    assert_completed,
+    assert_reused_clean,
+    cancel_then_reuse,
+    gen_bytes,
+    run,
+    settled_stats,
+    then_shutdown,
+)
+from tests.actors.test_e2e import cancel_mid_dma
 
 pytestmark = pytest.mark.ray
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (one per rank)")
@@ -35,10 +46,6 @@ one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"
 TOKENS = 1000  # 63 blocks of 16 tokens
 TIMEOUT = 30.0
 DEFER_S = 0.05
-
-
-def run(coro):
-    return asyncio.run(coro)
 
 
 async def _launch(**kw) -> Deployment:
@@ -62,9 +69,7 @@ def test_vram_handoffs_verify_every_byte(ray_cluster, prepared: bool) -> None:
             await dep.shutdown()
 
     sizes, results, stats = run(scenario())
-    for n, r in zip(sizes, results):
-        assert r.outcome == "completed", r
-        assert r.bytes_verified == gen_bytes(n, 1)
+    assert_completed(results, [gen_bytes(n, 1) for n in sizes])
     assert_clean(stats)
     ctx = next(s for s in stats["ranks"] if s["role"] == "ctx")
     used, unused = ("posts_prepared", "posts_built") if prepared else ("posts_built", "posts_prepared")
@@ -84,21 +89,14 @@ def test_vram_mid_dma_cancel_then_immediate_reuse_sees_no_stale_bytes(ray_cluste
         dep = await _launch(
             pool_blocks=blocks, chunk_bytes=256 << 10, fault_plan=FaultPlan(defer_s=DEFER_S)
         )
-        try:
-            outcomes = []
-            for i in range(3):
-                cancelled = await handoff_cancel_at(dep, f"gpu-c{i}", TOKENS, "mid_dma", timeout=TIMEOUT)
-                fresh = await dep.handoff(f"gpu-f{i}", TOKENS, timeout=TIMEOUT)
-                outcomes.append((cancelled.outcome, fresh.outcome, fresh.bytes_verified))
-            return outcomes, await settled_stats(dep)
-        finally:
-            await dep.shutdown()
+
+        def cancel(request_id: str) -> Any:
+            return handoff_cancel_at(dep, request_id, TOKENS, "mid_dma", timeout=TIMEOUT)
+
+        return await then_shutdown(dep, cancel_then_reuse(dep, cancel, TOKENS, "gpu", rounds=3, timeout=TIMEOUT))
 
     outcomes, stats = run(scenario())
-    for cancelled, fresh, verified in outcomes:
-        assert cancelled == "cancelled"
-        assert fresh == "completed" and verified == gen_bytes(TOKENS, 1)
-    assert_clean(stats)
+    assert_reused_clean(outcomes, stats, gen_bytes(TOKENS, 1))
 
 
 PAGED = KVLayout(num_layers=3, num_kv_heads=4, head_dim=32, dtype="float16", tokens_per_block=8)
@@ -133,9 +131,7 @@ def test_vram_staged_handoffs_verify_every_byte(ray_cluster, window: int) -> Non
             await dep.shutdown()
 
     sizes, results, stats = run(scenario())
-    for n, r in zip(sizes, results):
-        assert r.outcome == "completed", r
-        assert r.bytes_verified == math.ceil(n / PAGED.tokens_per_block) * block_bytes(PAGED, 1)
+    assert_completed(results, [math.ceil(n / PAGED.tokens_per_block) * block_bytes(PAGED, 1) for n in sizes])
     assert_clean(stats)
     posted = sum(s["posted_chunks"] for s in stats["ranks"] if s["role"] == "ctx")
     assert _staged_sum(stats, "ctx", "staged_chunks") == posted > 0
@@ -157,19 +153,12 @@ def test_vram_staged_mid_dma_cancel_then_reuse_sees_no_stale_bytes(ray_cluster) 
             memory_kind="paged", gpus_per_rank=_share(), round_timeout_s=20.0, transfer_timeout_s=10.0,
             data_mode="staged", staging_window=2, fault_plan=FaultPlan(defer_s=DEFER_S),
         )
-        try:
-            outcomes = []
-            for i in range(3):
-                cancelled, _ = await cancel_mid_dma(dep, f"gsc-{i}")
-                fresh = await dep.handoff(f"gsf-{i}", tokens, timeout=TIMEOUT)
-                outcomes.append((cancelled.outcome, fresh.outcome, fresh.bytes_verified))
-            return outcomes, await settled_stats(dep)
-        finally:
-            await dep.shutdown()
+
+        async def cancel(request_id: str) -> object:
+            return (await cancel_mid_dma(dep, request_id))[0]
+
+        return await then_shutdown(dep, cancel_then_reuse(dep, cancel, tokens, "gs", rounds=3, timeout=TIMEOUT))
 
     outcomes, stats = run(scenario())
-    for cancelled, fresh, verified in outcomes:
-        assert cancelled == "cancelled"
-        assert fresh == "completed" and verified == tokens // PAGED.tokens_per_block * block_bytes(PAGED, 1)
-    assert_clean(stats)
+    assert_reused_clean(outcomes, stats, tokens // PAGED.tokens_per_block * block_bytes(PAGED, 1))
     assert _staged_sum(stats, "ctx", "staged_chunks") > 0

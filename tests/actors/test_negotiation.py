@@ -31,7 +31,7 @@ import pytest
 
 from kvhandoff.actors._config import LaunchConfig, checked
 from kvhandoff.actors._faults import FaultPlan
-from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment
+from kvhandoff.actors.deployment import DEFAULT_LAYOUT, Deployment, HandoffResult
 from kvhandoff.cli.harness import handoff_cancel_at, hold_frames, release_frames
 from kvhandoff.protocol import (
     ABI_MSGPACK_V1,
@@ -103,6 +103,24 @@ async def launch_with(descriptors: dict[tuple[Role, int], Any], **kw: Any) -> De
 
 def run(coro):
     return asyncio.run(coro)
+
+
+async def done_and_cancelled(dep: Deployment, tag: str) -> tuple[dict, HandoffResult, HandoffResult]:
+    """The stats as launched, then a handoff `tag` run to its end and one
+    (`tag`-cancel) cancelled mid-DMA."""
+    before = await dep.stats()
+    done = await dep.handoff(tag, TOKENS, timeout=TIMEOUT)
+    cancelled = await handoff_cancel_at(dep, f"{tag}-cancel", TOKENS, "mid_dma", timeout=TIMEOUT)
+    return before, done, cancelled
+
+
+def assert_done_and_cancelled(done: HandoffResult, cancelled: HandoffResult, stats: dict, *, gen_tp: int) -> None:
+    """After `done_and_cancelled`: the handoff completed with every byte
+    verified (S2), the other ended cancelled, and nothing leaked (L2)."""
+    assert done.outcome == "completed", done
+    assert done.bytes_verified == gen_bytes(TOKENS, gen_tp)
+    assert cancelled.outcome == "cancelled", cancelled
+    assert_clean(stats)
 
 
 # ---- refused: no common version, or a capability this build cannot run without ----------
@@ -216,9 +234,7 @@ def test_compatible_mix_agrees_on_v2_and_completes(ray_cluster) -> None:
         descriptors = {(Role.CTX, 0): v2([1, 2]), (Role.CTX, 1): v2([2]), (Role.GEN, 0): v2([2])}
         dep = await launch_with(descriptors, ctx_tp=2, gen_tp=1, fault_plan=FaultPlan(defer_s=0.2))
         try:
-            before = await dep.stats()
-            done = await dep.handoff("mix", TOKENS, timeout=TIMEOUT)
-            cancelled = await handoff_cancel_at(dep, "mix-cancel", TOKENS, "mid_dma", timeout=TIMEOUT)
+            before, done, cancelled = await done_and_cancelled(dep, "mix")
             stats = await wait_stats(dep, lambda s: True, TIMEOUT)
             # A well-formed OPEN in v1 (which every rank speaks, but which was not agreed).
             ctx = (await dep.ranks(Role.CTX))[0]
@@ -232,10 +248,7 @@ def test_compatible_mix_agrees_on_v2_and_completes(ray_cluster) -> None:
     for s in before["ranks"]:
         assert s["negotiated"] == {"version": 2, "capabilities": ALL, "abi": ABI_MSGPACK_V1, "active_cancel": True}, s
         assert s["conservative"] is False, s
-    assert done.outcome == "completed", done
-    assert done.bytes_verified == gen_bytes(TOKENS, 1)
-    assert cancelled.outcome == "cancelled", cancelled
-    assert_clean(stats)
+    assert_done_and_cancelled(done, cancelled, stats, gen_tp=1)
     for s in stats["ranks"]:
         if s["role"] == "ctx":
             assert s["counters"].get("cancel_deferred", 0) == 0, s["counters"]  # active: drained, not deferred
@@ -303,9 +316,7 @@ def test_without_inflight_cancel_the_ctx_runs_the_conservative_path(ray_cluster)
         descriptors = {(Role.GEN, 1): v2([1, 2], ALL & ~Capability.INFLIGHT_CANCEL)}
         dep = await launch_with(descriptors, ctx_tp=1, gen_tp=2, fault_plan=FaultPlan(defer_s=0.2))
         try:
-            before = await dep.stats()
-            done = await dep.handoff("cons", TOKENS, timeout=TIMEOUT)
-            cancelled = await handoff_cancel_at(dep, "cons-cancel", TOKENS, "mid_dma", timeout=TIMEOUT)
+            before, done, cancelled = await done_and_cancelled(dep, "cons")
             return before, done, cancelled, await wait_stats(dep, lambda s: True, TIMEOUT)
         finally:
             await dep.shutdown()
@@ -315,9 +326,6 @@ def test_without_inflight_cancel_the_ctx_runs_the_conservative_path(ray_cluster)
     for s in before["ranks"]:
         assert s["negotiated"] == {"version": 2, "capabilities": caps, "abi": ABI_MSGPACK_V1, "active_cancel": False}, s
         assert s["conservative"] is True, s
-    assert done.outcome == "completed", done
-    assert done.bytes_verified == gen_bytes(TOKENS, 2)
-    assert cancelled.outcome == "cancelled", cancelled
-    assert_clean(stats)
+    assert_done_and_cancelled(done, cancelled, stats, gen_tp=2)
     ctx = next(s for s in stats["ranks"] if s["role"] == "ctx")
     assert ctx["counters"].get("cancel_deferred", 0) >= 1, ctx["counters"]

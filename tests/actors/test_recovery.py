@@ -42,19 +42,22 @@ from kvhandoff.protocol import (
 )
 from kvhandoff.topology import topology_digest
 
-from .helpers import assert_clean, gen_bytes, inside, settled_stats, wait_stats
+from .helpers import (
+    ROUND_TIMEOUT,
+    TOKENS,
+    assert_clean,
+    gen_bytes,
+    inside,
+    run,
+    settled_stats,
+    wait_stats,
+)
 
 pytestmark = pytest.mark.ray
 
 POOL = 24
-TOKENS = 100  # 7 blocks of 16 tokens
 BLOCKS = math.ceil(TOKENS / DEFAULT_LAYOUT.tokens_per_block)
 TIMEOUT = 30.0
-ROUND_TIMEOUT = 20.0  # the watchdog has its own tests; a loaded box must not trip it here
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
 
 
 async def launch(**kw: Any) -> Deployment:

@@ -9,6 +9,7 @@ import pytest
 from kvhandoff.actors._trace import (
     MAX_EVENTS,
     MAX_REQUESTS,
+    HandoffTrace,
     TraceEvent,
     TraceRecorder,
     critical_path,
@@ -21,14 +22,28 @@ def ev(t: int, actor: str, what: str, carrier: str, source: str = "") -> TraceEv
     return TraceEvent(t * 1_000_000, actor, what, carrier, source)
 
 
+def timeline(*rows: str) -> list[TraceEvent]:
+    """Events written as a table, one row each: "ms actor what carrier [source]"."""
+    events = []
+    for row in rows:
+        t, *fields = row.split()
+        events.append(ev(int(t), *fields))
+    return events
+
+
+def path_of(*rows: str) -> HandoffTrace:
+    """The critical path of request "r" through the events of `rows` (see `timeline`)."""
+    return critical_path("r", timeline(*rows))
+
+
 def test_a_sequential_chain_is_all_hops() -> None:
-    events = [
-        ev(0, "client", "submit", "local"),
-        ev(1, "coord@g", "submit", "call", "client"),
-        ev(3, "rank0@g", "round_apply", "call", "coord@g"),
-        ev(6, "coord@g", "round_apply", "reply", "rank0@g"),
-        ev(7, "client", "outcome", "reply", "coord@g"),
-    ]
+    events = timeline(
+        "0 client  submit      local",
+        "1 coord@g submit      call  client",
+        "3 rank0@g round_apply call  coord@g",
+        "6 coord@g round_apply reply rank0@g",
+        "7 client  outcome     reply coord@g",
+    )
     trace = critical_path("r", list(reversed(events)))  # any order in
     assert [h.what for h in trace.path] == ["submit", "submit", "round_apply", "round_apply", "outcome"]
     assert trace.hops == 4 and trace.by_carrier == {"call": 2, "reply": 2}
@@ -39,32 +54,31 @@ def test_a_sequential_chain_is_all_hops() -> None:
 def test_a_parallel_branch_is_not_a_hop() -> None:
     # The GEN rank's vote answered while the CTX instance admitted: the
     # coordinator waited for the CTX coordinator's answer, not for the vote.
-    events = [
-        ev(0, "client", "submit", "local"),
-        ev(1, "coord@g", "submit", "call", "client"),
-        ev(2, "coord@c", "admit_many", "call", "coord@g"),
-        ev(3, "rank0@g", "round_vote", "call", "coord@g"),
-        ev(4, "coord@g", "round_vote", "reply", "rank0@g"),
-        ev(5, "rank0@c", "round_vote", "call", "coord@c"),
-        ev(8, "coord@c", "round_vote", "reply", "rank0@c"),
-        ev(9, "coord@g", "admit_many", "reply", "coord@c"),
-        ev(10, "client", "outcome", "reply", "coord@g"),
-    ]
-    trace = critical_path("r", events)
+    trace = path_of(
+        " 0 client  submit     local",
+        " 1 coord@g submit     call  client",
+        " 2 coord@c admit_many call  coord@g",
+        " 3 rank0@g round_vote call  coord@g",
+        " 4 coord@g round_vote reply rank0@g",
+        " 5 rank0@c round_vote call  coord@c",
+        " 8 coord@c round_vote reply rank0@c",
+        " 9 coord@g admit_many reply coord@c",
+        "10 client  outcome    reply coord@g",
+    )
+    assert trace.hops == 6
     actors = [h.actor for h in trace.path]
     assert "rank0@g" not in actors
-    assert trace.hops == 6
 
 
 def test_the_known_sender_wins_over_a_later_bystander() -> None:
     # rank0@c got a frame (an off-path RECEIPT) after rank0@g answered:
     # the reply still came from rank0@g.
-    events = [
-        ev(0, "client", "submit", "local"),
-        ev(1, "rank0@g", "round_apply", "call", "client"),
-        ev(2, "rank0@c", "frame:Receipt", "call", "rank0@g"),
-        ev(3, "client", "outcome", "reply", "rank0@g"),
-    ]
+    events = timeline(
+        "0 client  submit        local",
+        "1 rank0@g round_apply   call  client",
+        "2 rank0@c frame:Receipt call  rank0@g",
+        "3 client  outcome       reply rank0@g",
+    )
     trace = critical_path("r", events)
     assert [h.actor for h in trace.path] == ["client", "rank0@g", "client"]
     # Without the sender, the latest other actor is taken.
@@ -73,12 +87,11 @@ def test_the_known_sender_wins_over_a_later_bystander() -> None:
 
 
 def test_a_local_step_follows_its_own_actor() -> None:
-    events = [
-        ev(0, "client", "submit", "local"),
-        ev(1, "rank0@c", "frame:Open", "call"),
-        ev(2, "client", "retry", "local"),
-    ]
-    trace = critical_path("r", events)
+    trace = path_of(
+        "0 client  submit     local",
+        "1 rank0@c frame:Open call",
+        "2 client  retry      local",
+    )
     assert [h.what for h in trace.path] == ["submit", "retry"]
     assert trace.hops == 0
 
@@ -137,14 +150,13 @@ def test_summary_takes_the_common_path() -> None:
 
 def test_the_path_ends_where_the_client_learned_the_outcome() -> None:
     # The coordinator answered at its decision; its rank applied afterwards.
-    events = [
-        ev(0, "client", "submit", "local"),
-        ev(1, "coord@g", "report", "call", "rank0@g"),
-        ev(2, "client", "outcome", "reply", "coord@g"),
-        ev(3, "rank0@g", "round_apply", "call", "coord@g"),
-        ev(4, "coord@g", "round_apply", "reply", "rank0@g"),
-    ]
-    trace = critical_path("r", events)
+    trace = path_of(
+        "0 client  submit      local",
+        "1 coord@g report      call  rank0@g",
+        "2 client  outcome     reply coord@g",
+        "3 rank0@g round_apply call  coord@g",
+        "4 coord@g round_apply reply rank0@g",
+    )
     assert [h.what for h in trace.path] == ["submit", "report", "outcome"]
     assert len(trace.events) == 5 and trace.total_ms == 2.0
 
@@ -152,17 +164,16 @@ def test_the_path_ends_where_the_client_learned_the_outcome() -> None:
 def test_a_marked_send_is_the_cause_of_its_arrival() -> None:
     # The GEN coordinator sent admit_many, then its own rank's vote answered
     # before the CTX coordinator got the call: the vote is off the path.
-    events = [
-        ev(0, "client", "submit", "local"),
-        ev(1, "coord@g", "submit", "call", "client"),
-        ev(2, "coord@g", "sent:admit_many", "local"),
-        ev(3, "rank0@g", "round_vote", "call", "coord@g"),
-        ev(4, "coord@g", "round_vote", "reply", "rank0@g"),
-        ev(5, "coord@c", "admit_many", "call", "coord@g"),
-        ev(6, "coord@g", "admit_many", "reply", "coord@c"),
-        ev(7, "client", "outcome", "reply", "coord@g"),
-    ]
-    trace = critical_path("r", events)
+    trace = path_of(
+        "0 client  submit          local",
+        "1 coord@g submit          call  client",
+        "2 coord@g sent:admit_many local",
+        "3 rank0@g round_vote      call  coord@g",
+        "4 coord@g round_vote      reply rank0@g",
+        "5 coord@c admit_many      call  coord@g",
+        "6 coord@g admit_many      reply coord@c",
+        "7 client  outcome         reply coord@g",
+    )
     assert [h.what for h in trace.path] == ["submit", "submit", "sent:admit_many", "admit_many", "admit_many", "outcome"]
     assert trace.hops == 4
 

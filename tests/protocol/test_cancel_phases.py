@@ -16,7 +16,6 @@ from kvhandoff.protocol import (
     CancelIntent,
     CancelReason,
     CleanupSkipped,
-    CtxRank,
     DecodeReady,
     Drain,
     EdgeState,
@@ -39,7 +38,6 @@ from kvhandoff.protocol import (
 from ._helpers import decided, prepared
 from .harness import (
     CHUNK_BYTES,
-    CTX_DIGEST,
     Pair,
     buffer_for,
     ctx_endpoint,
@@ -145,31 +143,21 @@ def test_cancel_after_open_early_release_by_verdict() -> None:
     assert [r.snapshot() for r in pair.ranks()] == snaps
 
 
-def test_cancel_after_ready_before_post() -> None:
-    pair = Pair()
-    pair.ctx = CtxRank(
-        ctx_endpoint(),
-        CTX_DIGEST,
-        pair.ctx.pool,
-        edges_per_parent=1,
-        transfer_timeout=pair.timeout,
-        post_on_decide=False,
-    )
+def test_decided_sends_ready_before_each_edges_first_chunk() -> None:
+    """There is no phase between READY and the first post on a CTX edge: each
+    edge's READY is sent, then its first window is posted, in one call."""
+    pair = Pair(chunk_window=1, n_gen=2)
     prepared(pair)
-    ticket = pair.tickets(P)[0]
-    pair.decide(P)
-    assert pair.ctx.evidence(ticket).state is EdgeState.READY
-    pair.deliver_all()
-    assert pair.gens[0].evidence(ticket).state is EdgeState.READY
-    pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
-    assert pair.ctx.start_posting(P, pair.now) == []  # the cancel won: nothing is ever posted
-    pair.deliver_all()
-    assert pair.ctx.evidence(ticket).state is EdgeState.NOT_STARTED
-    assert pair.gens[0].evidence(ticket).state is EdgeState.NOT_STARTED
-    assert _terminals(pair) == [TerminalKind.NOT_STARTED]
-    assert not _of(pair.actions, PostChunk)
-    pair.run_rounds()
-    _assert_all_free(pair)
+    actions = pair.ctx.decided(P, pair.now)
+    kinds = [
+        ("ready", a.message.ticket) if isinstance(a, SendMessage) else ("post", a.ticket)
+        for a in actions
+        if isinstance(a, SendMessage | PostChunk)
+    ]
+    tickets = pair.tickets(P)
+    assert len(tickets) == 2
+    assert kinds == [k for t in tickets for k in (("ready", t), ("post", t))]
+    assert all(pair.ctx.evidence(t).state is EdgeState.POSTING for t in tickets)
 
 
 def test_cancel_mid_dma_drains() -> None:

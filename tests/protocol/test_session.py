@@ -545,20 +545,17 @@ def test_peer_cancel_after_decode_ready_changes_nothing() -> None:
     assert gen.snapshot() == before and not gen.is_cancelled(P)
 
 
-@pytest.mark.parametrize("post_on_decide", [False, True], ids=["deferred", "posting"])
-def test_start_posting_after_a_cancel_is_a_no_op(post_on_decide: bool) -> None:
-    """An actor may call start_posting after a cancel won the race, whether the
-    edges never posted (the parent is SETTLED: NOT_STARTED) or are draining
-    (the parent is CANCELLING): nothing more is posted and nothing changes."""
-    pair = decided(Pair(post_on_decide=post_on_decide, chunk_window=1))
+def test_a_cancel_right_after_decide_drains_what_decide_posted() -> None:
+    """decided() publishes READY and posts the first window in one step: no
+    call can come between them, so a cancel right after it finds the chunk
+    in flight (DRAINING, then DRAINED), never a READY edge with nothing posted."""
+    pair = decided(Pair(chunk_window=1))
+    ticket = pair.tickets(P)[0]
+    assert pair.ctx.evidence(ticket).state is EdgeState.POSTING
+    assert pair.ctx.evidence(ticket).posted == 1
     pair.perform(pair.ctx.cancel(P, CancelReason.CLIENT, pair.now), pair.ctx)
-    expected = ParentState.CANCELLING if post_on_decide else ParentState.SETTLED
-    assert pair.ctx.parent_state(P) is expected
-    posted = pair.ctx.evidence(pair.tickets(P)[0]).posted
-    before = pair.ctx.snapshot()
-    assert pair.ctx.start_posting(P, pair.now) == []
-    assert pair.ctx.snapshot() == before
-    assert posted == (1 if post_on_decide else 0)
+    assert pair.ctx.parent_state(P) is ParentState.CANCELLING
+    assert pair.ctx.evidence(ticket).state is EdgeState.DRAINING
 
 
 def test_not_started_share_is_false_once_anything_was_posted() -> None:

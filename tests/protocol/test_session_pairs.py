@@ -13,14 +13,15 @@ says what must happen:
 
 * the pair (state, event) is a row: the call succeeds and the subject ends in
   the row's next state, or further along rows the same call fired (h11's
-  state-triggered transitions: READY -start_posting-> READY -chunk_posted->
+  state-triggered transitions: PREPARED -decided-> POSTING -chunk_posted->
   POSTING);
 * the pair is missing: the call raises `IllegalTransition` or the documented
   `ProtocolError` (a message for a session that is not installed is stale or
   unknown; a chunk that is not in flight is refused), and nothing changes:
   `snapshot()` of every rank is equal before and after;
 * the call documents that it does not address the subject here (None: e.g.
-  `start_posting` only touches READY edges, a duplicate REJECT is a no-op):
+  `decided` reaches the edges only of a RESIDENT parent, a duplicate REJECT
+  is a no-op):
   the subject's state does not change.
 
 The cases are generated from the tables and the scenarios, so rows, states
@@ -45,6 +46,7 @@ from typing import Any
 import pytest
 
 import kvhandoff.protocol._session as session_module
+from kvhandoff import protocol
 from kvhandoff.protocol import (
     MACHINES,
     BlockRef,
@@ -63,7 +65,6 @@ from kvhandoff.protocol import (
     Ready,
     Receipt,
     Reject,
-    RejectReason,
     SessionMessage,
     Terminal,
     TerminalKind,
@@ -118,27 +119,23 @@ def s_admitted() -> Pair:
     return _admitted()
 
 
-def s_resident() -> Pair:
-    pair = _admitted()
-    pair.prefill(P)
-    return pair
+def _then(scenario: Callable[[], Pair], step: Callable[[Pair], object]) -> Callable[[], Pair]:
+    """The scenario `scenario`, then `step` on its pair."""
+
+    def then() -> Pair:
+        pair = scenario()
+        step(pair)
+        return pair
+
+    return then
 
 
-def s_installed() -> Pair:
-    pair = _admitted()
-    pair.install(P)  # the OPEN stays queued
-    return pair
+s_resident = _then(_admitted, lambda pair: pair.prefill(P))
+s_installed = _then(_admitted, lambda pair: pair.install(P))  # the OPEN stays queued
 
 
 def s_prepared() -> Pair:
     return _prepared()
-
-
-def s_ready_deferred() -> Pair:
-    pair = _prepared(post_on_decide=False)
-    pair.decide(P)  # READY published, nothing posted yet
-    pair.deliver_all()
-    return pair
 
 
 def s_posting() -> Pair:
@@ -194,16 +191,8 @@ def s_released() -> Pair:
     return pair
 
 
-def s_freed() -> Pair:
-    pair = s_released()
-    pair.free(P)
-    return pair
-
-
-def s_cancel_decided() -> Pair:
-    pair = s_not_started()
-    pair.run_rounds()  # verdict / decided cancels release both sides
-    return pair
+s_freed = _then(s_released, lambda pair: pair.free(P))
+s_cancel_decided = _then(s_not_started, Pair.run_rounds)  # verdict / decided cancels release both sides
 
 
 # Scenarios that exist to fire the clock / coupling rows (INTERNAL_EVENTS).
@@ -651,18 +640,6 @@ CTX_ENTRIES: list[Entry] = [
         ),
     ),
     Entry(
-        "start_posting()",
-        "ctx",
-        lambda sit: sit.pair.ctx.start_posting(P, sit.pair.now),
-        {"ctx-edge": _events(_EE.START_POSTING)},
-        # Only READY edges of a DECIDED parent; a no-op on a cancelled/finished one.
-        lambda machine, sit: (
-            _EE.START_POSTING
-            if sit.parent_state is _PS.DECIDED and sit.state is _ES.READY
-            else None
-        ),
-    ),
-    Entry(
         "chunk_done()",
         "ctx",
         lambda sit: sit.pair.ctx.chunk_done(
@@ -708,7 +685,7 @@ CTX_ENTRIES: list[Entry] = [
     Entry(
         "receive(Reject)",
         "ctx",
-        lambda sit: _receive(sit, Reject(ticket=sit.ticket, reason=RejectReason.STALE)),
+        lambda sit: _receive(sit, Reject(ticket=sit.ticket, reason=protocol.RejectReason.STALE)),
         # To CTX a REJECT means GEN no longer wants the bytes: a parent cancel.
         {"ctx-parent": _events(_PE.CANCEL), "ctx-edge": _events(_EE.CANCEL)},
         _cancel_message_event,
@@ -789,14 +766,14 @@ GEN_ENTRIES: list[Entry] = [
     Entry(
         "receive(Reject)",
         "gen",
-        lambda sit: _receive(sit, Reject(ticket=sit.ticket, reason=RejectReason.STALE)),
+        lambda sit: _receive(sit, Reject(ticket=sit.ticket, reason=protocol.RejectReason.STALE)),
         {"gen-edge": _events(_EE.REJECTED)},
         _on_installed(_EE.REJECTED),
     ),
     Entry(
         "receive(Reject duplicate)",
         "gen",
-        lambda sit: _receive(sit, Reject(ticket=sit.ticket, reason=RejectReason.DUPLICATE)),
+        lambda sit: _receive(sit, Reject(ticket=sit.ticket, reason=protocol.RejectReason.DUPLICATE)),
         {"gen-edge": frozenset()},
         # An earlier copy of the OPEN was recorded: documented no-op.
         lambda machine, sit: None if sit.installed else REFUSED,
@@ -856,7 +833,6 @@ NOT_AN_EVENT_OF: dict[str, frozenset[enum.Enum]] = {
     "gen-edge": frozenset(
         {
             _EE.DECIDED,
-            _EE.START_POSTING,
             _EE.CHUNK_POSTED,
             _EE.CHUNK_DONE,
             _EE.ALL_CHUNKS_DONE,

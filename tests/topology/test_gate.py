@@ -74,17 +74,8 @@ def test_qualified_iff_model_says_so(
     zero_copy: bool,
 ) -> None:
     s = TopologySpec(
-        instance_id="i",
-        role=Role.GEN,
-        tp=1,
-        pp=pp,
-        cp=cp,
-        attention_dp=adp,
-        layerwise=layerwise,
-        zero_copy=zero_copy,
-        overlap=overlap,
-        transfer_timeout_s=timeout,
-        backend=backend,
+        instance_id="i", role=Role.GEN, tp=1, pp=pp, cp=cp, attention_dp=adp, layerwise=layerwise,
+        zero_copy=zero_copy, overlap=overlap, transfer_timeout_s=timeout, backend=backend,
         buffers_preallocated=prealloc,
     )
     failures = [
