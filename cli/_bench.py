@@ -774,6 +774,21 @@ class _Bench:
 
     # -- 4. cancel-to-release ------------------------------------------------------------
 
+    def _cancel_tokens(self, dep: Deployment) -> tuple[int, int]:
+        """The cancel trials' size: (MiB, tokens) of the smallest `--sizes-mib`."""
+        mib = min(self.args.sizes_mib)
+        return mib, -(-mib * MiB // block_bytes(dep.layout, 1)) * dep.layout.tokens_per_block
+
+    async def _handoff_median_s(self, dep: Deployment, trials: int) -> float:
+        """The median time of `trials` handoffs of the cancel trials' size."""
+        _, tokens = self._cancel_tokens(dep)
+        times = []
+        for _ in range(trials):
+            start = time.perf_counter()
+            await _handoff(dep, self.rid("size"), tokens, self.args.cancel_timeout_s)
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
     async def cancel_to_release(self, dep: Deployment, max_delay_s: float) -> dict[str, Any]:
         """Cancel in-flight handoffs after U(0, max_delay) and time the release.
 
@@ -785,9 +800,7 @@ class _Bench:
         is counted as *not released* (a leak) and its blocks become the new
         baseline, so later trials are still measured."""
         a = self.args
-        full = block_bytes(dep.layout, 1)
-        mib = min(a.sizes_mib)
-        n = -(-mib * MiB // full)
+        mib, tokens = self._cancel_tokens(dep)
         outcomes: collections.Counter[str] = collections.Counter()
         to_return: list[float] = []
         to_free: list[float] = []
@@ -795,7 +808,6 @@ class _Bench:
         baseline = await _leased(dep)
         for _ in range(a.cancels):
             request = self.rid("cancel")
-            tokens = n * dep.layout.tokens_per_block
             task = asyncio.create_task(_handoff(dep, request, tokens, a.cancel_timeout_s))
             await asyncio.sleep(self.rng.uniform(0.0, max_delay_s))
             start = time.perf_counter()
@@ -944,6 +956,9 @@ class _Bench:
                 if "cancel" in sections:
                     with self._section("cancel", f"{a.cancels} cancelled handoffs"):
                         async with self._pools("cancel", dep):
+                            if "data" not in sections:
+                                # Cancel within a handoff's own time, as after the data section.
+                                max_delay = await self._handoff_median_s(dep, 3)
                             out["cancel"] = await self.cancel_to_release(dep, max_delay)
             finally:
                 await dep.shutdown()
