@@ -10,8 +10,9 @@ once so a synthetic and an engine instance behave the same:
   when it is a CTX instance, and its coordinator stops and is killed.
   Every step runs even if an earlier one failed: a dead actor must not keep
   the others from forgetting it.
-- `rank_stats`: every rank's stats, each tagged with its instance; a rank
-  that does not answer gives an error entry instead of failing the call.
+- `rank_stats`, `coordinator_stats`: every rank's stats, each tagged with
+  its instance, and every instance's coordinator stats; a part that does
+  not answer gives an error entry instead of failing the call.
 """
 
 from __future__ import annotations
@@ -21,16 +22,10 @@ import contextlib
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
-import ray
-
-from kvhandoff.actors._launch import _ref
+from kvhandoff.actors._client import stop_actors
 from kvhandoff.protocol import Role
 
-__all__ = ["drained", "take_out", "rank_stats"]
-
-#: How long a leaving coordinator gets to stop before it is killed.
-_SHUTDOWN_S = 10.0
-
+__all__ = ["drained", "take_out", "rank_stats", "coordinator_stats"]
 
 async def drained(
     coord: Any, instance_id: str, peers: Callable[[], Awaitable[Sequence[Any]]], timeout: float
@@ -68,11 +63,7 @@ async def take_out(
         for gen in gen_coords:
             with contextlib.suppress(Exception):
                 await gen.forget_peer.remote(instance_id)
-    if coord is not None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(_ref(coord.shutdown.remote(kill_ranks)), _SHUTDOWN_S)
-        with contextlib.suppress(Exception):
-            ray.kill(coord, no_restart=True)
+    await stop_actors([coord], kill_ranks=kill_ranks)
 
 
 async def rank_stats(ranks: Sequence[tuple[str, Role, int, Any]]) -> list[dict[str, Any]]:
@@ -84,3 +75,12 @@ async def rank_stats(ranks: Sequence[tuple[str, Role, int, Any]]) -> list[dict[s
         entry["instance"] = name
         out.append(entry)
     return out
+
+
+async def coordinator_stats(coords: Sequence[tuple[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``stats()`` of every (instance name, coordinator) in ``coords``, by name."""
+    answers = await asyncio.gather(*(c.stats.remote() for _, c in coords), return_exceptions=True)
+    return {
+        name: s if isinstance(s, dict) else {"state": "unreachable", "error": repr(s)[:500]}
+        for (name, _), s in zip(coords, answers)
+    }

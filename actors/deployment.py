@@ -72,6 +72,7 @@ import ray
 
 from kvhandoff.actors._carrier import CarrierChoice, choose_carrier
 from kvhandoff.actors._checks import check_request_id, check_timeout, check_tokens, short
+from kvhandoff.actors._client import ClientCore
 from kvhandoff.actors._config import LaunchConfig, checked
 from kvhandoff.actors._coordinator_errors import AdmissionStopped
 from kvhandoff.actors._errors import (
@@ -82,7 +83,7 @@ from kvhandoff.actors._errors import (
     LaunchFailed,
 )
 from kvhandoff.actors._faults import FaultPlan
-from kvhandoff.actors._launch import Launcher, _ref, cancel_tasks
+from kvhandoff.actors._launch import Launcher
 from kvhandoff.actors._metrics import record_handoff, record_hops
 from kvhandoff.actors._placement import remove_group
 from kvhandoff.actors._trace import HandoffTrace, TraceRecorder, critical_path, with_events_of
@@ -134,10 +135,11 @@ class _Attempt:
         self.abandoned = False  # superseded, or its caller stopped waiting
 
 
-class Deployment(Launcher):
+class Deployment(ClientCore, Launcher):
     """A CTX instance and a GEN instance with their coordinators (async API)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.name = ""
         self.ctx_spec: TopologySpec
         self.gen_spec: TopologySpec
@@ -150,13 +152,11 @@ class Deployment(Launcher):
         #: The control-frame carrier taken at launch (actors/_carrier.py).
         self.carrier: CarrierChoice | None = None
         self._coords: dict[Role, Any] = {}
-        self._directory: Any = None
         # One placement group per instance (docs/design.md "Placement"),
         # removed by `_teardown`; `nodes` is where each instance landed.
         self._placements: dict[Role, InstancePlacement] = {}
         self._groups: dict[Role, Any] = {}
         self.nodes: dict[Role, str] = {}
-        self._closed = False
         # Attempt 0 is never handed out: it is what `parent()` names for an id
         # that has no attempt (yet, or any more).
         self._attempt_ids = itertools.count(1)
@@ -167,7 +167,6 @@ class Deployment(Launcher):
         # counter, so forgetting an id is safe: its next attempt still gets
         # an id no rank has seen.
         self._recent: RecentMemory[str, ParentKey] = RecentMemory()
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._reclaim_timeout_s = 60.0
         # Rank handles and CTX endpoints change only when a rank restarts (a new
         # epoch): cached, keyed by both coordinators' epochs, refreshed off the
@@ -302,15 +301,6 @@ class Deployment(Launcher):
 
     # -- attempts -----------------------------------------------------------------------
 
-    @property
-    def closed(self) -> bool:
-        """True once `shutdown()` was called."""
-        return self._closed
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise DeploymentClosed(self.name)
-
     def coordinator(self, role: Role) -> Any:
         """The coordinator actor of one instance (rounds, stats, decision log)."""
         self._check_open()
@@ -343,13 +333,6 @@ class Deployment(Launcher):
         """Refuse a request that can never succeed, before any actor call."""
         check_request_id(request_id)
         check_tokens(num_tokens, self.layout, self.pool_blocks)
-
-    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        """A task the deployment owns: kept until done, cancelled by shutdown()."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     # -- the client API ------------------------------------------------------------------
 
@@ -709,29 +692,13 @@ class Deployment(Launcher):
             },
         }
 
-    async def shutdown(self) -> None:
-        """Stop everything (idempotent): attempts still in flight end (their
-        `handoff` raises `DeploymentClosed`), then the coordinators, their rank
-        actors and the directory are killed. Every later call raises
-        `DeploymentClosed`."""
-        if self._closed:
-            return
-        self._closed = True
-        await cancel_tasks(self._tasks)
-        await self._teardown()
+    def _coordinators(self) -> list[Any]:
+        return list(self._coords.values())
 
     async def _teardown(self) -> None:
-        """Kill every actor this deployment started. Each coordinator first gets
-        a bounded chance to stop its rounds and kill its ranks itself; killing a
-        coordinator also ends its ranks (Ray ends the actors an actor owns)."""
-        coords = list(self._coords.values())
-        await asyncio.gather(
-            *(asyncio.wait_for(_ref(c.shutdown.remote()), 10.0) for c in coords), return_exceptions=True
-        )
-        for handle in [*coords, self._directory]:
-            if handle is not None:
-                with contextlib.suppress(Exception):
-                    ray.kill(handle, no_restart=True)
+        """Kill every actor this deployment started (killing a coordinator
+        also ends its ranks: Ray ends the actors an actor owns)."""
+        await super()._teardown()
         # Last: removing a group also ends any actor still scheduled in it.
         for role in list(self._groups):
             with contextlib.suppress(Exception):

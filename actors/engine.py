@@ -66,20 +66,20 @@ import ray
 
 from kvhandoff.actors import _checks as checks
 from kvhandoff.actors._carrier import CarrierChoice, choose_carrier
+from kvhandoff.actors._client import ClientCore
 from kvhandoff.actors._config import EngineConfig, staging_of
 from kvhandoff.actors._config import checked as checks_config
 from kvhandoff.actors._coordinator import Coordinator
 from kvhandoff.actors._coordinator_errors import AdmissionStopped
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors._errors import (
-    DeploymentClosed,
     DeploymentError,
     InvalidConfig,
     InvalidRequest,
     LaunchFailed,
     StaleTicket,
 )
-from kvhandoff.actors._launch import _ref, cancel_tasks
+from kvhandoff.actors._launch import _ref
 from kvhandoff.actors._metrics import record_handoff
 from kvhandoff.actors.endpoint import EnginePlan
 from kvhandoff.protocol import HandoffTicket, MemoryKind, ParentKey, Role, TopologyError
@@ -126,21 +126,22 @@ class EngineResult(msgspec.Struct, frozen=True, kw_only=True):
     latency_s: float = 0.0
 
 
-class EngineDeployment:
+class EngineDeployment(ClientCore):
     """The control side of an engine deployment (module docstring)."""
 
+    _kills_ranks = False  # the engine's workers are the engine's
+
     def __init__(self, plan: EnginePlan) -> None:
+        super().__init__()
         self.plan = plan
+        self.name = plan.name
         #: The control-frame carrier taken at launch (actors/_carrier.py); None when connected to one.
         self.carrier: CarrierChoice | None = None
         self._ctx_digest = topology_digest(plan.ctx)
         self._coords: dict[Role, Any] = {}
         self._ranks: dict[Role, list[Any]] = {}
-        self._directory: Any = None
         self._owns = False  # started the directory and coordinators (shutdown kills them)
-        self._closed = False
         self._round_timeout_s = 5.0
-        self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -386,37 +387,14 @@ class EngineDeployment:
             },
         }
 
-    async def shutdown(self) -> None:
-        """Stop the coordinators and the directory this handle started
-        (idempotent). The engine's workers, and the endpoints they host,
-        are the engine's: it stops them."""
-        if self._closed:
-            return
-        self._closed = True
-        await cancel_tasks(self._tasks)
-        if self._owns:
-            await self._teardown()
-
     # -- internals -----------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise DeploymentClosed(self.plan.name)
+    def _coordinators(self) -> list[Any]:
+        return list(self._coords.values())
 
     async def _teardown(self) -> None:
-        coords = list(self._coords.values())
-        await asyncio.gather(
-            *(asyncio.wait_for(_ref(c.shutdown.remote(False)), 10.0) for c in coords), return_exceptions=True
-        )
-        for handle in [*coords, self._directory]:
-            if handle is not None:
-                with contextlib.suppress(Exception):
-                    ray.kill(handle, no_restart=True)
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        if self._owns:  # a handle from `connect` stops nothing it did not start
+            await super()._teardown()
 
     def _ticket(self, ticket: Any) -> HandoffTicket:
         ticket = checks.own_ticket(ticket, self.plan.name)

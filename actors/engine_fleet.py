@@ -40,20 +40,20 @@ import ray
 
 from kvhandoff.actors import _checks as checks
 from kvhandoff.actors._carrier import CarrierChoice, choose_carrier
+from kvhandoff.actors._client import ClientCore
 from kvhandoff.actors._config import EngineFleetConfig
 from kvhandoff.actors._config import checked as checks_config
 from kvhandoff.actors._coordinator import Coordinator
 from kvhandoff.actors._coordinator_errors import AdmissionStopped
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors._errors import (
-    DeploymentClosed,
     InvalidConfig,
     InvalidRequest,
     LaunchFailed,
     StaleTicket,
 )
-from kvhandoff.actors._launch import _ref, cancel_tasks
-from kvhandoff.actors._membership import drained, rank_stats, take_out
+from kvhandoff.actors._launch import _ref
+from kvhandoff.actors._membership import coordinator_stats, drained, rank_stats, take_out
 from kvhandoff.actors._metrics import record_handoff
 from kvhandoff.actors.endpoint import EnginePlan
 from kvhandoff.actors.engine import EngineResult, PublishRefused
@@ -93,10 +93,13 @@ class _EngineInstance:
         return self.spec.instance_id
 
 
-class EngineFleet:
+class EngineFleet(ClientCore):
     """The control side of a fleet of engine instances (module docstring)."""
 
+    _kills_ranks = False  # the engine's workers are the engine's
+
     def __init__(self, name: str, layout: KVLayout) -> None:
+        super().__init__()
         self.name = name
         self.layout = layout
         self._by_id: dict[str, _EngineInstance] = {}
@@ -105,11 +108,8 @@ class EngineFleet:
         self._common: dict[str, Any] = {}
         #: The control-frame carrier taken at launch (actors/_carrier.py).
         self.carrier: CarrierChoice | None = None
-        self._directory: Any = None
-        self._closed = False
         self._round_timeout_s = 5.0
         self._received: RecentMemory[ParentKey, str] = RecentMemory()
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._membership = asyncio.Lock()
         self._layout = layout
 
@@ -346,38 +346,17 @@ class EngineFleet:
         self._check_open()
         live = [i for i in self._names.values() if i.state in ("serving", "draining", "detached")]
         out = await rank_stats([(i.name, i.role, r, w) for i in live for r, w in enumerate(i.workers)])
-        coords = await asyncio.gather(*(i.coord.stats.remote() for i in live), return_exceptions=True)
         return {
             "fleet": self.name,
             "instances": self.instances(),
             "ranks": out,
-            "coordinators": {
-                i.name: c if isinstance(c, dict) else {"state": "unreachable", "error": repr(c)[:300]}
-                for i, c in zip(live, coords)
-            },
+            "coordinators": await coordinator_stats([(i.name, i.coord) for i in live]),
         }
-
-    async def shutdown(self) -> None:
-        """Stop the coordinators and the directory (idempotent); the engine's
-        workers are the engine's to stop."""
-        if self._closed:
-            return
-        self._closed = True
-        await cancel_tasks(self._tasks)
-        coords = [i.coord for i in self._by_id.values() if i.coord is not None]
-        await asyncio.gather(
-            *(asyncio.wait_for(_ref(c.shutdown.remote(False)), 10.0) for c in coords), return_exceptions=True
-        )
-        for handle in [*coords, self._directory]:
-            if handle is not None:
-                with contextlib.suppress(Exception):
-                    ray.kill(handle, no_restart=True)
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise DeploymentClosed(self.name)
+    def _coordinators(self) -> list[Any]:
+        return [i.coord for i in self._by_id.values() if i.coord is not None]
 
     def _live(self, role: Role) -> list[_EngineInstance]:
         return [i for i in self._names.values() if i.role is role and i.state in ("serving", "draining", "detached")]
@@ -411,11 +390,6 @@ class EngineFleet:
         if ctx is not None and ctx.state != "removed":
             coords.append(ctx.coord)
         await asyncio.gather(*(c.cancel.remote(parent) for c in coords), return_exceptions=True)
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
 
 class FleetInstance:

@@ -71,6 +71,7 @@ import ray
 
 from kvhandoff.actors._carrier import choose_carrier
 from kvhandoff.actors._checks import check_int, check_timeout, short
+from kvhandoff.actors._client import stop_actors
 from kvhandoff.actors._config import FleetConfig, checked
 from kvhandoff.actors._coordinator import Coordinator
 from kvhandoff.actors._directory import Directory
@@ -83,7 +84,7 @@ from kvhandoff.actors._errors import (
 )
 from kvhandoff.actors._faults import FaultPlan
 from kvhandoff.actors._launch import _RankFactory, _ref, placed, rank_configs
-from kvhandoff.actors._membership import drained, rank_stats, take_out
+from kvhandoff.actors._membership import coordinator_stats, drained, rank_stats, take_out
 from kvhandoff.actors._placement import (
     bundle_strategy,
     create_group,
@@ -640,7 +641,7 @@ class Fleet(Deployment):
         instances and per-pair outcomes."""
         self._check_open()
         live = [i for i in self._instances.values() if i.state in ("serving", "draining")]
-        coords = await asyncio.gather(*(i.coord.stats.remote() for i in live), return_exceptions=True)
+        coords = await coordinator_stats([(i.name, i.coord) for i in live])
         handles = await asyncio.gather(*(self._rank_handles(i) for i in live), return_exceptions=True)
         ranks = await rank_stats(
             [
@@ -658,28 +659,18 @@ class Fleet(Deployment):
             "instances": self.instances(),
             "pairs": {k: dict(v) for k, v in self.pair_outcomes.items()},
             "ranks": ranks,
-            "coordinators": {
-                i.name: c if isinstance(c, dict) else {"state": "unreachable", "error": repr(c)[:500]}
-                for i, c in zip(live, coords)
-            },
+            "coordinators": coords,
         }
+
+    def _coordinators(self) -> list[Any]:
+        return [i.coord for i in self._by_id.values() if i.coord is not None]
 
     async def _teardown(self) -> None:
         insts = list(self._by_id.values())
         for inst in insts:
             if inst.watch is not None:
                 inst.watch.cancel()
-        await asyncio.gather(
-            *(asyncio.wait_for(_ref(i.coord.shutdown.remote()), 10.0) for i in insts if i.coord is not None),
-            return_exceptions=True,
-        )
-        for inst in insts:
-            if inst.coord is not None:
-                with contextlib.suppress(Exception):
-                    ray.kill(inst.coord, no_restart=True)
-        if self._directory is not None:
-            with contextlib.suppress(Exception):
-                ray.kill(self._directory, no_restart=True)
+        await stop_actors(self._coordinators(), self._directory, kill_ranks=True)
         for inst in insts:
             if inst.group is not None:
                 with contextlib.suppress(Exception):
