@@ -3,7 +3,7 @@ once so a synthetic and an engine instance behave the same:
 
 - `drained`: the instance's coordinator admits nothing more and its own
   rounds end, then every peer rank of the other role lets go of its last
-  parent with it (a CTX release after the RECEIPT). Polled with backoff on
+  parent with it (its release). Polled with backoff on
   that observable condition, bounded by the caller's timeout.
 - `take_out`: the directory forgets the instance (every peer rank hears
   `peer_left` and unloads its agents), the GEN coordinators drop its handle

@@ -33,7 +33,13 @@ from kvhandoff.actors import (
     InvalidRequest,
     LaunchFailed,
 )
-from kvhandoff.cli.harness import held_frames, hold_frames, release_frames
+from kvhandoff.cli.harness import (
+    defer_opens,
+    deferred_opens,
+    held_frames,
+    hold_frames,
+    release_frames,
+)
 from kvhandoff.protocol import ParentKey, RecentMemory, Role
 from kvhandoff.topology import block_bytes
 
@@ -535,6 +541,33 @@ def test_gen_rank_killed_under_load_gives_outcomes_not_exceptions(ray_cluster: A
 
 
 # -- 11, 15: a dead coordinator; stats and shutdown -----------------------------------------
+
+
+def test_shutdown_ends_a_handoff_in_flight(ray_cluster: Any) -> None:
+    """A handoff still in flight when `shutdown()` is called ends with
+    `DeploymentClosed` (its task is the handle's own), not with a failure
+    from the actors shutdown killed, nor at its timeout."""
+
+    async def scenario() -> None:
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=POOL, round_timeout_s=ROUND_TIMEOUT)
+        closed = False
+        try:
+            gen = (await dep.ranks(Role.GEN))[0]
+            await defer_opens(gen, "held")  # admitted, never opened: in flight until shut down
+            call = asyncio.ensure_future(dep.handoff("held", TOKENS, timeout=600.0))
+            while not await deferred_opens(gen, "held"):  # observable: the GEN rank holds it
+                assert not call.done(), call.result()
+                await asyncio.sleep(0.02)
+            await dep.shutdown()
+            closed = True
+            with pytest.raises(DeploymentClosed):
+                await asyncio.wait_for(call, IDLE_BOUND)
+        finally:
+            if not closed:
+                await dep.shutdown()
+
+    run(scenario())
+
 
 
 @pytest.mark.parametrize("admit_at_open", [False, True], ids=["rounds", "at_open"])
