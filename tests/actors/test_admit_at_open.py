@@ -58,7 +58,8 @@ FLEET = dict(layout=LAYOUT, round_timeout_s=20.0, transfer_timeout_s=10.0, lease
 def cluster():
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # address="local": a cluster of our own, even if `ray start` runs one on this machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -497,8 +497,9 @@ def test_a_script_that_launches_blocking_gets_no_ray_thread_warning(tmp_path: An
         "ray.shutdown()\n"
         "print('OUTCOME', result.outcome)\n"
     )
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
+    # RAY_ADDRESS=local: the script's plain ray.init() starts its own cluster
+    # even where a `ray start` one runs on this machine (it would join that).
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": "local"}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0 and "OUTCOME completed" in proc.stdout, proc.stderr[-2000:]
     assert "SIGTERM handler is not set" not in proc.stderr, proc.stderr[-2000:]

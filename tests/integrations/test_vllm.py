@@ -135,7 +135,7 @@ class Engines:
 
 @pytest.fixture(scope="module")
 async def engines() -> AsyncIterator[Engines]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     model = tempfile.mkdtemp(prefix="kvh-tiny-llama-")
     vllm_disagg.make_model(model)
     b = vllm_disagg.BLOCK
