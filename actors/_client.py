@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 import ray
 
 from kvhandoff.actors._errors import DeploymentClosed
-from kvhandoff.actors._launch import _ref, cancel_tasks
+from kvhandoff.actors._instance import _ref
+from kvhandoff.actors._launch import cancel_tasks
 
 __all__ = ["ClientCore", "stop_actors"]
 

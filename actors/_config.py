@@ -26,6 +26,7 @@ from msgspec import Meta
 
 from kvhandoff.actors._checks import short
 from kvhandoff.actors._errors import InvalidConfig
+from kvhandoff.actors.rank._config import DataPlane
 from kvhandoff.topology import KVLayout
 
 __all__ = ["LaunchConfig", "FleetConfig", "EngineConfig", "EngineFleetConfig", "checked", "staging_of"]
@@ -168,7 +169,7 @@ class EngineConfig(EngineFleetConfig, frozen=True, kw_only=True, forbid_unknown_
 
 #: The data-plane fields `LaunchConfig`, `EngineConfig`, `EnginePlan` and
 #: `RankConfig` share, under the same names and meanings.
-STAGING_FIELDS = ("data_mode", "staging_window", "staged_below", "staging_slot_bytes", "staged_min_descriptors")
+STAGING_FIELDS = tuple(DataPlane.__struct_fields__)
 
 
 def staging_of(source: Any) -> dict[str, Any]:

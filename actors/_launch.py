@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from kvhandoff.actors._config import LaunchConfig, staging_of
-from kvhandoff.actors._coordinator import Coordinator
 from kvhandoff.actors._directory import Directory
-from kvhandoff.actors._errors import InvalidConfig, LaunchFailed, PlacementFailed
+from kvhandoff.actors._errors import InvalidConfig, PlacementFailed
 from kvhandoff.actors._faults import FaultPlan
+from kvhandoff.actors._instance import await_started, start_coordinator
 from kvhandoff.actors._placement import (
     bundle_strategy,
     create_group,
@@ -47,7 +47,6 @@ from kvhandoff.topology import (
     place_instance,
     qualify_pair,
     shard_map,
-    topology_digest,
     unplaced_reasons,
 )
 
@@ -82,11 +81,6 @@ class _RankFactory:
         directory = ray.get_actor(f"{config.deployment}.directory")
         directory.retire.remote(config.spec.instance_id, rank, epoch)
 
-
-
-async def _ref(ref: Any) -> Any:
-    """Await a Ray ObjectRef as a coroutine (for asyncio.wait / wait_for)."""
-    return await ref
 
 
 async def cancel_tasks(tasks: Iterable[asyncio.Task[Any]]) -> None:
@@ -255,11 +249,10 @@ class Launcher:
     async def _start(
         self, plans: list[tuple[TopologySpec, list[RankConfig], list[dict[str, Any]]]], cfg: LaunchConfig
     ) -> None:
-        """Start the directory and both coordinators (which start their ranks on
-        the first call), then wait until every rank answered and registered."""
-        round_timeout_s, max_restarts, start_timeout_s = cfg.round_timeout_s, cfg.max_restarts, cfg.start_timeout_s
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + start_timeout_s
+        """Start the directory and both coordinators over kvhandoff's own rank
+        actors (which they start on the first call), then wait until every
+        rank answered and registered (actors/_instance.py, the start every
+        instance has, an engine's too) and learned its peers."""
         self._directory = Directory.options(name=f"{self.name}.directory").remote(plans[0][1][0].fault_plan)
         for spec, configs, resources in plans:
             # The GEN coordinator drives each handoff: it admits in both
@@ -267,59 +260,24 @@ class Launcher:
             peer = f"{self.name}.coord.{Role.CTX.value}" if spec.role is Role.GEN else None
             # The coordinator runs beside its ranks (bundle 0: it asks for nothing).
             group = self._groups.get(spec.role)  # none when a caller skipped `_place`
-            beside = bundle_strategy(group, 0) if group is not None else {}
-            self._coords[spec.role] = Coordinator.options(
-                name=f"{self.name}.coord.{spec.role.value}", **beside
-            ).remote(
-                spec.instance_id,
-                rank_factory=_RankFactory(configs, resources),
-                tp=spec.tp,
-                round_timeout=round_timeout_s,
-                max_restarts=max_restarts,
-                restart_timeout=start_timeout_s,
-                topology_digest=topology_digest(spec),
+            self._coords[spec.role] = start_coordinator(
+                f"{self.name}.coord.{spec.role.value}",
+                spec,
+                _RankFactory(configs, resources),
+                options=bundle_strategy(group, 0) if group is not None else {},
+                round_timeout=cfg.round_timeout_s,
+                max_restarts=cfg.max_restarts,
+                restart_timeout=cfg.start_timeout_s,
                 peer=peer,
                 admits_at_open=self._admit_at_open and spec.role is Role.CTX,
                 # ... and then a GEN instance of one rank admits alone: no round.
                 admits_alone=self._admit_at_open and spec.role is Role.GEN and spec.tp == 1,
             )
-        # `epochs` answers once every rank of that instance answered its identity
-        # (constructed); a rank that died while starting makes it raise at once
-        # (TopologyFailed naming the rank and its death cause). A rank still
-        # starting is not an error: only the overall bound applies.
-        starts = {role: asyncio.ensure_future(_ref(c.epochs.remote())) for role, c in self._coords.items()}
-        try:
-            done, pending = await asyncio.wait(
-                starts.values(), timeout=start_timeout_s, return_when=asyncio.FIRST_EXCEPTION
-            )
-            for future in done:
-                error = future.exception()
-                if error is not None:  # a rank died while starting, or a coordinator did
-                    cause = getattr(error, "cause", None) or error
-                    died = {k: v for k, v in (await self._not_started()).items() if "died" in v}
-                    raise LaunchFailed(self.name, str(getattr(cause, "reason", cause)), died) from error
-            if pending:
-                not_started = await self._not_started()
-                raise LaunchFailed(self.name, f"rank actors did not start within {start_timeout_s:g}s", not_started)
-        finally:
-            for future in starts.values():
-                future.cancel()
-        expected = {self._spec(role).instance_id: starts[role].result() for role in self._coords}
-        left = max(deadline - loop.time(), 0.0)
-        if not await self._directory.wait_for.remote(expected, left):
-            raise LaunchFailed(self.name, f"rank actors did not register with the directory within {start_timeout_s:g}s")
+        await await_started(
+            self.name,
+            {role.value: c for role, c in self._coords.items()},
+            {role.value: self._spec(role).instance_id for role in self._coords},
+            self._directory,
+            cfg.start_timeout_s,
+        )
         await asyncio.gather(*(h.connect.remote() for h in await self._all_ranks()))
-
-    async def _not_started(self) -> dict[str, str]:
-        """Per rank that has not answered yet: why, as its coordinator sees it."""
-        found: dict[str, str] = {}
-        for role, coord in self._coords.items():
-            try:
-                status = await asyncio.wait_for(_ref(coord.start_status.remote()), 10.0)
-            except Exception as exc:
-                found[f"{role.value} coordinator"] = f"no answer: {exc!r}"[:300]
-                continue
-            for rank, why in sorted(status.items()):
-                if why != "started":
-                    found[f"{role.value} rank {rank}"] = why
-        return found

@@ -57,7 +57,6 @@ stopped caring about a request, so it must hand back what the attempt holds:
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import itertools
 import logging
@@ -70,9 +69,8 @@ from typing import Any, TypeVar
 import msgspec
 import ray
 
-from kvhandoff.actors._carrier import CarrierChoice, choose_carrier
+from kvhandoff.actors._carrier import choose_carrier
 from kvhandoff.actors._checks import check_request_id, check_timeout, check_tokens, short
-from kvhandoff.actors._client import ClientCore
 from kvhandoff.actors._config import LaunchConfig, checked
 from kvhandoff.actors._coordinator_errors import AdmissionStopped
 from kvhandoff.actors._errors import (
@@ -85,6 +83,7 @@ from kvhandoff.actors._errors import (
 from kvhandoff.actors._faults import FaultPlan
 from kvhandoff.actors._launch import Launcher
 from kvhandoff.actors._metrics import record_handoff, record_hops
+from kvhandoff.actors._pair import PairCore
 from kvhandoff.actors._placement import remove_group
 from kvhandoff.actors._trace import HandoffTrace, TraceRecorder, critical_path, with_events_of
 from kvhandoff.protocol import Endpoint, ParentKey, RecentMemory, Role
@@ -135,7 +134,7 @@ class _Attempt:
         self.abandoned = False  # superseded, or its caller stopped waiting
 
 
-class Deployment(ClientCore, Launcher):
+class Deployment(PairCore, Launcher):
     """A CTX instance and a GEN instance with their coordinators (async API)."""
 
     def __init__(self) -> None:
@@ -149,9 +148,6 @@ class Deployment(ClientCore, Launcher):
         self.pool_blocks = 0
         self.synthetic = True
         self._admit_at_open = False  # `launch(admit_at_open=True)`: the CTX rank admits at the OPEN
-        #: The control-frame carrier taken at launch (actors/_carrier.py).
-        self.carrier: CarrierChoice | None = None
-        self._coords: dict[Role, Any] = {}
         # One placement group per instance (docs/design.md "Placement"),
         # removed by `_teardown`; `nodes` is where each instance landed.
         self._placements: dict[Role, InstancePlacement] = {}
@@ -173,8 +169,6 @@ class Deployment(ClientCore, Launcher):
         # critical path (concurrently with the admission rounds).
         self._view_epochs: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self._view: tuple[dict[Role, list[Any]], list[Endpoint]] | None = None
-        #: Ray calls this client made, per kind (the bench prints them per handoff).
-        self.calls: collections.Counter[str] = collections.Counter()
         # Hop traces of sampled requests (`set_trace`, `trace`; actors/_trace.py).
         self._trace = TraceRecorder("client")
         self._export_traces = False
@@ -472,10 +466,6 @@ class Deployment(ClientCore, Launcher):
         await self.refresh_view()
         return self._cached_ranks(role)
 
-    def _cancel_call(self, attempt: _Attempt | None, parent: ParentKey) -> Any:
-        """The cancel's Ray call: to the GEN coordinator the attempt went to."""
-        return self._coords[Role.GEN].cancel.remote(parent)
-
     async def _run(self, attempt: _Attempt, timeout: float) -> HandoffResult:
         """Drive one attempt under its `timeout`; whatever way it ends, an
         attempt that did not end cleanly is handed to `_reclaim`."""
@@ -620,13 +610,6 @@ class Deployment(ClientCore, Launcher):
         attempt.cancel_requested = True
         await self._cancel_parent(attempt.parent, attempt)
 
-    async def _cancel_parent(self, parent: ParentKey, attempt: _Attempt | None = None) -> None:
-        # The GEN coordinator cancels in both instances (it forwards to the CTX
-        # coordinator after any admission it asked there: in order).
-        self.calls["cancel"] += 1
-        with contextlib.suppress(Exception):
-            await self._cancel_call(attempt, parent)
-
     async def set_trace(self, every: int, export: bool = False) -> None:
         """Trace one request in `every` from now on (0: off; 1: every one):
         this client, every coordinator and every rank record when each
@@ -660,40 +643,11 @@ class Deployment(ClientCore, Launcher):
             (self._coords[Role.GEN], self.ctx_spec.instance_id),
         ]
 
-    async def stats(self) -> dict[str, Any]:
-        """Per-rank pool counts and counters, and each coordinator's stats.
+    def _stats_head(self) -> dict[str, Any]:
+        return {"name": self.name, "qualified": self.qualified, "unqualified_reasons": list(self.unqualified_reasons)}
 
-        Works while parts are dead: a coordinator that does not answer is
-        reported as {"state": "unreachable", "error": ...}, its ranks are
-        asked through the last known handles, and a rank that does not answer
-        is reported as {"error": ..., "role": ..., "rank": ...}."""
-        self._check_open()
-        roles = list(self._coords)
-        coords = await asyncio.gather(*(self._coords[r].stats.remote() for r in roles), return_exceptions=True)
-        handles = await asyncio.gather(*(self._coords[r].rank_handles.remote() for r in roles), return_exceptions=True)
-        who: list[tuple[Role, int, Any]] = []
-        for role, found in zip(roles, handles):
-            if isinstance(found, BaseException):
-                found = self._view[0][role] if self._view is not None else []
-            who += [(role, rank, h) for rank, h in enumerate(found)]
-        per_rank = await asyncio.gather(*(h.stats.remote() for _, _, h in who), return_exceptions=True)
-        return {
-            "name": self.name,
-            "qualified": self.qualified,
-            "unqualified_reasons": list(self.unqualified_reasons),
-            "control_frames": self.carrier.as_dict() if self.carrier is not None else None,
-            "ranks": [
-                s if isinstance(s, dict) else {"error": repr(s)[:500], "role": role.value, "rank": rank}
-                for (role, rank, _), s in zip(who, per_rank)
-            ],
-            "coordinators": {
-                role.value: c if isinstance(c, dict) else {"state": "unreachable", "error": repr(c)[:500]}
-                for role, c in zip(roles, coords)
-            },
-        }
-
-    def _coordinators(self) -> list[Any]:
-        return list(self._coords.values())
+    def _known_ranks(self, role: Role) -> list[Any]:
+        return self._view[0][role] if self._view is not None else []
 
     async def _teardown(self) -> None:
         """Kill every actor this deployment started (killing a coordinator

@@ -45,13 +45,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import msgspec
 import torch
 
 from kvhandoff.actors._config import staging_of
 from kvhandoff.actors.rank import (
     ENDPOINT_METHODS,
     CtxRankCore,
+    DataPlane,
     EndpointHost,
     GenRankCore,
     RankConfig,
@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 
-class EnginePlan(msgspec.Struct, frozen=True, kw_only=True):
+class EnginePlan(DataPlane, frozen=True, kw_only=True):
     """What every party of an engine deployment shares: its name (the
     directory and coordinators are named after it), both instances' specs,
     the model's KV layout and each side's memory kind (how its tensors hold
@@ -88,14 +88,6 @@ class EnginePlan(msgspec.Struct, frozen=True, kw_only=True):
     lease_timeout_s: float = 30.0
     consume_timeout_s: float = 30.0
     control_frames: str = "ray"
-    #: The data plane (docs/design.md "Data plane"): "auto", "direct" or "staged".
-    data_mode: str = "auto"
-    staging_window: int = 4
-    staged_below: int = 0
-    #: One staging slot (one staged chunk); 0: the device's default.
-    staging_slot_bytes: int = 0
-    #: The fewest pieces x blocks an edge needs for "auto" to stage it; 0: the device's default.
-    staged_min_descriptors: int = 0
     #: An engine fleet's plan (actors/engine_fleet.py): `instance` names the
     #: instance these workers host (its spec is `ctx` or `gen`, the other is
     #: its default peer); the endpoints pair with every instance of the other

@@ -54,7 +54,6 @@ by an endpoint, under the protocol's rules.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -65,11 +64,9 @@ import msgspec
 import ray
 
 from kvhandoff.actors import _checks as checks
-from kvhandoff.actors._carrier import CarrierChoice, choose_carrier
-from kvhandoff.actors._client import ClientCore
+from kvhandoff.actors._carrier import choose_carrier
 from kvhandoff.actors._config import EngineConfig, staging_of
 from kvhandoff.actors._config import checked as checks_config
-from kvhandoff.actors._coordinator import Coordinator
 from kvhandoff.actors._coordinator_errors import AdmissionStopped
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors._errors import (
@@ -79,8 +76,9 @@ from kvhandoff.actors._errors import (
     LaunchFailed,
     StaleTicket,
 )
-from kvhandoff.actors._launch import _ref
+from kvhandoff.actors._instance import _ref, await_started, start_coordinator
 from kvhandoff.actors._metrics import record_handoff
+from kvhandoff.actors._pair import PairCore
 from kvhandoff.actors.endpoint import EnginePlan
 from kvhandoff.protocol import HandoffTicket, MemoryKind, ParentKey, Role, TopologyError
 from kvhandoff.topology import (
@@ -126,7 +124,7 @@ class EngineResult(msgspec.Struct, frozen=True, kw_only=True):
     latency_s: float = 0.0
 
 
-class EngineDeployment(ClientCore):
+class EngineDeployment(PairCore):
     """The control side of an engine deployment (module docstring)."""
 
     _kills_ranks = False  # the engine's workers are the engine's
@@ -135,10 +133,7 @@ class EngineDeployment(ClientCore):
         super().__init__()
         self.plan = plan
         self.name = plan.name
-        #: The control-frame carrier taken at launch (actors/_carrier.py); None when connected to one.
-        self.carrier: CarrierChoice | None = None
         self._ctx_digest = topology_digest(plan.ctx)
-        self._coords: dict[Role, Any] = {}
         self._ranks: dict[Role, list[Any]] = {}
         self._owns = False  # started the directory and coordinators (shutdown kills them)
         self._round_timeout_s = 5.0
@@ -215,30 +210,30 @@ class EngineDeployment(ClientCore):
             if len(workers) != plan.spec(role).tp:
                 raise InvalidConfig(f"{role.value} instance has tp={plan.spec(role).tp}, got {len(workers)} workers")
         self._ranks = {Role.CTX: list(ctx_workers), Role.GEN: list(gen_workers)}
-        for role, workers in self._ranks.items():
-            spec = plan.spec(role)
-            peer = f"{plan.name}.coord.{Role.CTX.value}" if role is Role.GEN else None
-            self._coords[role] = Coordinator.options(name=f"{plan.name}.coord.{role.value}").remote(
-                spec.instance_id,
-                ranks=workers,
-                round_timeout=self._round_timeout_s,
-                max_restarts=0,
-                topology_digest=topology_digest(spec),
-                peer=peer,
-                peer_claims=role is Role.GEN,
-                # A failed worker is detached, not fatal: the engine re-attaches it (`reattach`).
-                reattach=f"{plan.name}.directory",
-            )
         try:
-            async with asyncio.timeout(start_timeout_s):
-                epochs = await asyncio.gather(*(c.epochs.remote() for c in self._coords.values()))
-                expected = {plan.spec(role).instance_id: e for role, e in zip(self._coords, epochs)}
-                if not await self._directory.wait_for.remote(expected, start_timeout_s):
-                    raise LaunchFailed(plan.name, "endpoints did not register with the directory")
-                await asyncio.gather(*(h.connect.remote() for hs in self._ranks.values() for h in hs))
-        except Exception as exc:
+            for role, workers in self._ranks.items():
+                self._coords[role] = start_coordinator(
+                    f"{plan.name}.coord.{role.value}",
+                    plan.spec(role),
+                    workers,
+                    round_timeout=self._round_timeout_s,
+                    max_restarts=0,
+                    peer=f"{plan.name}.coord.{Role.CTX.value}" if role is Role.GEN else None,
+                    peer_claims=role is Role.GEN,
+                    # A failed worker is detached, not fatal: the engine re-attaches it (`reattach`).
+                    reattach=f"{plan.name}.directory",
+                )
+            await await_started(
+                plan.name,
+                {role.value: c for role, c in self._coords.items()},
+                {role.value: plan.spec(role).instance_id for role in self._coords},
+                self._directory,
+                start_timeout_s,
+            )
+            await asyncio.gather(*(h.connect.remote() for hs in self._ranks.values() for h in hs))
+        except BaseException as exc:
             await self._teardown()
-            if isinstance(exc, DeploymentError):
+            if isinstance(exc, DeploymentError) or not isinstance(exc, Exception):
                 raise
             raise LaunchFailed(plan.name, f"{type(exc).__name__}: {exc}") from exc
 
@@ -368,29 +363,16 @@ class EngineDeployment(ClientCore):
         self._check_open()
         return await self._returned(self._ticket(ticket).parent, Role(role), timeout)
 
-    async def stats(self) -> dict[str, Any]:
-        """Every endpoint's stats (pool counts, counters) and both coordinators'."""
-        self._check_open()
-        ranks = [(role, r, h) for role, hs in self._ranks.items() for r, h in enumerate(hs)]
-        per_rank = await asyncio.gather(*(h.stats.remote() for _, _, h in ranks), return_exceptions=True)
-        coords = await asyncio.gather(*(c.stats.remote() for c in self._coords.values()), return_exceptions=True)
-        return {
-            "deployment": self.plan.name,
-            "control_frames": self.carrier.as_dict() if self.carrier is not None else {"carrier": self.plan.control_frames},
-            "ranks": [
-                s if isinstance(s, dict) else {"error": repr(s)[:300], "role": role.value, "rank": r}
-                for (role, r, _), s in zip(ranks, per_rank)
-            ],
-            "coordinators": {
-                role.value: c if isinstance(c, dict) else {"state": "unreachable", "error": repr(c)[:300]}
-                for role, c in zip(self._coords, coords)
-            },
-        }
-
     # -- internals -----------------------------------------------------------------------
 
-    def _coordinators(self) -> list[Any]:
-        return list(self._coords.values())
+    def _stats_head(self) -> dict[str, Any]:
+        return {"deployment": self.plan.name}
+
+    def _default_carrier(self) -> dict[str, Any]:
+        return {"carrier": self.plan.control_frames}
+
+    def _known_ranks(self, role: Role) -> list[Any]:
+        return self._ranks.get(role, [])
 
     async def _teardown(self) -> None:
         if self._owns:  # a handle from `connect` stops nothing it did not start
@@ -401,14 +383,6 @@ class EngineDeployment(ClientCore):
         if ticket.ctx_instance != self.plan.ctx.instance_id or ticket.ctx_digest != self._ctx_digest:
             raise StaleTicket(f"ticket of another CTX topology ({ticket.ctx_instance!r})")
         return ticket
-
-    async def _cancel_parent(self, parent: ParentKey) -> None:
-        # The GEN coordinator cancels in both instances (after any claim it
-        # sent there); the CTX coordinator directly covers a published ticket
-        # no GEN ever claimed. Both are idempotent.
-        for role in (Role.GEN, Role.CTX):
-            with contextlib.suppress(Exception):
-                await self._coords[role].cancel.remote(parent)
 
     async def _returned(self, parent: ParentKey, role: Role, timeout: float) -> bool:
         answers = await asyncio.gather(

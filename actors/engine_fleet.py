@@ -43,7 +43,6 @@ from kvhandoff.actors._carrier import CarrierChoice, choose_carrier
 from kvhandoff.actors._client import ClientCore
 from kvhandoff.actors._config import EngineFleetConfig
 from kvhandoff.actors._config import checked as checks_config
-from kvhandoff.actors._coordinator import Coordinator
 from kvhandoff.actors._coordinator_errors import AdmissionStopped
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors._errors import (
@@ -52,7 +51,7 @@ from kvhandoff.actors._errors import (
     LaunchFailed,
     StaleTicket,
 )
-from kvhandoff.actors._launch import _ref
+from kvhandoff.actors._instance import _ref, await_started, start_coordinator
 from kvhandoff.actors._membership import coordinator_stats, drained, rank_stats, take_out
 from kvhandoff.actors._metrics import record_handoff
 from kvhandoff.actors.endpoint import EnginePlan
@@ -212,26 +211,24 @@ class EngineFleet(ClientCore):
             raise InvalidConfig(f"instance {inst.name} has tp={inst.tp}, got {len(workers)} workers")
         async with self._membership:
             inst.workers = list(workers)
-            inst.coord = Coordinator.options(name=f"{self.name}.coord.{inst.id}").remote(
-                inst.id,
-                ranks=inst.workers,
+            inst.coord = start_coordinator(
+                f"{self.name}.coord.{inst.id}",
+                inst.spec,
+                inst.workers,
                 round_timeout=self._round_timeout_s,
                 max_restarts=0,
-                topology_digest=topology_digest(inst.spec),
                 fleet=self.name,
                 peer_claims=inst.role is Role.GEN,
                 reattach=f"{self.name}.directory",
             )
+            label = f"instance {inst.name}:"
             try:
-                async with asyncio.timeout(start_timeout_s):
-                    epochs = await inst.coord.epochs.remote()
-                    if not await self._directory.wait_for.remote({inst.id: epochs}, start_timeout_s):
-                        raise LaunchFailed(self.name, f"instance {inst.name}: endpoints did not register")
-                    peers = [w for o in self._live(Role.GEN if inst.role is Role.CTX else Role.CTX) for w in o.workers]
-                    await asyncio.gather(
-                        *(w.connect.remote() for w in inst.workers),
-                        *(w.peer_joined.remote(inst.spec, inst.memory_kind) for w in peers),
-                    )
+                await await_started(self.name, {label: inst.coord}, {label: inst.id}, self._directory, start_timeout_s)
+                peers = [w for o in self._live(Role.GEN if inst.role is Role.CTX else Role.CTX) for w in o.workers]
+                await asyncio.gather(
+                    *(w.connect.remote() for w in inst.workers),
+                    *(w.peer_joined.remote(inst.spec, inst.memory_kind) for w in peers),
+                )
             except Exception as exc:
                 await self._remove(inst)
                 if isinstance(exc, LaunchFailed):

@@ -73,7 +73,6 @@ from kvhandoff.actors._carrier import choose_carrier
 from kvhandoff.actors._checks import check_int, check_timeout, short
 from kvhandoff.actors._client import stop_actors
 from kvhandoff.actors._config import FleetConfig, checked
-from kvhandoff.actors._coordinator import Coordinator
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors._errors import (
     DeploymentError,
@@ -83,7 +82,8 @@ from kvhandoff.actors._errors import (
     PlacementFailed,
 )
 from kvhandoff.actors._faults import FaultPlan
-from kvhandoff.actors._launch import _RankFactory, _ref, placed, rank_configs
+from kvhandoff.actors._instance import await_started, start_coordinator
+from kvhandoff.actors._launch import _RankFactory, placed, rank_configs
 from kvhandoff.actors._membership import coordinator_stats, drained, rank_stats, take_out
 from kvhandoff.actors._placement import (
     bundle_strategy,
@@ -107,7 +107,6 @@ from kvhandoff.topology import (
     check_memory_kind,
     qualify_pair,
     shard_map,
-    topology_digest,
     unplaced_reasons,
 )
 
@@ -359,7 +358,6 @@ class Fleet(Deployment):
     async def _start_instance(self, inst: _Instance) -> None:
         """Place the instance's group, start its coordinator (which starts the
         ranks), and wait until every rank answered and registered."""
-        loop = asyncio.get_running_loop()
         request = inst.placement  # type: ignore[attr-defined]
         inst.group = create_group(request, f"{inst.id}")
         if not await wait_ready(inst.group, self._placement_timeout_s):
@@ -370,31 +368,21 @@ class Fleet(Deployment):
         inst.node = group_node(inst.group)
         for rank, options in enumerate(inst.resources):
             options.update(bundle_strategy(inst.group, rank))
-        inst.coord = Coordinator.options(
-            name=f"{self.name}.coord.{inst.id}", **bundle_strategy(inst.group, 0)
-        ).remote(
-            inst.id,
-            rank_factory=_RankFactory(inst.configs, inst.resources),
-            tp=inst.tp,
+        inst.coord = start_coordinator(
+            f"{self.name}.coord.{inst.id}",
+            inst.spec,
+            _RankFactory(inst.configs, inst.resources),
+            options=bundle_strategy(inst.group, 0),
             round_timeout=self._round_timeout_s,
             max_restarts=self._max_restarts,
             restart_timeout=self._start_timeout_s,
-            topology_digest=topology_digest(inst.spec),
             fleet=self.name,
             admits_at_open=self._admits_at_open(inst.role, inst.tp),
             # A GEN instance of one rank admits alone with such a CTX peer.
             admits_alone=self._admit_at_open and inst.role is Role.GEN and inst.tp == 1,
         )
-        deadline = loop.time() + self._start_timeout_s
-        try:
-            epochs = await asyncio.wait_for(_ref(inst.coord.epochs.remote()), self._start_timeout_s)
-        except TimeoutError:
-            raise LaunchFailed(self.name, f"instance {inst.name}: ranks did not start within {self._start_timeout_s:g}s") from None
-        except Exception as exc:
-            raise LaunchFailed(self.name, f"instance {inst.name}: {getattr(exc, 'reason', exc)}") from exc
-        left = max(deadline - loop.time(), 0.0)
-        if not await self._directory.wait_for.remote({inst.id: epochs}, left):
-            raise LaunchFailed(self.name, f"instance {inst.name}: ranks did not register within {self._start_timeout_s:g}s")
+        label = f"instance {inst.name}:"
+        await await_started(self.name, {label: inst.coord}, {label: inst.id}, self._directory, self._start_timeout_s)
 
     def _serve(self, inst: _Instance) -> None:
         inst.state = "serving"
@@ -603,6 +591,10 @@ class Fleet(Deployment):
         return asyncio.gather(
             *(i.coord.cancel.remote(parent) for i in self._serving(Role.GEN)), return_exceptions=True
         )
+
+    def _ctx_coordinator(self, attempt: _Attempt | None) -> Any:
+        inst = self._by_id.get(attempt.ctx) if attempt is not None and attempt.ctx else None
+        return inst.coord if inst is not None else None
 
     def _gen_tp(self, attempt: _Attempt) -> int:
         return self._by_id[attempt.gen].tp

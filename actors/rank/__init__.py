@@ -97,7 +97,7 @@ package.
 from __future__ import annotations
 
 from kvhandoff.actors._names import agent_name
-from kvhandoff.actors.rank._config import RankConfig
+from kvhandoff.actors.rank._config import DataPlane, RankConfig
 from kvhandoff.actors.rank._core import RankCore
 from kvhandoff.actors.rank._ctx import CtxRankCore
 from kvhandoff.actors.rank._gen import GenRankCore
@@ -114,6 +114,7 @@ from kvhandoff.actors.rank._host import (
 
 __all__ = [
     "RankConfig",
+    "DataPlane",
     "RankActor",
     "RankCore",
     "CtxRankCore",

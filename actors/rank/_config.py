@@ -26,7 +26,34 @@ from kvhandoff.topology import KVLayout, TopologySpec, shard_map, topology_diges
 log = logging.getLogger("kvhandoff.rank")
 
 
-class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
+class DataPlane(msgspec.Struct, frozen=True, kw_only=True):
+    """The data-plane settings a rank takes from its deployment: a base of
+    `RankConfig` and of an engine's `EnginePlan`."""
+
+    #: How the CTX moves an edge's chunks (docs/design.md "Staged data
+    #: plane"): "direct" (one descriptor per piece, straight into the GEN
+    #: blocks), "staged" (gather into a slot, one WRITE per slot, the GEN
+    #: scatters it) or "auto" (staged for an edge whose pieces average under
+    #: `staged_below` bytes, the measured crossover; 0: the device's default).
+    #: Any mode but "direct" gives the rank a staging arena of
+    #: `staging_window` slots of `staging_slot_bytes` per peer rank,
+    #: registered once.
+    data_mode: str = "auto"
+    staging_window: int = 4
+    staged_below: int = 0
+    #: Bytes of one staging slot, which is the size of one staged chunk (a
+    #: staged edge's chunks are planned at this size, a direct edge's at
+    #: `chunk_bytes`). Every staged chunk costs a gather, a WRITE, a notice,
+    #: a scatter and an ACK whatever its size, so on a GPU small slots leave
+    #: the link idle (docs/benchmarks.md). 0: `staging_slot_default(device,
+    #: chunk_bytes)`.
+    staging_slot_bytes: int = 0
+    #: "auto" stages an edge only from this many descriptors (pieces x
+    #: blocks) on; 0: the device's measured default (`STAGED_MIN_DESCRIPTORS`).
+    staged_min_descriptors: int = 0
+
+
+class RankConfig(DataPlane, frozen=True, kw_only=True):
     """Everything one rank actor needs; the same for every incarnation but `epoch`."""
 
     deployment: str  # namespace of the named directory actor
@@ -82,27 +109,6 @@ class RankConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: (None: the same). The CTX plans its pieces from both.
     memory_kind: str = "blocked"
     peer_memory_kind: str | None = None
-    #: How the CTX moves an edge's chunks (docs/design.md "Staged data
-    #: plane"): "direct" (one descriptor per piece, straight into the GEN
-    #: blocks), "staged" (gather into a slot, one WRITE per slot, the GEN
-    #: scatters it) or "auto" (staged for an edge whose pieces average under
-    #: `staged_below` bytes, the measured crossover; 0: the device's default).
-    #: Any mode but "direct" gives the rank a staging arena of
-    #: `staging_window` slots of `staging_slot_bytes` per peer rank,
-    #: registered once.
-    data_mode: str = "auto"
-    staging_window: int = 4
-    staged_below: int = 0
-    #: Bytes of one staging slot, which is the size of one staged chunk (a
-    #: staged edge's chunks are planned at this size, a direct edge's at
-    #: `chunk_bytes`). Every staged chunk costs a gather, a WRITE, a notice,
-    #: a scatter and an ACK whatever its size, so on a GPU small slots leave
-    #: the link idle (docs/benchmarks.md). 0: `staging_slot_default(device,
-    #: chunk_bytes)`.
-    staging_slot_bytes: int = 0
-    #: "auto" stages an edge only from this many descriptors (pieces x
-    #: blocks) on; 0: the device's measured default (`STAGED_MIN_DESCRIPTORS`).
-    staged_min_descriptors: int = 0
     #: The actor name of this instance's coordinator ("": the pair
     #: deployment's `<deployment>.coord.<role>`).
     coordinator: str = ""

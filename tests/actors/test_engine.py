@@ -254,6 +254,32 @@ async def test_a_published_ticket_nobody_claims_ends_by_its_lease(ray_cluster: A
         await eng.close()
 
 
+async def test_a_cancel_is_one_call_that_ends_an_unclaimed_ticket(ray_cluster: Any) -> None:
+    """`cancel(ticket)` is one client call, to the GEN coordinator, which
+    cancels in both instances: a published ticket nobody claimed is let go
+    on the CTX instance, long before its lease would end it. With the GEN
+    coordinator gone, the client asks the CTX coordinator itself."""
+    eng = await _engine(1, 1, "paged", "paged", lease_timeout_s=600.0)
+    try:
+        ticket, blocks = await eng.prefill_and_publish("one-call", seed=21, tokens=6)
+        await eng.dep.cancel(ticket)
+        assert eng.dep.calls["cancel"] == 1
+        # Bounded: a failure waits 60 s, not the 600 s lease.
+        assert await eng.dep.returned(ticket, Role.CTX, timeout=60)
+        eng.give(Role.CTX, blocks)
+        await eng.check_clean()
+        orphan, blocks = await eng.prefill_and_publish("no-gen", seed=22, tokens=6)
+        gen_coord = eng.dep._coords[Role.GEN]
+        watching = gen_coord.watch.remote()  # answers only with the coordinator's death
+        ray.kill(gen_coord, no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError):
+            await watching
+        await eng.dep.cancel(orphan)
+        assert await eng.dep.returned(orphan, Role.CTX, timeout=60)
+    finally:
+        await eng.close()
+
+
 async def test_cancel_with_ready_held_in_flight_never_leaks_or_corrupts(engine: Engine) -> None:
     """A cancel while the CTX's READY/TERMINAL frames to the GEN are held (the
     transfer decided, the GEN not told): the request ends cancelled, both
