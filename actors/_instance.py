@@ -28,7 +28,7 @@ from kvhandoff.actors._coordinator import Coordinator
 from kvhandoff.actors._errors import LaunchFailed
 from kvhandoff.topology import TopologySpec, topology_digest
 
-__all__ = ["start_coordinator", "await_started"]
+__all__ = ["start_coordinator", "await_started", "connected"]
 
 
 async def _ref(ref: Any) -> Any:
@@ -88,6 +88,16 @@ async def await_started(
     expected = {instances[label]: starts[label].result() for label in coords}
     if not await directory.wait_for.remote(expected, max(deadline - loop.time(), 0.0)):
         raise LaunchFailed(deployment, f"rank actors did not register with the directory within {timeout_s:g}s")
+
+
+async def connected(deployment: str, ranks: Sequence[Any], timeout_s: float) -> None:
+    """Every rank in `ranks` learns its peers' agents and buffers (`connect`),
+    within `timeout_s`; else `LaunchFailed`."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await asyncio.gather(*(h.connect.remote() for h in ranks))
+    except TimeoutError:
+        raise LaunchFailed(deployment, f"rank actors did not connect to their peers within {timeout_s:g}s") from None
 
 
 async def _not_started(coords: Mapping[str, Any]) -> dict[str, str]:

@@ -27,7 +27,7 @@ from kvhandoff.actors._config import LaunchConfig, staging_of
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors._errors import InvalidConfig, PlacementFailed
 from kvhandoff.actors._faults import FaultPlan
-from kvhandoff.actors._instance import await_started, start_coordinator
+from kvhandoff.actors._instance import await_started, connected, start_coordinator
 from kvhandoff.actors._placement import (
     bundle_strategy,
     create_group,
@@ -280,4 +280,4 @@ class Launcher:
             self._directory,
             cfg.start_timeout_s,
         )
-        await asyncio.gather(*(h.connect.remote() for h in await self._all_ranks()))
+        await connected(self.name, await self._all_ranks(), cfg.start_timeout_s)

@@ -76,7 +76,7 @@ from kvhandoff.actors._errors import (
     LaunchFailed,
     StaleTicket,
 )
-from kvhandoff.actors._instance import _ref, await_started, start_coordinator
+from kvhandoff.actors._instance import _ref, await_started, connected, start_coordinator
 from kvhandoff.actors._metrics import record_handoff
 from kvhandoff.actors._pair import PairCore
 from kvhandoff.actors.endpoint import EnginePlan
@@ -230,7 +230,7 @@ class EngineDeployment(PairCore):
                 self._directory,
                 start_timeout_s,
             )
-            await asyncio.gather(*(h.connect.remote() for hs in self._ranks.values() for h in hs))
+            await connected(plan.name, [h for hs in self._ranks.values() for h in hs], start_timeout_s)
         except BaseException as exc:
             await self._teardown()
             if isinstance(exc, DeploymentError) or not isinstance(exc, Exception):

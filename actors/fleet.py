@@ -82,7 +82,7 @@ from kvhandoff.actors._errors import (
     PlacementFailed,
 )
 from kvhandoff.actors._faults import FaultPlan
-from kvhandoff.actors._instance import await_started, start_coordinator
+from kvhandoff.actors._instance import await_started, connected, start_coordinator
 from kvhandoff.actors._launch import _RankFactory, placed, rank_configs
 from kvhandoff.actors._membership import coordinator_stats, drained, rank_stats, take_out
 from kvhandoff.actors._placement import (
@@ -279,7 +279,7 @@ class Fleet(Deployment):
                 await self._directory.add_instance.remote(inst.spec, cfg.memory_kind)
             await asyncio.gather(*(self._start_instance(inst) for inst in planned))
             # Every rank registered: each learns the instance table and negotiates per pair.
-            await asyncio.gather(*(h.connect.remote() for h in await self._ranks_of(planned)))
+            await connected(self.name, await self._ranks_of(planned), self._start_timeout_s)
         except BaseException as exc:
             await self._teardown()
             if isinstance(exc, DeploymentError) or not isinstance(exc, Exception):

@@ -245,6 +245,59 @@ def test_drain_and_join_under_traffic(nodes) -> None:
     assert_clean(stats)
 
 
+def test_a_drain_waits_until_the_peer_ranks_let_go(nodes) -> None:
+    """The window between a draining instance's last parent and its peers'
+    release, held open: the CTX rank's READY and TERMINAL toward the GEN rank
+    are held, so the CTX side of a handoff ends (its WRITEs are done: S1 is
+    proven there) while the GEN rank still waits for them, paired with that
+    CTX instance. Draining the CTX instance waits for the GEN rank: within
+    the bound it answers False and the instance stays draining (taking it
+    out now would have the GEN rank cancel the parent as a peer that left).
+    Once the frames flow, the handoff completes, the drain ends, and
+    nothing was cancelled."""
+    from kvhandoff.cli.harness import held_frames, hold_frames, release_frames
+
+    async def until(condition: Callable[[], Awaitable[bool]]) -> None:
+        deadline = time.monotonic() + TIMEOUT  # a bound (L1), not a guess
+        while not await condition():
+            assert time.monotonic() < deadline, "condition not reached"
+            await asyncio.sleep(0.01)
+
+    async def scenario():
+        fleet = await Fleet.launch(ctx=2, gen=1, **FLEET)
+        try:
+            ids = {i["id"]: i["instance_id"] for i in fleet.instances()}
+            ctx_rank = (await fleet.instance_ranks("ctx0"))[0]
+            gen_rank = (await fleet.instance_ranks("gen0"))[0]
+            rid = "held-terminal"
+            await hold_frames(ctx_rank, rid, Role.GEN, 0)
+            handoff = asyncio.ensure_future(fleet.handoff(rid, TOKENS, ctx="ctx0", gen="gen0", timeout=TIMEOUT))
+
+            async def ctx_side_ended() -> bool:
+                held = await held_frames(ctx_rank, rid, Role.GEN, 0)
+                return held > 0 and await ctx_rank.paired_with.remote(ids["gen0"]) == 0
+
+            await until(ctx_side_ended)
+            bounded = await fleet.drain("ctx0", 3.0)
+            state = next(i["state"] for i in fleet.instances() if i["id"] == "ctx0")
+            paired = await gen_rank.paired_with.remote(ids["ctx0"])
+            await release_frames(ctx_rank, rid, Role.GEN, 0)
+            result = await handoff
+            drained = await fleet.drain("ctx0", TIMEOUT)
+            after = await fleet.handoff("after", TOKENS, ctx="ctx1", timeout=TIMEOUT)
+            return bounded, state, paired, result, drained, after, await fleet_stats(fleet)
+        finally:
+            await fleet.shutdown()
+
+    bounded, state, paired, result, drained, after, stats = run(scenario())
+    assert bounded is False and state == "draining" and paired == 1
+    assert result.outcome == "completed" and result.bytes_verified > 0
+    assert drained is True and after.outcome == "completed"
+    gen = [s for s in stats["ranks"] if s["role"] == "gen"]
+    assert all(s["counters"].get("cancelled_peer_left", 0) == 0 for s in gen), [s["counters"] for s in gen]
+    assert_clean(stats)
+
+
 def test_a_joined_instance_whose_agents_resolve_out_of_order(nodes) -> None:
     """A CTX rank learns a joined GEN instance's agents from the directory at
     their first OPENs. Here the GEN instance has two ranks, so the parent has
