@@ -42,9 +42,11 @@ table per instance: the same block ids on every TP rank) and its compute
    released them, which happens once S1 is proven (the transfer completed,
    or was cancelled and drained or never started) or, for quarantined ones,
    after a reclaim with a proof of quiescence.
-7. **Cancel** at any moment, from either side: `cancel(ticket)` cancels in
-   both instances (a published ticket nobody claimed is cancelled on the
-   CTX instance; its lease deadline ends it too).
+7. **Cancel** at any moment, from either side: `cancel(ticket)` is one
+   call, to the GEN coordinator, which cancels in both instances (a
+   published ticket nobody claimed too; its lease deadline ends it as
+   well). Only if the GEN coordinator cannot be asked is the CTX one asked
+   directly (actors/_pair.py).
 
 A front end in another process uses `EngineDeployment.connect(plan)`: the
 coordinators are named actors. Nothing here holds blocks: every block is held

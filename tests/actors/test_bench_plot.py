@@ -79,6 +79,10 @@ def test_bench_plot_writes_the_plots_of_a_real_run(tmp_path: Path) -> None:
     # sampled in both sections whose counts add up to each pool (S4).
     assert len(report["control"]["latency"]["samples_s"]) == report["control"]["latency"]["n"] > 0
     assert {s["section"] for s in report["pools"]} == {"control", "cancel"}
+    # The cancel trials start from whole pools (L1): nothing leaked before them
+    # or in them, so each trial waited for every rank's release.
+    assert all(b == 0 for b in report["cancel"]["leaked_blocks_per_rank"]), report["cancel"]
+    assert report["cancel"]["not_released"] == 0, report["cancel"]
     for section in ("control", "cancel"):
         rows = [s for s in report["pools"] if s["section"] == section]
         for role in ("ctx", "gen"):
