@@ -424,14 +424,17 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         self._wakeup.set()
         return list(await asyncio.gather(*futures))
 
-    async def claim_many(self, parents: Sequence[ParentKey]) -> list[bool]:
+    async def claim_many(self, parents: Sequence[ParentKey], peer_instance: str = "") -> list[bool]:
         """CTX of an engine deployment: the GEN coordinator claims parents
         this instance published (admitted through `admit` with the engine's
         block ids, the KV resident on every rank). True for a parent that is
-        admitted here, still in flight and not claimed before (a ticket is
-        claimed once: a second claim, a claim after its lease ran out or
-        after a cancel, or of a parent never published is False). Raises
-        `AdmissionStopped` while a rank restarts."""
+        admitted here, still in flight, not being cancelled and not claimed
+        before (a ticket is claimed once: a second claim, a claim after its
+        lease ran out or after a cancel, or of a parent never published is
+        False). In a fleet, ``peer_instance`` names the claiming GEN
+        instance: a cancel of a claimed parent here is forwarded to it, so
+        one call to this coordinator ends the ticket in both instances.
+        Raises `AdmissionStopped` while a rank restarts."""
         await self._ensure_started()
         if self.state is TopologyState.RECOVERING:
             raise AdmissionStopped(self.topology, self._failure_reason or "a rank is restarting")
@@ -439,10 +442,13 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         in_flight = self._leader.in_flight
         self._claimed &= in_flight  # ended parents need no memory: they cannot be claimed
         answers = []
+        now = time.monotonic()
         for parent in parents:
-            ok = parent in in_flight and parent not in self._claimed
+            ok = parent in in_flight and parent not in self._claimed and parent not in self._pending_cancels
             if ok:
                 self._claimed.add(parent)
+                if peer_instance:
+                    self._peer_of.remember(parent, peer_instance, now)
             answers.append(ok)
         self.calls["claims"] += len(parents)
         return answers
@@ -545,6 +551,7 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
     async def cancel_many(self, parents: Sequence[ParentKey]) -> list[str | None]:
         """`cancel` for many parents in one call (one Ray hop, one round)."""
         await self._ensure_started()
+        self.calls["cancels_asked"] += len(parents)
         loop = asyncio.get_running_loop()
         futures = []
         for parent in parents:
@@ -579,6 +586,7 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         round's decision ("cancelled", "failed", ...) or None if the
         coordinator does not know the parent."""
         await self._ensure_started()
+        self.calls["cancels_asked"] += 1
         alone = self._alone_calls.get(parent)
         if alone is not None:
             await asyncio.shield(alone)  # the parent is in flight (or refused) once it answers

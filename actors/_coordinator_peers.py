@@ -188,7 +188,9 @@ class PeersMixin(CoordinatorState):
         try:
             async with asyncio.timeout(self._round_timeout * 2):
                 if self._peer_claims:
-                    answers = await self._peer_coordinator(instance).claim_many.remote([a.parent for a in admissions])
+                    answers = await self._peer_coordinator(instance).claim_many.remote(
+                        [a.parent for a in admissions], ours
+                    )
                 else:
                     answers = await self._peer_coordinator(instance).admit_many.remote(
                         [(a.parent, a.num_tokens) for a in admissions], ours

@@ -33,6 +33,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -309,9 +310,10 @@ class EngineFleet(ClientCore):
         return await _result(self.name, inst.workers, parent, decided, start, left)
 
     async def cancel(self, ticket: HandoffTicket | str) -> None:
-        """Cancel at any moment, from either side: on the ticket's CTX
-        instance and on every GEN instance (a GEN instance that never
-        claimed it changes nothing)."""
+        """Cancel at any moment, from either side, in one call: to the
+        ticket's CTX instance, which forwards to the GEN instance that
+        claimed it (every GEN instance only if the CTX instance's
+        coordinator cannot be asked)."""
         self._check_open()
         ticket = self._ticket(ticket)
         await self._cancel_parent(ticket.parent, ticket.ctx_instance)
@@ -382,11 +384,9 @@ class EngineFleet(ClientCore):
         return ticket
 
     async def _cancel_parent(self, parent: ParentKey, ctx_instance: str) -> None:
-        coords = [i.coord for i in self._live(Role.GEN)]
         ctx = self._by_id.get(ctx_instance)
-        if ctx is not None and ctx.state != "removed":
-            coords.append(ctx.coord)
-        await asyncio.gather(*(c.cancel.remote(parent) for c in coords), return_exceptions=True)
+        home = ctx.coord if ctx is not None and ctx.state != "removed" else None
+        await _cancel_once(self.name, parent, home, lambda: [i.coord for i in self._live(Role.GEN)])
 
 
 class FleetInstance:
@@ -447,10 +447,10 @@ class FleetInstance:
         return await _result(self.name, self._workers, parent, decided, start, left)
 
     async def cancel(self, ticket: HandoffTicket | str) -> None:
-        """Cancel at any moment: on the ticket's CTX instance and on every
-        serving GEN instance (one that never claimed it changes nothing)."""
+        """Cancel at any moment, in one call: to the ticket's CTX instance,
+        which forwards to the GEN instance that claimed it (every serving GEN
+        instance only if the CTX instance's coordinator cannot be asked)."""
         ticket = await self._ticket(ticket)
-        await self._membership()  # a GEN instance that joined since may hold it
         await self._cancel_parent(ticket.parent, ticket.ctx_instance)
 
     async def returned(self, ticket: HandoffTicket | str, role: Role | str, timeout: float = 60.0) -> bool:
@@ -488,10 +488,28 @@ class FleetInstance:
         return ticket
 
     async def _cancel_parent(self, parent: ParentKey, ctx_instance: str) -> None:
-        coords = list(self._gen_coords.values())
-        with contextlib.suppress(ValueError):
-            coords.append(ray.get_actor(f"{self.name}.coord.{ctx_instance}"))
-        await asyncio.gather(*(c.cancel.remote(parent) for c in coords), return_exceptions=True)
+        home = None
+        with contextlib.suppress(ValueError):  # the CTX instance left
+            home = ray.get_actor(f"{self.name}.coord.{ctx_instance}")
+        if home is None:
+            await self._membership()  # a GEN instance that joined since may hold it
+        await _cancel_once(self.name, parent, home, lambda: list(self._gen_coords.values()))
+
+
+async def _cancel_once(name: str, parent: ParentKey, home: Any, gens: Callable[[], list[Any]]) -> None:
+    """Cancel a ticket's parent in one call, to its CTX instance's coordinator
+    (`home`): it cancels there and forwards to the GEN instance that claimed
+    the ticket, if one did (`Coordinator.claim_many`). Only when `home`
+    cannot be asked (the instance left, or its coordinator died) does every
+    GEN coordinator in `gens()` get the cancel: one that never claimed the
+    ticket changes nothing."""
+    if home is not None:
+        try:
+            await home.cancel.remote(parent)
+            return
+        except Exception as exc:
+            log.debug("%s: cancel of %s on its CTX coordinator raised: %r", name, parent, exc)
+    await asyncio.gather(*(c.cancel.remote(parent) for c in gens()), return_exceptions=True)
 
 
 async def _publish(

@@ -191,3 +191,62 @@ async def test_fleet_instance_handles_publish_receive_and_cancel_from_each_side(
         for ws in workers.values():
             for w in ws:
                 ray.kill(w)
+
+
+async def test_a_cancel_is_one_call_to_the_tickets_ctx_instance(ray_cluster: Any) -> None:
+    """A ticket received into one of two GEN instances, cancelled while its
+    transfer is in flight (the CTX worker's frames to the GEN held): one
+    call, to the ticket's CTX instance, which forwards it to the GEN
+    instance that claimed the ticket; the other GEN instance is never asked.
+    The receive ends (cancelled, or completed if the bytes won) with every
+    block back on both sides. A ticket nobody claimed ends by the same one
+    call, long before its lease would end it."""
+    from kvhandoff.cli.harness import held_frames, hold_frames, release_frames
+
+    fleet = await EngineFleet.create(layout=LAYOUT, chunk_bytes=1024, round_timeout_s=5.0, lease_timeout_s=600.0)
+    mgr = Blocks()
+    workers: dict[str, list[Any]] = {}
+
+    async def asked(instance: str) -> int:
+        return int((await fleet._by_id[instance].coord.stats.remote())["calls"].get("cancels_asked", 0))
+
+    try:
+        ctx0, workers[ctx0] = await _instance(fleet, "ctx", 1, "paged")
+        gen0, workers[gen0] = await _instance(fleet, "gen", 1, "paged")
+        gen1, workers[gen1] = await _instance(fleet, "gen", 1, "paged")
+        ctx_worker = workers[ctx0][0]
+        blocks = mgr.take(ctx0, 2)
+        await asyncio.gather(*(w.prefill.remote(90, blocks) for w in workers[ctx0]))
+        ticket = await fleet.publish("one-call", 8, blocks, ctx=ctx0)
+        await hold_frames(ctx_worker, "one-call", Role.GEN, 0)
+        gen_blocks = mgr.take(gen1, 2)
+        receiving = asyncio.ensure_future(fleet.receive(ticket, gen_blocks, gen=gen1, timeout=60))
+        deadline = asyncio.get_running_loop().time() + 60  # a bound (L1), not a guess
+        while not await held_frames(ctx_worker, "one-call", Role.GEN, 0):  # claimed, opened, decided
+            assert asyncio.get_running_loop().time() < deadline, "the transfer never started"
+            await asyncio.sleep(0.01)
+        await fleet.cancel(ticket)
+        while not await asked(gen1):  # the forward is the CTX coordinator's, one way
+            assert asyncio.get_running_loop().time() < deadline, "the claiming GEN instance was never told"
+            await asyncio.sleep(0.01)
+        await release_frames(ctx_worker, "one-call", Role.GEN, 0)
+        result = await receiving
+        assert result.outcome in ("cancelled", "completed") and result.blocks_returned, result
+        assert await fleet.returned(ticket, Role.CTX, timeout=60)
+        mgr.give(gen1, gen_blocks)
+        mgr.give(ctx0, blocks)
+        # Nobody claimed this one: the one call ends it on the CTX instance.
+        blocks = mgr.take(ctx0, 2)
+        orphan = await fleet.publish("unclaimed", 8, blocks, ctx=ctx0)
+        await fleet.cancel(orphan)
+        assert await fleet.returned(orphan, Role.CTX, timeout=60)  # a 600 s lease: the cancel did it
+        mgr.give(ctx0, blocks)
+        assert await asked(gen0) == 0  # never asked, for either ticket
+        stats = await fleet.stats()
+        for s in stats["ranks"]:
+            assert s["violations"] == [] and s["leased"] == 0 and s["free"] == s["pool"], s
+    finally:
+        await fleet.shutdown()
+        for ws in workers.values():
+            for w in ws:
+                ray.kill(w)
