@@ -68,6 +68,20 @@ async def _handoff(fleet: EngineFleet, mgr: Blocks, workers: dict[str, list[Any]
     return result.outcome
 
 
+async def _assert_whole(fleet: EngineFleet) -> None:
+    """Every rank's pool is whole: nothing leased or quarantined (L1, S4)."""
+    for s in (await fleet.stats())["ranks"]:
+        assert s["violations"] == [] and s["leased"] == 0 and s["free"] == s["pool"], s
+
+
+async def _stop(fleet: EngineFleet, workers: dict[str, list[Any]]) -> None:
+    """Shut the fleet down, then the engine's workers (the engine's to stop)."""
+    await fleet.shutdown()
+    for ws in workers.values():
+        for w in ws:
+            ray.kill(w)
+
+
 async def test_engine_instances_join_pair_any_to_any_drain_and_reattach(ray_cluster: Any) -> None:
     fleet = await EngineFleet.create(layout=LAYOUT, chunk_bytes=1024, round_timeout_s=5.0)
     mgr = Blocks()
@@ -133,10 +147,7 @@ async def test_engine_instances_join_pair_any_to_any_drain_and_reattach(ray_clus
         await fleet.cancel(h1)
         assert await fleet.returned(h1, Role.CTX)
     finally:
-        await fleet.shutdown()
-        for ws in workers.values():
-            for w in ws:
-                ray.kill(w)
+        await _stop(fleet, workers)
 
 
 async def test_fleet_instance_handles_publish_receive_and_cancel_from_each_side(ray_cluster: Any) -> None:
@@ -183,14 +194,9 @@ async def test_fleet_instance_handles_publish_receive_and_cancel_from_each_side(
         foreign = msgspec.structs.replace(ticket, deployment="another-fleet")
         with pytest.raises(StaleTicket):
             await handle[gen0].receive(foreign, [0, 1])
-        stats = await fleet.stats()
-        for s in stats["ranks"]:
-            assert s["violations"] == [] and s["leased"] == 0 and s["free"] == s["pool"], s
+        await _assert_whole(fleet)
     finally:
-        await fleet.shutdown()
-        for ws in workers.values():
-            for w in ws:
-                ray.kill(w)
+        await _stop(fleet, workers)
 
 
 async def test_a_cancel_is_one_call_to_the_tickets_ctx_instance(ray_cluster: Any) -> None:
@@ -242,11 +248,6 @@ async def test_a_cancel_is_one_call_to_the_tickets_ctx_instance(ray_cluster: Any
         assert await fleet.returned(orphan, Role.CTX, timeout=60)  # a 600 s lease: the cancel did it
         mgr.give(ctx0, blocks)
         assert await asked(gen0) == 0  # never asked, for either ticket
-        stats = await fleet.stats()
-        for s in stats["ranks"]:
-            assert s["violations"] == [] and s["leased"] == 0 and s["free"] == s["pool"], s
+        await _assert_whole(fleet)
     finally:
-        await fleet.shutdown()
-        for ws in workers.values():
-            for w in ws:
-                ray.kill(w)
+        await _stop(fleet, workers)
