@@ -56,11 +56,11 @@ _SOURCES = {
     "RankConfig": "rank",
 }
 
-if TYPE_CHECKING:
-    from ._config import EngineConfig, EngineFleetConfig, FleetConfig, LaunchConfig
-    from ._coordinator import Coordinator
-    from ._coordinator_errors import AdmissionStopped, RoundTimeout, TopologyFailed
-    from ._errors import (
+if TYPE_CHECKING:  # what static checkers see; at run time `__getattr__` loads them
+    from ._config import EngineConfig, EngineFleetConfig, FleetConfig, LaunchConfig  # noqa: F401
+    from ._coordinator import Coordinator  # noqa: F401
+    from ._coordinator_errors import AdmissionStopped, RoundTimeout, TopologyFailed  # noqa: F401
+    from ._errors import (  # noqa: F401
         DeploymentClosed,
         DeploymentError,
         InvalidConfig,
@@ -68,13 +68,13 @@ if TYPE_CHECKING:
         LaunchFailed,
         PlacementFailed,
     )
-    from ._faults import FaultPlan
-    from .deployment import DEFAULT_LAYOUT, Deployment, HandoffResult, SyncDeployment
-    from .endpoint import EnginePlan, ctx_endpoint, endpoint_actor, gen_endpoint
-    from .engine import EngineDeployment, EngineResult, PublishRefused, StaleTicket
-    from .engine_fleet import EngineFleet
-    from .fleet import Fleet, InstanceUnavailable, UnknownInstance
-    from .rank import ENDPOINT_METHODS, EndpointHost, RankActor, RankConfig
+    from ._faults import FaultPlan  # noqa: F401
+    from .deployment import DEFAULT_LAYOUT, Deployment, HandoffResult, SyncDeployment  # noqa: F401
+    from .endpoint import EnginePlan, ctx_endpoint, endpoint_actor, gen_endpoint  # noqa: F401
+    from .engine import EngineDeployment, EngineResult, PublishRefused, StaleTicket  # noqa: F401
+    from .engine_fleet import EngineFleet  # noqa: F401
+    from .fleet import Fleet, InstanceUnavailable, UnknownInstance  # noqa: F401
+    from .rank import ENDPOINT_METHODS, EndpointHost, RankActor, RankConfig  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:
@@ -90,40 +90,6 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_SOURCES})
 
 
-__all__ = [
-    "Fleet",
-    "EngineFleet",
-    "UnknownInstance",
-    "InstanceUnavailable",
-    "EngineDeployment",
-    "EngineConfig",
-    "EngineFleetConfig",
-    "EngineResult",
-    "EnginePlan",
-    "EndpointHost",
-    "endpoint_actor",
-    "ENDPOINT_METHODS",
-    "ctx_endpoint",
-    "gen_endpoint",
-    "PublishRefused",
-    "StaleTicket",
-    "Deployment",
-    "LaunchConfig",
-    "FleetConfig",
-    "SyncDeployment",
-    "HandoffResult",
-    "DEFAULT_LAYOUT",
-    "DeploymentError",
-    "InvalidRequest",
-    "InvalidConfig",
-    "LaunchFailed",
-    "PlacementFailed",
-    "DeploymentClosed",
-    "FaultPlan",
-    "RankActor",
-    "RankConfig",
-    "Coordinator",
-    "AdmissionStopped",
-    "RoundTimeout",
-    "TopologyFailed",
-]
+#: The public names: exactly those `_SOURCES` loads.
+__all__ = list(_SOURCES)
+

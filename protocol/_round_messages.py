@@ -95,17 +95,15 @@ class RoundProposal(_Frozen, frozen=True, tag="round_proposal"):
     failures: _Parents = ()
 
 
-class RoundVote(_Frozen, frozen=True, tag="round_vote"):
-    """One rank's answer to one proposal.
+class _RankNews(_Frozen, frozen=True):
+    """What a rank tells its leader about its parents, in a vote or a report.
 
-    ``epoch`` is the endpoint epoch of the rank actor incarnation that voted:
-    a vote from an older incarnation is stale (invariant S3).
+    ``epoch`` is the endpoint epoch of the rank actor incarnation that sent
+    it: news from an older incarnation is stale (invariant S3).
     """
 
-    round_no: _RoundNo
     rank: _Rank
     epoch: _U63
-    admit_ok: _Parents = ()
     cancels: _Parents = ()
     completions: _Parents = ()
     failures: _Parents = ()
@@ -113,7 +111,15 @@ class RoundVote(_Frozen, frozen=True, tag="round_vote"):
     prepared: _Parents = ()
 
 
-class RankReport(_Frozen, frozen=True, tag="rank_report"):
+class RoundVote(_RankNews, frozen=True, kw_only=True, tag="round_vote"):
+    """One rank's answer to one proposal: its news, and the admissions of
+    the proposal it leased (``admit_ok``)."""
+
+    round_no: _RoundNo
+    admit_ok: _Parents = ()
+
+
+class RankReport(_RankNews, frozen=True, kw_only=True, tag="rank_report"):
     """News a rank pushes to its leader between rounds (one way, no reply).
 
     The same sets a vote carries, minus ``admit_ok`` (only a proposal can ask
@@ -124,13 +130,7 @@ class RankReport(_Frozen, frozen=True, tag="rank_report"):
     another incarnation is refused like a vote.
     """
 
-    rank: _Rank
-    epoch: _U63
     seq: _U63
-    cancels: _Parents = ()
-    completions: _Parents = ()
-    failures: _Parents = ()
-    prepared: _Parents = ()
     #: parents this rank admitted alone (a one-rank instance is its whole
     #: admission intersection), held here still: the leader takes them in
     #: flight as if a round had admitted them (`RoundLeader.report`)
