@@ -235,6 +235,10 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         # Engine deployments: the peer (CTX) instance published the parent
         # already (`publish`); a submission claims it there (`claim_many`)
         # instead of admitting it. On the CTX side, the parents claimed once.
+        # A CTX instance of one rank binds a published parent to the first
+        # GEN instance whose OPEN reaches its rank (`binds_at_first_open`):
+        # toward it a GEN instance of one rank admits alone, and its claim
+        # only names the claimer (for cancels), off the handoff's path.
         self._peer_claims = peer_claims
         # Admission at the OPEN (docs/design.md "Admission at the OPEN").
         # CTX of one rank: that rank admits a parent at its first OPEN and
@@ -243,7 +247,8 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         # per peer instance, whether it admits at the OPEN (asked once per
         # peer incarnation, `_learn_direct`); a submitted handoff paired
         # with one asks no peer admission: the OPEN is it, and a refusal
-        # comes back as a REJECT (NOT_STARTED) that fails the handoff.
+        # comes back as a REJECT (NOT_STARTED) that fails the handoff. An
+        # engine's GEN asks instead whether the peer binds at the first OPEN.
         self._admits_at_open = admits_at_open
         # A GEN instance of one rank hands a submission paired with such a
         # peer to its rank (`_admit_alone`): no admission round at all. Its
@@ -521,12 +526,7 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         self._raise_if_draining()
         if self.state is TopologyState.RECOVERING:
             return "rejected"
-        alone = (
-            self._admits_alone
-            and not self._peer_claims
-            and self._direct.get(peer_instance, False)
-            and self._idle_for_alone()
-        )
+        alone = self._admits_alone and self._direct.get(peer_instance, False) and self._idle_for_alone()
         request = self._checked(
             AdmissionRequest(parent, num_tokens, release_when_ready=release_when_ready, peer_instance=peer_instance),
             blocks,

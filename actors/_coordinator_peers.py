@@ -74,6 +74,12 @@ class PeersMixin(CoordinatorState):
         # rank applies it first, so the blocks its completions return are
         # free for this admission. Else the rank admits only once it applied
         # every decision up to here (one may still be on its way).
+        if self._peer_claims:
+            # Our rank's OPEN binds the published parent (the peer's one rank
+            # refuses an OPEN of another GEN instance). The claim only names
+            # us to the peer coordinator, which forwards a cancel here: sent
+            # now, answered off the handoff's path.
+            self._own(self._claim_alone(request))
         carried, self._carried = self._carried, None
         epoch = self._epochs[0]
         rides = carried.decision if carried is not None and carried.epochs[0] == epoch else None
@@ -108,6 +114,19 @@ class PeersMixin(CoordinatorState):
         if submitted is not None and not submitted.done():
             submitted.set_result(outcome)
 
+    async def _claim_alone(self, request: AdmissionRequest) -> None:
+        """Name this instance as the claimer of a parent admitted alone (its
+        peer binds at the first OPEN). A refusal changes nothing here: the
+        OPEN is the claim that counts, refused at the peer's rank if the
+        parent is gone, cancelled or bound to another GEN instance."""
+        self.calls["claims_alone"] += 1
+        try:
+            async with asyncio.timeout(self._round_timeout * 2):
+                ours = self.topology if self._fleet else ""
+                await self._peer_coordinator(request.peer_instance).claim_many.remote([request.parent], ours)
+        except Exception as exc:
+            self._rank_errors.append(f"claim of {request.parent!r}: {exc!r}"[:500])
+
     def _peer_coordinator(self, instance: str = "") -> Any:
         """The coordinator of peer instance `instance` ("": the configured peer)."""
         if not instance:
@@ -130,6 +149,16 @@ class PeersMixin(CoordinatorState):
         (a GEN coordinator then asks it no admission)."""
         return self._admits_at_open
 
+    async def binds_at_first_open(self) -> bool:
+        """Whether a parent this instance published binds to the first GEN
+        instance whose OPEN reaches it: true for an instance of one rank,
+        whose rank records at most the parent's edges and decides it alone
+        (an OPEN of a second GEN instance is refused there). A GEN instance
+        of one rank then admits a claim of it alone; with more ranks, two
+        GEN instances could each bind a different rank first, so the claim
+        (`claim_many`) must come before any OPEN."""
+        return self._tp == 1
+
     def _ask_direct(self, admissions: list[AdmissionRequest]) -> None:
         """Start learning whether the peer instances of `admissions` admit at
         the OPEN (once per peer incarnation; until the answer, they are
@@ -143,7 +172,9 @@ class PeersMixin(CoordinatorState):
     async def _learn_direct(self, peer: str) -> None:
         try:
             async with asyncio.timeout(self._round_timeout * 2):
-                direct = bool(await self._peer_coordinator(peer).admits_at_open.remote())
+                coordinator = self._peer_coordinator(peer)
+                asked = coordinator.binds_at_first_open if self._peer_claims else coordinator.admits_at_open
+                direct = bool(await asked.remote())
         except Exception:
             direct = False  # gone, or does not say: admit it in its rounds
         finally:

@@ -172,11 +172,12 @@ class RoundsMixin(CoordinatorState):
             self._pending_failures.clear()
             # Submitted handoffs need the peer instance to admit them too: ask
             # it now, in one call, while our ranks vote.
-            paired = [
-                a for a in admissions if a.parent in self._submitted and not self._direct.get(a.peer_instance, False)
-            ]
-            if paired and not self._peer_claims:
-                self._ask_direct(paired)
+            # A claim goes through the peer coordinator in a round (the alone
+            # path claims off it); an admission, unless the peer admits at the OPEN.
+            submitted = [a for a in admissions if a.parent in self._submitted]
+            if submitted and (self._admits_alone or not self._peer_claims):
+                self._ask_direct(submitted)
+            paired = [a for a in submitted if self._peer_claims or not self._direct.get(a.peer_instance, False)]
             peer_answer = (
                 asyncio.ensure_future(self._peers_admit(paired)) if paired else None
             )

@@ -34,6 +34,7 @@ class CoordinatorState:
     _metrics: InstanceMetrics
     _detached: set[int]
     _admits_at_open: bool
+    _admits_alone: bool
     #: Admissions a round takes next (each `_checked`), and what its decision answers.
     _pending_admits: dict[ParentKey, tuple[AdmissionRequest, asyncio.Future[bool]]]
     _pending_cancels: dict[ParentKey, list[asyncio.Future[str | None]]]

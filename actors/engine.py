@@ -29,8 +29,11 @@ table per instance: the same block ids on every TP rank) and its compute
    from its own block manager and calls `receive(ticket, blocks)`: one
    submission to the GEN coordinator, which admits the blocks on every GEN
    rank and *claims* the published parent on the CTX instance in the same
-   round (a ticket is claimed once). The ranks then drive the transfer as in
-   every handoff. `receive` answers `completed` when every byte landed and
+   round (a ticket is claimed once). When both instances have one rank, the
+   GEN rank admits alone, in one call, and its OPEN is the claim: the CTX
+   rank binds the parent to the first GEN OPEN and refuses any other (the
+   claim that names the GEN instance to the CTX coordinator, for cancels,
+   goes beside it). The ranks then drive the transfer as in every handoff. `receive` answers `completed` when every byte landed and
    was accounted for on every GEN rank (decode-ready); the GEN ranks then
    give the blocks back to the engine, and `receive` returns only once they
    have (`blocks_returned`). Any other outcome (`cancelled`, `rejected`,
@@ -113,8 +116,11 @@ class EngineResult(msgspec.Struct, frozen=True, kw_only=True):
 
     ``outcome``: "completed" (decode-ready: every byte of the request's KV
     landed in the engine's blocks on every GEN rank and was accounted for),
-    "cancelled", "rejected" (not admitted: the ticket was stale, claimed
-    already or expired, or a GEN block was not free), "failed", "timeout".
+    "cancelled" (also a ticket cancelled before its receive, when the CTX
+    rank refused the receive's OPEN), "rejected" (not admitted: the ticket
+    was stale, claimed already or expired, or a GEN block was not free),
+    "failed", "timeout". Whatever the outcome but "completed", the engine
+    must not decode from the blocks.
     ``blocks_returned``: kvhandoff holds none of the request's GEN blocks any
     more (always True after "completed"); when False (quarantined: a write
     could not be proven finished) the engine must not reuse them until
@@ -222,6 +228,8 @@ class EngineDeployment(PairCore):
                     max_restarts=0,
                     peer=f"{plan.name}.coord.{Role.CTX.value}" if role is Role.GEN else None,
                     peer_claims=role is Role.GEN,
+                    # One GEN rank claims a ticket of one CTX rank with no round.
+                    admits_alone=role is Role.GEN and plan.gen.tp == 1,
                     # A failed worker is detached, not fatal: the engine re-attaches it (`reattach`).
                     reattach=f"{plan.name}.directory",
                 )

@@ -220,6 +220,8 @@ class EngineFleet(ClientCore):
                 max_restarts=0,
                 fleet=self.name,
                 peer_claims=inst.role is Role.GEN,
+                # One GEN rank claims a ticket of one CTX rank with no round.
+                admits_alone=inst.role is Role.GEN and inst.spec.tp == 1,
                 reattach=f"{self.name}.directory",
             )
             label = f"instance {inst.name}:"

@@ -169,6 +169,8 @@ class _ControlPlane(_RankState):
             # What each step means is the protocol's (`apply_step`); here only
             # what the shell adds: the role's work after an admission, the
             # CTX's decide, and what it counts and remembers.
+            if step is Step.COMPLETED and parent in self._completed_alone:
+                continue  # decided here already, at its last TERMINAL (`_completing`)
             if step is Step.ADMITTED:
                 self._admitted(parent, now)
                 continue
@@ -182,6 +184,7 @@ class _ControlPlane(_RankState):
             elif step is Step.CANCELLED:
                 self.metrics.cancelled(parents[parent].value)
             self._perform(apply_step(self.side, step, parent, now))
+        self._completed_alone.difference_update(decision.settled())
         alive = self.side.parents()
         self.member.follower.forget(alive.__contains__)
         self._replay_parked()
@@ -343,7 +346,10 @@ class _ControlPlane(_RankState):
                 case AdmissionStop() | CancelIntent() | ParentSettled():
                     if isinstance(action, AdmissionStop):
                         self.counters["admission_stop"] += 1
-                    self._report(report_of(action, self._bytes_ok))
+                    report = report_of(action, self._bytes_ok)
+                    if report is not None and report.news is News.COMPLETION:
+                        refs += self._completing(report.parent, now)
+                    self._report(report)
                 case CleanupSkipped():
                     self.counters["cleanup_skipped"] += 1
                 case CancelDeferred():

@@ -155,6 +155,10 @@ class _RankState:
         self._lazy_flush_due = False
         # Admitted parents' token counts (GEN: for its OPENs), until their outcome.
         self._tokens: dict[ParentKey, int] = {}
+        # GEN of one rank: parents made decode-ready at their last TERMINAL
+        # (`_completing`); the completion decision that follows is theirs
+        # already, until a decision settles them.
+        self._completed_alone: set[ParentKey] = set()
         # Outcomes and waiters (for the client API).
         # Kept while a late `wait` may still ask (protocol `RecentMemory`).
         self._outcome: RecentMemory[ParentKey, LocalOutcome] = RecentMemory()
@@ -215,6 +219,11 @@ class _RankState:
 
     def _perform_role(self, action: Action, now: float) -> list[Any]:
         """Perform an action only our role's protocol produces (`_perform`)."""
+        return []
+
+    def _completing(self, parent: ParentKey, now: float) -> list[Any]:
+        """`parent` settled here without a cancel and its bytes verified: its
+        completion goes to the rounds (what a role may do at once besides)."""
         return []
 
     def _releasing(self, parent: ParentKey, blocks: tuple[Any, ...]) -> None:

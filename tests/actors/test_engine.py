@@ -29,7 +29,7 @@ from kvhandoff.actors import (
 from kvhandoff.actors.endpoint import EnginePlan, ctx_endpoint, gen_endpoint
 from kvhandoff.actors.engine import EngineDeployment, PublishRefused, StaleTicket
 from kvhandoff.actors.rank import EndpointHost, endpoint_actor
-from kvhandoff.cli.harness import hold_frames, release_frames
+from kvhandoff.cli.harness import held_frames, hold_frames, release_frames
 from kvhandoff.protocol import HandoffTicket, Role, TicketError
 from kvhandoff.topology import KVLayout, heads_per_rank
 
@@ -128,6 +128,13 @@ class Engine:
         blocks = self.take(Role.CTX, -(-tokens // LAYOUT.tokens_per_block))
         await asyncio.gather(*(w.prefill.remote(seed, blocks) for w in self.ctx))
         return await self.dep.publish(request_id, tokens, blocks), blocks
+
+    async def give_back(self, ticket: HandoffTicket, gen_blocks: list[int], ctx_blocks: list[int]) -> None:
+        """A receive ended with its GEN blocks back: once kvhandoff released
+        the CTX blocks too, both go back to their managers."""
+        assert await self.dep.returned(ticket, Role.CTX, timeout=60)
+        self.give(Role.GEN, gen_blocks)
+        self.give(Role.CTX, ctx_blocks)
 
     async def close(self) -> None:
         """Shut the deployment down and kill the workers."""
@@ -276,6 +283,108 @@ async def test_a_cancel_is_one_call_that_ends_an_unclaimed_ticket(ray_cluster: A
             await watching
         await eng.dep.cancel(orphan)
         assert await eng.dep.returned(orphan, Role.CTX, timeout=60)
+    finally:
+        await eng.close()
+
+
+async def test_one_rank_instances_claim_a_ticket_with_no_round(ray_cluster: Any) -> None:
+    """CTX and GEN instances of one rank each: the CTX rank binds a published
+    ticket to the first GEN OPEN and decides it alone, so once the GEN
+    coordinator learned that of its peer, a receive goes to its rank in one
+    call (`admit_alone`: no admission round, no claim on the path; the claim
+    that names the GEN instance to the CTX coordinator goes beside it). The
+    bytes are the request's own; a ticket already received is refused, and
+    one cancelled ends "cancelled", with nothing held; a cancel mid-transfer
+    ends in both instances; every block comes back."""
+    eng = await _engine(1, 1, "paged", "split")
+    try:
+        gen_coord, ctx_coord = eng.dep._coords[Role.GEN], eng.dep._coords[Role.CTX]
+
+        async def calls(coord: Any) -> dict[str, int]:
+            return dict((await coord.stats.remote())["calls"])
+
+        assert await _handoff(eng, "learn", seed=30, tokens=9) == "completed"  # learns the peer binds at the OPEN
+        before, ctx_before = await calls(gen_coord), await calls(ctx_coord)
+        for i, tokens in enumerate((1, 6, 17)):
+            assert await _handoff(eng, f"alone-{i}", seed=31 + i, tokens=tokens) == "completed"
+        after = await calls(gen_coord)
+        assert after["rank_admit_alone"] - before.get("rank_admit_alone", 0) == 3, after
+        assert after["claims_alone"] - before.get("claims_alone", 0) == 3, after
+        ctx_after = await calls(ctx_coord)
+        assert ctx_after["claims"] - ctx_before.get("claims", 0) == 3, ctx_after
+        gen_stats = [s for s in (await eng.dep.stats())["ranks"] if s["role"] == "gen"]
+        assert gen_stats[0]["counters"]["admitted_alone"] >= 3, gen_stats
+        assert gen_stats[0]["counters"]["completed_alone"] >= 4, gen_stats
+        # Received already: its OPEN is refused at the CTX rank; nothing held.
+        ticket, ctx_blocks = await eng.prefill_and_publish("twice", seed=40, tokens=5)
+        gen_blocks = eng.take(Role.GEN, len(ctx_blocks))
+        assert (await eng.dep.receive(ticket, gen_blocks)).outcome == "completed"
+        again = await eng.dep.receive(ticket, gen_blocks)
+        assert again.outcome == "rejected" and again.blocks_returned, again
+        assert await eng.dep.returned(ticket, Role.CTX)
+        # Cancelled before any receive: the CTX rank refuses its OPEN (stale),
+        # which the GEN rank takes as the transfer's NOT_STARTED: nothing held.
+        cancelled, more = await eng.prefill_and_publish("gone", seed=41, tokens=5)
+        await eng.dep.cancel(cancelled)
+        late = await eng.dep.receive(cancelled, gen_blocks)
+        assert late.outcome == "cancelled" and late.blocks_returned, late
+        assert await eng.dep.returned(cancelled, Role.CTX)
+        eng.give(Role.GEN, gen_blocks)
+        eng.give(Role.CTX, ctx_blocks + more)
+        # A cancel while the CTX's frames to the GEN are held (decided, posted,
+        # the GEN not told), once the claim named the GEN instance.
+        held, ctx_blocks = await eng.prefill_and_publish("held", seed=42, tokens=16)
+        await hold_frames(eng.ctx[0], "held", Role.GEN, 0)
+        gen_blocks = eng.take(Role.GEN, len(ctx_blocks))
+        claims = (await calls(ctx_coord))["claims"]
+        receiving = asyncio.ensure_future(eng.dep.receive(held, gen_blocks, timeout=60))
+        deadline = asyncio.get_running_loop().time() + 60  # a bound (L1), not a guess
+        while (await calls(ctx_coord))["claims"] == claims:
+            assert asyncio.get_running_loop().time() < deadline, "the claim never reached the CTX coordinator"
+            await asyncio.sleep(0.01)
+        await eng.dep.cancel(held)
+        await release_frames(eng.ctx[0], "held", Role.GEN, 0)
+        result = await receiving
+        assert result.outcome in ("cancelled", "completed") and result.blocks_returned, result
+        await eng.give_back(held, gen_blocks, ctx_blocks)
+        await eng.check_clean()
+    finally:
+        await eng.close()
+
+
+async def test_a_one_rank_gen_instance_completes_alone(ray_cluster: Any) -> None:
+    """A GEN rank of a one-rank instance is its completion round's whole
+    intersection: once the last TERMINAL lands and the bytes are there, the
+    request is decode-ready and its blocks go back to the engine, with no
+    decision of its coordinator. Shown with that coordinator gone while the
+    CTX's frames were held: the rank still completes and returns the blocks,
+    holding the request's own bytes (the receive itself fails: its
+    coordinator died)."""
+    eng = await _engine(1, 1, "paged", "split")
+    try:
+        assert await _handoff(eng, "warm", seed=50, tokens=9) == "completed"
+        ticket, ctx_blocks = await eng.prefill_and_publish("solo", seed=51, tokens=16)
+        await hold_frames(eng.ctx[0], "solo", Role.GEN, 0)
+        gen_blocks = eng.take(Role.GEN, len(ctx_blocks))
+        receiving = asyncio.ensure_future(eng.dep.receive(ticket, gen_blocks, timeout=60))
+        deadline = asyncio.get_running_loop().time() + 60  # a bound (L1), not a guess
+        while not await held_frames(eng.ctx[0], "solo", Role.GEN, 0):
+            assert asyncio.get_running_loop().time() < deadline, "the transfer never started"
+            await asyncio.sleep(0.01)
+        gen_coord = eng.dep._coords[Role.GEN]
+        watching = gen_coord.watch.remote()  # answers only with the coordinator's death
+        ray.kill(gen_coord, no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError):
+            await watching
+        await release_frames(eng.ctx[0], "solo", Role.GEN, 0)
+        gen = eng.gen[0]
+        assert str(await gen.wait.remote(ticket.parent, 60)) == "completed"
+        assert await gen.returned.remote(ticket.parent, 60)
+        assert await gen.matches.remote(51, gen_blocks)
+        stats = await gen.stats.remote()
+        assert stats["counters"]["completed_alone"] >= 2 and stats["leased"] == 0, stats
+        result = await receiving
+        assert result.outcome == "failed" and result.blocks_returned, result
     finally:
         await eng.close()
 

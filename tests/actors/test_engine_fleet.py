@@ -96,6 +96,10 @@ async def test_engine_instances_join_pair_any_to_any_drain_and_reattach(ray_clus
         ctx1, workers[ctx1] = await _instance(fleet, "ctx", 1, "split")
         for i, (c, g) in enumerate([(ctx0, gen1), (ctx1, gen0), (ctx1, gen1), (ctx0, gen0)]):
             assert await _handoff(fleet, mgr, workers, f"pair-{i}", 10 + i, 5 + 4 * i, c, g) == "completed"
+        # gen0 (one rank) never claims a ticket of ctx0 (two ranks) alone: two
+        # GEN instances could each bind a different CTX rank first.
+        direct = (await fleet._by_id[gen0].coord.stats.remote())["peers_admitting_at_open"]
+        assert ctx0 not in direct, direct
         # A ticket is claimed once: a second GEN instance is refused, nothing held.
         blocks = mgr.take(ctx0, 3)
         await asyncio.gather(*(w.prefill.remote(40, blocks) for w in workers[ctx0]))
@@ -200,10 +204,11 @@ async def test_fleet_instance_handles_publish_receive_and_cancel_from_each_side(
 
 
 async def test_a_cancel_is_one_call_to_the_tickets_ctx_instance(ray_cluster: Any) -> None:
-    """A ticket received into one of two GEN instances, cancelled while its
-    transfer is in flight (the CTX worker's frames to the GEN held): one
-    call, to the ticket's CTX instance, which forwards it to the GEN
-    instance that claimed the ticket; the other GEN instance is never asked.
+    """A ticket received into one of two GEN instances (its rank admits it
+    alone: both instances have one rank), cancelled while its transfer is in
+    flight (the CTX worker's frames to the GEN held): one call, to the
+    ticket's CTX instance, which forwards it to the GEN instance that
+    claimed the ticket; the other GEN instance is never asked.
     The receive ends (cancelled, or completed if the bytes won) with every
     block back on both sides. A ticket nobody claimed ends by the same one
     call, long before its lease would end it."""
@@ -221,16 +226,25 @@ async def test_a_cancel_is_one_call_to_the_tickets_ctx_instance(ray_cluster: Any
         gen0, workers[gen0] = await _instance(fleet, "gen", 1, "paged")
         gen1, workers[gen1] = await _instance(fleet, "gen", 1, "paged")
         ctx_worker = workers[ctx0][0]
+        # gen1 learns that ctx0 (one rank) binds at the first OPEN: from here
+        # on its rank admits alone, and its claim goes beside the OPEN.
+        assert await _handoff(fleet, mgr, workers, "warm", 89, 8, ctx0, gen1) == "completed"
         blocks = mgr.take(ctx0, 2)
         await asyncio.gather(*(w.prefill.remote(90, blocks) for w in workers[ctx0]))
         ticket = await fleet.publish("one-call", 8, blocks, ctx=ctx0)
         await hold_frames(ctx_worker, "one-call", Role.GEN, 0)
         gen_blocks = mgr.take(gen1, 2)
+        claims = int((await fleet._by_id[ctx0].coord.stats.remote())["calls"]["claims"])
         receiving = asyncio.ensure_future(fleet.receive(ticket, gen_blocks, gen=gen1, timeout=60))
         deadline = asyncio.get_running_loop().time() + 60  # a bound (L1), not a guess
-        while not await held_frames(ctx_worker, "one-call", Role.GEN, 0):  # claimed, opened, decided
+        while not await held_frames(ctx_worker, "one-call", Role.GEN, 0):  # opened, bound, decided
             assert asyncio.get_running_loop().time() < deadline, "the transfer never started"
             await asyncio.sleep(0.01)
+        while int((await fleet._by_id[ctx0].coord.stats.remote())["calls"]["claims"]) == claims:
+            assert asyncio.get_running_loop().time() < deadline, "gen1's claim never reached ctx0's coordinator"
+            await asyncio.sleep(0.01)
+        gen1_calls = (await fleet._by_id[gen1].coord.stats.remote())["calls"]
+        assert gen1_calls["rank_admit_alone"] >= 1 and gen1_calls["claims_alone"] >= 1, gen1_calls
         await fleet.cancel(ticket)
         while not await asked(gen1):  # the forward is the CTX coordinator's, one way
             assert asyncio.get_running_loop().time() < deadline, "the claiming GEN instance was never told"
