@@ -187,8 +187,8 @@ class GenRankCore(RankCore):
     def _completing(self, parent: ParentKey, now: float) -> list[Any]:
         """The only rank of its instance is the whole intersection a
         completion round would take: decode-ready here, now, and a parent
-        nobody consumes goes back to the pool before its report leaves (one
-        apply fewer on the handoff's path). Safe at any cancel: every edge is
+        nobody consumes goes back to the pool when this turn ends (no
+        decision's apply on the way to its blocks). Safe at any cancel: every edge is
         terminal COMPLETED (no WRITE of ours may still land) and the bytes
         verified; a cancel or failure the leader decides later finds it
         decode-ready or released, as for one it completed in a round. The
@@ -197,11 +197,9 @@ class GenRankCore(RankCore):
             return []
         self.counters["completed_alone"] += 1
         self._completed_alone.add(parent)
-        release = parent in self._release_when_ready
-        refs = self._perform(self.side.completed(parent, now))
-        if release:
-            self._free_unconsumed(parent)  # no apply is in progress: at once (the deferred one finds it freed)
-        return refs
+        # One nobody consumes is freed when this turn ends (`_later`, as
+        # after an apply): freeing it here too would be a second release.
+        return self._perform(self.side.completed(parent, now))
 
     def _later(self, fn: Any, *args: Any) -> None:
         """Run ``fn(*args)`` once the apply in progress has ended: when this
