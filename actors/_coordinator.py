@@ -94,6 +94,7 @@ from kvhandoff.actors._coordinator_errors import (
     AdmissionStopped,
     CoordinatorError,
     InstanceDraining,
+    ParentInFlight,
     RoundTimeout,
     TopologyFailed,
     TopologyState,
@@ -470,9 +471,10 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         if (
             parent in self._pending_admits
             or parent in self._leader.in_flight
+            or parent in self._submitted  # decided, its answer not sent yet
             or (proposal is not None and any(a.parent == parent for a in proposal.admissions))
         ):
-            raise RoundError(f"parent {parent!r} is already pending or in flight")
+            raise ParentInFlight(f"parent {parent!r} is already pending or in flight")
 
     def _checked(self, request: AdmissionRequest, blocks: Sequence[int] = ()) -> AdmissionRequest:
         """``request`` with the engine's ``blocks`` as a round takes it (a
@@ -533,8 +535,8 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         )
         if not alone:
             self._queue_admission(request)
-        elif parent in self._alone_calls or parent in self._submitted:
-            raise RoundError(f"parent {parent!r} is already pending or in flight")
+        elif parent in self._alone_calls:
+            raise ParentInFlight(f"parent {parent!r} is already pending or in flight")
         if release_when_ready:
             self._complete_at_decision.add(parent)
             if request.blocks:

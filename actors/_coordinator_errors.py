@@ -7,6 +7,8 @@ import enum
 from collections.abc import Sequence
 from typing import Any
 
+from kvhandoff.protocol import RoundError
+
 __all__ = [
     "CoordinatorError",
     "RoundTimeout",
@@ -14,7 +16,14 @@ __all__ = [
     "TopologyFailed",
     "TopologyState",
     "InstanceDraining",
+    "ParentInFlight",
 ]
+
+
+class ParentInFlight(RoundError):
+    """A submission or admission of a parent this coordinator still has
+    pending, in flight or unanswered (a second receive of one ticket while
+    the first is under way): refused, nothing changed, the first goes on."""
 
 
 class CoordinatorError(Exception):

@@ -72,7 +72,7 @@ from kvhandoff.actors import _checks as checks
 from kvhandoff.actors._carrier import choose_carrier
 from kvhandoff.actors._config import EngineConfig, staging_of
 from kvhandoff.actors._config import checked as checks_config
-from kvhandoff.actors._coordinator_errors import AdmissionStopped
+from kvhandoff.actors._coordinator_errors import AdmissionStopped, ParentInFlight
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors._errors import (
     DeploymentError,
@@ -130,6 +130,16 @@ class EngineResult(msgspec.Struct, frozen=True, kw_only=True):
     outcome: str
     blocks_returned: bool
     latency_s: float = 0.0
+
+
+def refused_duplicate(name: str, parent: ParentKey, start: float) -> EngineResult:
+    """A receive of a ticket whose receive is still under way: refused by
+    the GEN coordinator before anything was leased for it. Nothing of this
+    receive is held (its blocks are the engine's), and the receive under
+    way goes on: it is not cancelled."""
+    latency = time.perf_counter() - start
+    record_handoff(name, "rejected", latency)
+    return EngineResult(request_id=parent.request_id, outcome="rejected", blocks_returned=True, latency_s=latency)
 
 
 class EngineDeployment(PairCore):
@@ -313,6 +323,8 @@ class EngineDeployment(PairCore):
             # after the submission: Ray keeps their order), owned by us.
             self._spawn(self._cancel_parent(parent))
             raise
+        except ParentInFlight:
+            return refused_duplicate(self.plan.name, parent, start)
         except Exception as exc:  # the coordinator died: an outcome
             log.warning("%s: receive of %s raised: %r", self.plan.name, parent, exc)
             decided = "failed"

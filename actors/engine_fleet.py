@@ -44,7 +44,7 @@ from kvhandoff.actors._carrier import CarrierChoice, choose_carrier
 from kvhandoff.actors._client import ClientCore
 from kvhandoff.actors._config import EngineFleetConfig
 from kvhandoff.actors._config import checked as checks_config
-from kvhandoff.actors._coordinator_errors import AdmissionStopped
+from kvhandoff.actors._coordinator_errors import AdmissionStopped, ParentInFlight
 from kvhandoff.actors._directory import Directory
 from kvhandoff.actors._errors import (
     InvalidConfig,
@@ -56,7 +56,7 @@ from kvhandoff.actors._instance import _ref, await_started, start_coordinator
 from kvhandoff.actors._membership import coordinator_stats, drained, rank_stats, take_out
 from kvhandoff.actors._metrics import record_handoff
 from kvhandoff.actors.endpoint import EnginePlan
-from kvhandoff.actors.engine import EngineResult, PublishRefused
+from kvhandoff.actors.engine import EngineResult, PublishRefused, refused_duplicate
 from kvhandoff.actors.fleet import InstanceUnavailable, UnknownInstance
 from kvhandoff.protocol import (
     HandoffTicket,
@@ -303,6 +303,8 @@ class EngineFleet(ClientCore):
         start = time.perf_counter()
         try:
             decided = await _submitted(self.name, inst.coord, ticket, ids, timeout)
+        except ParentInFlight:
+            return refused_duplicate(self.name, parent, start)
         except asyncio.CancelledError:
             self._spawn(self._cancel_parent(parent, ticket.ctx_instance))
             raise
@@ -442,7 +444,10 @@ class FleetInstance:
         checks.check_timeout(timeout)
         parent = ticket.parent
         start = time.perf_counter()
-        decided = await _submitted(self.name, self._coord, ticket, ids, timeout)
+        try:
+            decided = await _submitted(self.name, self._coord, ticket, ids, timeout)
+        except ParentInFlight:
+            return refused_duplicate(self.name, parent, start)
         if decided not in ("completed", "rejected"):
             await self._cancel_parent(parent, ticket.ctx_instance)
         left = max(timeout - (time.perf_counter() - start), 5.0)
@@ -549,6 +554,8 @@ async def _submitted(name: str, coord: Any, ticket: HandoffTicket, ids: tuple[in
         return str(await asyncio.wait_for(asyncio.shield(submission), timeout))
     except TimeoutError:
         return "timeout"
+    except ParentInFlight:
+        raise  # a receive of this ticket is under way: the caller refuses this one
     except Exception as exc:  # its coordinator died, or it is draining: an outcome
         log.warning("%s: receive of %s raised: %r", name, ticket.parent, exc)
         return "rejected" if isinstance(exc, AdmissionStopped) else "failed"

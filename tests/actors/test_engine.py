@@ -389,6 +389,35 @@ async def test_a_one_rank_gen_instance_completes_alone(ray_cluster: Any) -> None
         await eng.close()
 
 
+async def test_a_second_receive_of_a_ticket_under_way_is_refused_alone(engine: Engine) -> None:
+    """A front end that receives a ticket again while its first receive is
+    under way (an HTTP retry): the second is refused ("rejected", nothing of
+    it held, its blocks the engine's) and the first goes on, uncancelled,
+    to its own bytes."""
+    ticket, ctx_blocks = await engine.prefill_and_publish("twice-at-once", seed=17, tokens=9)
+    for ctx in engine.ctx:
+        await hold_frames(ctx, "twice-at-once", Role.GEN, 0)
+    first_blocks, second_blocks = engine.take(Role.GEN, 3), engine.take(Role.GEN, 3)
+    first = asyncio.ensure_future(engine.dep.receive(ticket, first_blocks, timeout=60))
+    deadline = asyncio.get_running_loop().time() + 60  # a bound (L1), not a guess
+    while not await held_frames(engine.ctx[0], "twice-at-once", Role.GEN, 0):
+        assert asyncio.get_running_loop().time() < deadline, "the transfer never started"
+        await asyncio.sleep(0.01)
+    asked = (await engine.dep.stats())["coordinators"]["gen"]["calls"].get("cancels_asked", 0)
+    second = await engine.dep.receive(ticket.encode(), second_blocks, timeout=60)
+    assert second.outcome == "rejected" and second.blocks_returned, second
+    for ctx in engine.ctx:
+        await release_frames(ctx, "twice-at-once", Role.GEN, 0)
+    result = await first
+    assert result.outcome == "completed" and result.blocks_returned, result
+    assert await engine.gen[0].matches.remote(17, first_blocks)
+    calls = (await engine.dep.stats())["coordinators"]["gen"]["calls"]
+    assert calls.get("cancels_asked", 0) == asked, calls  # the refused one cancelled nothing
+    engine.give(Role.GEN, second_blocks)
+    await engine.give_back(ticket, first_blocks, ctx_blocks)
+    await engine.check_clean()
+
+
 async def test_cancel_with_ready_held_in_flight_never_leaks_or_corrupts(engine: Engine) -> None:
     """A cancel while the CTX's READY/TERMINAL frames to the GEN are held (the
     transfer decided, the GEN not told): the request ends cancelled, both
