@@ -224,6 +224,11 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         # submission and again at each decision about the parent, so it is
         # kept while the parent lives and `RETAIN_S` after its last decision.
         self._peer_of: RecentMemory[ParentKey, str] = RecentMemory()
+        # Cancels of parents we did not know yet (`cancel`): a one-rank GEN
+        # rank's receive (`receive_alone`) admits with no call of ours, and
+        # we learn of it from its report, which a cancel may overtake. Kept
+        # `RETAIN_S`; a report that brings one in flight has it cancelled.
+        self._cancelled_early: RecentMemory[ParentKey, bool] = RecentMemory()
         self._next_epoch = first_epoch
         self._epochs: list[int] = []
         self._leader: RoundLeader | None = None
@@ -573,8 +578,20 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         if self.trace.every:
             source = f"rank{report.rank}@{self.topology}"
             self.trace.record_many(news_ids(report), "report", "call", source)
+        return self._take_report(report)
+
+    def _take_report(self, report: RankReport) -> bool:
+        """Give ``report`` to the leader (raises as `RoundLeader.report`); a
+        parent it brings in flight that was cancelled before we knew it (a
+        receive at the rank) is cancelled now."""
+        assert self._leader is not None
         fresh = self._leader.report(report)
         if fresh:
+            if report.admitted and self._cancelled_early:
+                for parent in report.admitted:
+                    if self._cancelled_early.forget(parent) and parent in self._leader.in_flight:
+                        self.calls["cancels_before_report"] += 1
+                        self._pending_cancels.setdefault(parent, [])
             self._wakeup.set()
         return fresh
 
@@ -592,6 +609,9 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         alone = self._alone_calls.get(parent)
         if alone is not None:
             await asyncio.shield(alone)  # the parent is in flight (or refused) once it answers
+        if self._admits_alone and not self._knows(parent):
+            # Perhaps received at our rank, its report not here yet.
+            self._cancelled_early.remember(parent, True, time.monotonic())
         if self._peer_name is not None or parent in self._peer_of:
             # We admit in the peer instance too: cancel there as well. Sent
             # after any admission we asked it for (tasks start in creation
@@ -601,6 +621,16 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         self._pending_cancels.setdefault(parent, []).append(future)
         self._wakeup.set()
         return await future
+
+    def _knows(self, parent: ParentKey) -> bool:
+        """Is ``parent`` submitted, queued or in flight here?"""
+        assert self._leader is not None
+        return (
+            parent in self._leader.in_flight
+            or parent in self._pending_admits
+            or parent in self._submitted
+            or parent in self._alone_calls
+        )
 
     async def nudge(self, rank: int | None = None, epoch: int | None = None) -> None:
         """A rank has news: run a round soon. Fire-and-forget for ranks; a
@@ -635,9 +665,10 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
             self.state = TopologyState.DRAINING
         leader = self._leader
         assert leader is not None
-        if self._admits_at_open:
-            # No round of ours refuses an OPEN: our rank must. Its answer
-            # names what it admitted before, which we wait for too.
+        if self._admits_at_open or self._admits_alone:
+            # No round of ours refuses an OPEN (nor a receive at the rank):
+            # our rank must. Its answer names what it admitted before, which
+            # we wait for too.
             await asyncio.gather(*(self._close_admission(r) for r in range(self._tp)))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -663,8 +694,7 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         try:
             async with asyncio.timeout(self._round_timeout):
                 report = await self._handles[rank].close_admission.remote()
-            if self._leader.report(report):
-                self._wakeup.set()
+            self._take_report(report)
         except Exception as exc:
             self._rank_errors.append(f"close admission of rank {rank}: {exc!r}"[:500])
 

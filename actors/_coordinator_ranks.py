@@ -177,7 +177,7 @@ class RanksMixin(CoordinatorState):
                             f"restarted rank reports {identity}, want {(rank, epoch)}"
                         )
                     await handle.round_join.remote(leader.next_round, epoch)
-                    if self._admits_at_open and self._draining:
+                    if (self._admits_at_open or self._admits_alone) and self._draining:
                         await handle.close_admission.remote()  # joined into a drain: it admits nothing
             except Exception as exc:
                 self._restart_failures += 1
@@ -238,6 +238,8 @@ class RanksMixin(CoordinatorState):
             if rank not in self._detached:
                 self._retire(rank, old)  # the engine replaced a rank we still held: fence it
             await handle.round_join.remote(leader.next_round, epoch)
+            if (self._admits_at_open or self._admits_alone) and self._draining:
+                await handle.close_admission.remote()  # re-attached into a drain: it admits nothing
             self._seat(rank, epoch, handle)
             self._detached.discard(rank)
             self._metrics.restarted("reattach")

@@ -85,7 +85,14 @@ from kvhandoff.actors._instance import _ref, await_started, connected, start_coo
 from kvhandoff.actors._metrics import record_handoff
 from kvhandoff.actors._pair import PairCore
 from kvhandoff.actors.endpoint import EnginePlan
-from kvhandoff.protocol import HandoffTicket, MemoryKind, ParentKey, Role, TopologyError
+from kvhandoff.protocol import (
+    AdmissionRequest,
+    HandoffTicket,
+    MemoryKind,
+    ParentKey,
+    Role,
+    TopologyError,
+)
 from kvhandoff.topology import (
     TopologySpec,
     check_memory_kind,
@@ -116,9 +123,8 @@ class EngineResult(msgspec.Struct, frozen=True, kw_only=True):
 
     ``outcome``: "completed" (decode-ready: every byte of the request's KV
     landed in the engine's blocks on every GEN rank and was accounted for),
-    "cancelled" (also a ticket cancelled before its receive, when the CTX
-    rank refused the receive's OPEN), "rejected" (not admitted: the ticket
-    was stale, claimed already or expired, or a GEN block was not free),
+    "cancelled", "rejected" (not admitted: the ticket was stale, cancelled,
+    claimed already or expired, or a GEN block was not free),
     "failed", "timeout". Whatever the outcome but "completed", the engine
     must not decode from the blocks.
     ``blocks_returned``: kvhandoff holds none of the request's GEN blocks any
@@ -311,11 +317,22 @@ class EngineDeployment(PairCore):
         checks.check_timeout(timeout)
         parent = ticket.parent
         start = time.perf_counter()
-        submission = asyncio.ensure_future(
-            _ref(self._coords[Role.GEN].submit.remote(parent, ticket.num_tokens, True, ids))
-        )
+        # Between instances of one rank each, the GEN rank drives the whole
+        # receive and answers it (`receive_alone`: no coordinator on the
+        # way); else the GEN coordinator claims and admits it in a round.
+        at_rank = self.plan.gen.tp == 1 and self.plan.ctx.tp == 1
+        if at_rank:
+            request = AdmissionRequest(parent, ticket.num_tokens, release_when_ready=True, blocks=ids)
+            call = self._ranks[Role.GEN][0].receive_alone.remote(request, timeout)
+        else:
+            call = self._coords[Role.GEN].submit.remote(parent, ticket.num_tokens, True, ids)
+        submission = asyncio.ensure_future(_ref(call))
+        back = None
         try:
-            decided = await asyncio.wait_for(asyncio.shield(submission), timeout)
+            # The rank answers "timeout" itself: wait a round bound longer.
+            bound = timeout + self._round_timeout_s if at_rank else timeout
+            answer = await asyncio.wait_for(asyncio.shield(submission), bound)
+            decided, back = answer if at_rank else (answer, None)
         except TimeoutError:
             decided = "timeout"
         except asyncio.CancelledError:
@@ -325,13 +342,15 @@ class EngineDeployment(PairCore):
             raise
         except ParentInFlight:
             return refused_duplicate(self.plan.name, parent, start)
-        except Exception as exc:  # the coordinator died: an outcome
+        except Exception as exc:  # the coordinator (or the GEN rank) died: an outcome
             log.warning("%s: receive of %s raised: %r", self.plan.name, parent, exc)
             decided = "failed"
         if decided not in ("completed", "rejected"):
             await self._cancel_parent(parent)  # idempotent; ends a timed-out one
-        left = max(timeout - (time.perf_counter() - start), self._round_timeout_s)
-        back = await self._returned(parent, Role.GEN, left)
+            back = None
+        if back is None:
+            left = max(timeout - (time.perf_counter() - start), self._round_timeout_s)
+            back = await self._returned(parent, Role.GEN, left)
         if decided == "completed" and not back:
             decided = "failed"  # not given back within the bound: never decode from it
         latency = time.perf_counter() - start

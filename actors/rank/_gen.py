@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvhandoff.actors._coordinator_errors import ParentInFlight
 from kvhandoff.actors._member import VoteNews
 from kvhandoff.actors._pattern import POISON
 from kvhandoff.actors._stager import StagedReader, staged_below, staged_min_descriptors
@@ -67,6 +68,10 @@ class GenRankCore(RankCore):
         # Work an apply leaves for after it (`_later`), in order.
         self._deferred: list[tuple[Any, tuple[Any, ...]]] = []
         self._reader: StagedReader | None = None
+        # `close_admission`: the instance drains; no receive alone any more.
+        self._admission_closed = False
+        # Parents received at this rank (`receive_alone`), until they end.
+        self._received_here: set[ParentKey] = set()
         super().__init__(config, epoch, tensors=tensors)  # last: it registers this rank
         if self.arena is not None:
             self._reader = self._staged = StagedReader(self, self.arena, config.staging_window)
@@ -148,6 +153,61 @@ class GenRankCore(RankCore):
         self._admitted(request.parent, now)
         return True, self.member.report()
 
+    async def receive_alone(self, request: AdmissionRequest, timeout: float) -> tuple[str, bool]:
+        """One handoff into a one-rank GEN instance, driven by this rank from
+        its client's call to its end, with no coordinator on the way (docs/
+        design.md "Engines": a receive at the rank). For a submission paired
+        with a CTX instance that binds a published parent at its first OPEN
+        (`Coordinator.binds_at_first_open`): the OPEN is the claim.
+
+        Admits as `admit_alone` does (the vote's verdict and lease, install,
+        the OPENs, `record_admitted`), pushes the report at once, so the
+        coordinator has the parent in flight before anything else of it
+        (a cancel it got earlier waits for that report), then waits for the
+        parent's local outcome and for its blocks to be back in the pool.
+        Returns ``(outcome, returned)``: "completed" as soon as the last
+        TERMINAL made it decode-ready with every byte verified; any other
+        outcome once the coordinator's decision ended it here; "timeout"
+        past ``timeout`` (the caller cancels it). Refused, nothing held:
+        "rejected" (no room, the admission stop, draining, or a parent this
+        rank already ended); `ParentInFlight` for a parent under way here;
+        `RoundError` for a rank of several, or one not joined."""
+        parent = request.parent
+        if self.trace.every:
+            self.trace.record(parent.request_id, "receive_alone", "call", "client")
+        if self.config.spec.tp != 1 or not self.member.joined:
+            raise RoundError(f"rank {self.ns}: a receive at the rank needs the joined rank of a one-rank instance")
+        if self.side.is_admitted(parent) or parent in self.side.parents() or parent in self._waiters:
+            raise ParentInFlight(f"parent {parent!r} is already pending or in flight")
+        self._run_deferred()  # what the last apply returned is free to lease
+        now = time.monotonic()
+        # A parent ended here is refused by the protocol's memory of released
+        # owners too; its outcome, still remembered, would answer the wait.
+        if (
+            self._admission_closed
+            or parent in self._outcome
+            or not self._lease_for(request, now, now + self.config.lease_timeout_s, self.side.admission_stopped())
+        ):
+            self.counters["received_alone_refused"] += 1
+            return "rejected", True
+        self.counters["received_alone"] += 1
+        self._received_here.add(parent)
+        self.member.follower.record_admitted(parent)
+        self._nudge()  # the coordinator learns it before any later news of it
+        self._admitted(parent, now)
+        start = time.monotonic()
+        outcome = await self.wait(parent, timeout)
+        back = await self.returned(parent, max(timeout - (time.monotonic() - start), 0.0))
+        return str(outcome), back
+
+    async def close_admission(self) -> RankReport:
+        """The instance drains: no receive at this rank any more (for good; a
+        parent held here goes on to its end). Returns the rank's report, so
+        its coordinator knows every parent received here before this call
+        and waits for them too."""
+        self._admission_closed = True
+        return self.member.report()
+
     def _admitted(self, parent: ParentKey, now: float) -> None:
         # Admitted by both instances (the CTX ranks applied theirs before this
         # decision was made): install and send OPENs now. No READY can come
@@ -164,9 +224,14 @@ class GenRankCore(RankCore):
         """A REJECT by which the CTX refused to admit the parent at its OPEN
         (no room, admission stopped or draining) fixes this rank's local
         outcome as "rejected" before the cancel it starts settles it: the
-        client's handoff is then "rejected", as when a round refuses it."""
+        client's handoff is then "rejected", as when a round refuses it. So
+        does any REJECT of a parent received at this rank: its OPEN was the
+        claim, refused (the ticket ended, or another GEN instance bound it)."""
         actions = super()._receive(message, now)
-        if isinstance(message, Reject) and message.reason in ADMISSION_REFUSALS:
+        refused = isinstance(message, Reject) and (
+            message.reason in ADMISSION_REFUSALS or message.ticket.parent in self._received_here
+        )
+        if refused:
             self._outcome.setdefault(message.ticket.parent, LocalOutcome.REJECTED, time.monotonic())
         return actions
 
@@ -245,11 +310,12 @@ class GenRankCore(RankCore):
 
     def _forget(self, parent: ParentKey) -> None:
         self._release_when_ready.discard(parent)
+        self._received_here.discard(parent)
         if self._reader is not None:
             self._reader.forget(parent)
 
     def _tracking(self) -> int:
-        return len(self._release_when_ready) + len(self._verified)
+        return len(self._release_when_ready) + len(self._verified) + len(self._received_here)
 
     # -- verification (S2) --------------------------------------------------------------
 

@@ -287,60 +287,66 @@ async def test_a_cancel_is_one_call_that_ends_an_unclaimed_ticket(ray_cluster: A
         await eng.close()
 
 
-async def test_one_rank_instances_claim_a_ticket_with_no_round(ray_cluster: Any) -> None:
+async def test_one_rank_instances_receive_at_the_gen_rank(ray_cluster: Any) -> None:
     """CTX and GEN instances of one rank each: the CTX rank binds a published
-    ticket to the first GEN OPEN and decides it alone, so once the GEN
-    coordinator learned that of its peer, a receive goes to its rank in one
-    call (`admit_alone`: no admission round, no claim on the path; the claim
-    that names the GEN instance to the CTX coordinator goes beside it). The
-    bytes are the request's own; a ticket already received is refused, and
-    one cancelled ends "cancelled", with nothing held; a cancel mid-transfer
+    ticket to the first GEN OPEN and decides it alone, and the GEN rank is
+    its instance's whole intersection, so a receive is one call to the GEN
+    rank (`receive_alone`), which drives it to its end and answers it: no
+    coordinator call on the way, no claim, no admission round. The GEN
+    coordinator learns of each from the rank's report and its rounds end
+    it there. The bytes are the request's own; a ticket already received,
+    or cancelled before, is refused with nothing held; a cancel mid-transfer
     ends in both instances; every block comes back."""
     eng = await _engine(1, 1, "paged", "split")
     try:
         gen_coord, ctx_coord = eng.dep._coords[Role.GEN], eng.dep._coords[Role.CTX]
 
-        async def calls(coord: Any) -> dict[str, int]:
-            return dict((await coord.stats.remote())["calls"])
+        async def coord_stats(coord: Any) -> dict[str, Any]:
+            return dict(await coord.stats.remote())
 
-        assert await _handoff(eng, "learn", seed=30, tokens=9) == "completed"  # learns the peer binds at the OPEN
-        before, ctx_before = await calls(gen_coord), await calls(ctx_coord)
+        before, ctx_before = await coord_stats(gen_coord), await coord_stats(ctx_coord)
         for i, tokens in enumerate((1, 6, 17)):
             assert await _handoff(eng, f"alone-{i}", seed=31 + i, tokens=tokens) == "completed"
-        after = await calls(gen_coord)
-        assert after["rank_admit_alone"] - before.get("rank_admit_alone", 0) == 3, after
-        assert after["claims_alone"] - before.get("claims_alone", 0) == 3, after
-        ctx_after = await calls(ctx_coord)
-        assert ctx_after["claims"] - ctx_before.get("claims", 0) == 3, ctx_after
+        calls, ctx_calls = (await coord_stats(gen_coord))["calls"], (await coord_stats(ctx_coord))["calls"]
+        for name in ("rank_admit_alone", "claims_alone", "peer_admit_calls", "rank_vote_calls"):
+            assert calls.get(name, 0) == before["calls"].get(name, 0), (name, calls)
+        assert ctx_calls.get("claims", 0) == ctx_before["calls"].get("claims", 0), ctx_calls
         gen_stats = [s for s in (await eng.dep.stats())["ranks"] if s["role"] == "gen"]
-        assert gen_stats[0]["counters"]["admitted_alone"] >= 3, gen_stats
-        assert gen_stats[0]["counters"]["completed_alone"] >= 4, gen_stats
-        # Received already: its OPEN is refused at the CTX rank; nothing held.
+        assert gen_stats[0]["counters"]["received_alone"] >= 3, gen_stats
+        assert gen_stats[0]["counters"]["completed_alone"] >= 3, gen_stats
+        # The coordinator took each in flight from the report and ended it.
+        deadline = asyncio.get_running_loop().time() + 60  # a bound (L1), not a guess
+        while True:
+            now = await coord_stats(gen_coord)
+            done = now["decided"].get("completed", 0) - before["decided"].get("completed", 0)
+            if done >= 3 and now["in_flight"] == 0:
+                break
+            assert asyncio.get_running_loop().time() < deadline, now
+            await asyncio.sleep(0.01)
+        # Received already: refused at the rank, which ended it; nothing held.
         ticket, ctx_blocks = await eng.prefill_and_publish("twice", seed=40, tokens=5)
         gen_blocks = eng.take(Role.GEN, len(ctx_blocks))
         assert (await eng.dep.receive(ticket, gen_blocks)).outcome == "completed"
         again = await eng.dep.receive(ticket, gen_blocks)
         assert again.outcome == "rejected" and again.blocks_returned, again
         assert await eng.dep.returned(ticket, Role.CTX)
-        # Cancelled before any receive: the CTX rank refuses its OPEN (stale),
-        # which the GEN rank takes as the transfer's NOT_STARTED: nothing held.
+        # Cancelled before any receive: the CTX rank refuses its OPEN (the
+        # claim), which the GEN rank takes as "rejected": nothing held.
         cancelled, more = await eng.prefill_and_publish("gone", seed=41, tokens=5)
         await eng.dep.cancel(cancelled)
         late = await eng.dep.receive(cancelled, gen_blocks)
-        assert late.outcome == "cancelled" and late.blocks_returned, late
+        assert late.outcome == "rejected" and late.blocks_returned, late
         assert await eng.dep.returned(cancelled, Role.CTX)
         eng.give(Role.GEN, gen_blocks)
         eng.give(Role.CTX, ctx_blocks + more)
-        # A cancel while the CTX's frames to the GEN are held (decided, posted,
-        # the GEN not told), once the claim named the GEN instance.
+        # A cancel while the CTX's frames to the GEN are held (decided,
+        # posted, the GEN not told).
         held, ctx_blocks = await eng.prefill_and_publish("held", seed=42, tokens=16)
         await hold_frames(eng.ctx[0], "held", Role.GEN, 0)
         gen_blocks = eng.take(Role.GEN, len(ctx_blocks))
-        claims = (await calls(ctx_coord))["claims"]
         receiving = asyncio.ensure_future(eng.dep.receive(held, gen_blocks, timeout=60))
-        deadline = asyncio.get_running_loop().time() + 60  # a bound (L1), not a guess
-        while (await calls(ctx_coord))["claims"] == claims:
-            assert asyncio.get_running_loop().time() < deadline, "the claim never reached the CTX coordinator"
+        while not await held_frames(eng.ctx[0], "held", Role.GEN, 0):
+            assert asyncio.get_running_loop().time() < deadline + 60, "the transfer never started"
             await asyncio.sleep(0.01)
         await eng.dep.cancel(held)
         await release_frames(eng.ctx[0], "held", Role.GEN, 0)
@@ -348,6 +354,54 @@ async def test_one_rank_instances_claim_a_ticket_with_no_round(ray_cluster: Any)
         assert result.outcome in ("cancelled", "completed") and result.blocks_returned, result
         await eng.give_back(held, gen_blocks, ctx_blocks)
         await eng.check_clean()
+        # A draining GEN instance: its coordinator closes the rank's
+        # admission, and a receive there is refused with nothing held.
+        assert await gen_coord.drain.remote(60)
+        ticket, ctx_blocks = await eng.prefill_and_publish("drained", seed=43, tokens=5)
+        gen_blocks = eng.take(Role.GEN, len(ctx_blocks))
+        refused = await eng.dep.receive(ticket, gen_blocks)
+        assert refused.outcome == "rejected" and refused.blocks_returned, refused
+        await eng.dep.cancel(ticket)
+        await eng.give_back(ticket, gen_blocks, ctx_blocks)
+        await eng.check_clean()
+    finally:
+        await eng.close()
+
+
+async def test_a_cancel_before_the_gen_coordinator_knew_the_receive_still_ends_it(ray_cluster: Any) -> None:
+    """A receive at the GEN rank reaches its coordinator only with the rank's
+    report, which a cancel may overtake. The coordinator keeps such a
+    cancel and applies it when the report brings the parent in flight.
+    Shown with the CTX coordinator gone (so only the GEN side can end it)
+    and the cancel sent before the receive: the GEN round cancels the
+    parent, the CTX's frames to the GEN were held meanwhile, and the
+    receive ends "cancelled" (else its TERMINAL would complete it), with
+    nothing held."""
+    eng = await _engine(1, 1, "paged", "split")
+    try:
+        assert await _handoff(eng, "warm", seed=60, tokens=9) == "completed"
+        ticket, ctx_blocks = await eng.prefill_and_publish("early", seed=61, tokens=16)
+        await hold_frames(eng.ctx[0], "early", Role.GEN, 0)
+        ctx_coord = eng.dep._coords[Role.CTX]
+        watching = ctx_coord.watch.remote()  # answers only with the coordinator's death
+        ray.kill(ctx_coord, no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError):
+            await watching
+        gen_coord = eng.dep._coords[Role.GEN]
+        assert await gen_coord.cancel.remote(ticket.parent) is None  # not known here yet
+        gen_blocks = eng.take(Role.GEN, len(ctx_blocks))
+        receiving = asyncio.ensure_future(eng.dep.receive(ticket, gen_blocks, timeout=60))
+        deadline = asyncio.get_running_loop().time() + 60  # a bound (L1), not a guess
+        while (await gen_coord.stats.remote())["calls"].get("cancels_before_report", 0) == 0:
+            assert asyncio.get_running_loop().time() < deadline, "the early cancel was never applied"
+            await asyncio.sleep(0.01)
+        await release_frames(eng.ctx[0], "early", Role.GEN, 0)
+        result = await receiving
+        assert result.outcome == "cancelled" and result.blocks_returned, result
+        gen = eng.gen[0]
+        stats = await gen.stats.remote()
+        assert stats["leased"] == 0 and stats["violations"] == [], stats
+        eng.give(Role.GEN, gen_blocks)
     finally:
         await eng.close()
 
@@ -356,10 +410,10 @@ async def test_a_one_rank_gen_instance_completes_alone(ray_cluster: Any) -> None
     """A GEN rank of a one-rank instance is its completion round's whole
     intersection: once the last TERMINAL lands and the bytes are there, the
     request is decode-ready and its blocks go back to the engine, with no
-    decision of its coordinator. Shown with that coordinator gone while the
-    CTX's frames were held: the rank still completes and returns the blocks,
-    holding the request's own bytes (the receive itself fails: its
-    coordinator died)."""
+    decision of its coordinator, and the rank answers the receive. Shown
+    with that coordinator gone while the CTX's frames were held: the rank
+    still completes, returns the blocks, holding the request's own bytes,
+    and the receive ends "completed"."""
     eng = await _engine(1, 1, "paged", "split")
     try:
         assert await _handoff(eng, "warm", seed=50, tokens=9) == "completed"
@@ -377,14 +431,12 @@ async def test_a_one_rank_gen_instance_completes_alone(ray_cluster: Any) -> None
         with pytest.raises(ray.exceptions.RayActorError):
             await watching
         await release_frames(eng.ctx[0], "solo", Role.GEN, 0)
+        result = await receiving
+        assert result.outcome == "completed" and result.blocks_returned, result
         gen = eng.gen[0]
-        assert str(await gen.wait.remote(ticket.parent, 60)) == "completed"
-        assert await gen.returned.remote(ticket.parent, 60)
         assert await gen.matches.remote(51, gen_blocks)
         stats = await gen.stats.remote()
         assert stats["counters"]["completed_alone"] >= 2 and stats["leased"] == 0, stats
-        result = await receiving
-        assert result.outcome == "failed" and result.blocks_returned, result
     finally:
         await eng.close()
 
