@@ -85,6 +85,8 @@ from kvhandoff.actors._instance import _ref, await_started, connected, start_coo
 from kvhandoff.actors._metrics import record_handoff
 from kvhandoff.actors._pair import PairCore
 from kvhandoff.actors.endpoint import EnginePlan
+from kvhandoff.actors.rank import GenRankCore
+from kvhandoff.actors.rank._host import hosted_here
 from kvhandoff.protocol import (
     AdmissionRequest,
     HandoffTicket,
@@ -323,10 +325,10 @@ class EngineDeployment(PairCore):
         at_rank = self.plan.gen.tp == 1 and self.plan.ctx.tp == 1
         if at_rank:
             request = AdmissionRequest(parent, ticket.num_tokens, release_when_ready=True, blocks=ids)
-            call = self._ranks[Role.GEN][0].receive_alone.remote(request, timeout)
+            submission = self._receive_at_rank(request, timeout)
         else:
             call = self._coords[Role.GEN].submit.remote(parent, ticket.num_tokens, True, ids)
-        submission = asyncio.ensure_future(_ref(call))
+            submission = asyncio.ensure_future(_ref(call))
         back = None
         try:
             # The rank answers "timeout" itself: wait a round bound longer.
@@ -361,6 +363,20 @@ class EngineDeployment(PairCore):
             blocks_returned=back,
             latency_s=latency,
         )
+
+    def _receive_at_rank(self, request: AdmissionRequest, timeout: float) -> asyncio.Future[Any]:
+        """The GEN rank's `receive_alone` of ``request``: on its loop when this
+        process hosts it (an engine's front end beside its decode worker: no
+        Ray hop either way), else one Ray call."""
+        rank = self._ranks[Role.GEN][0]
+        here = hosted_here(rank)
+        if here is None:
+            self.calls["receive_at_rank"] += 1
+            return asyncio.ensure_future(_ref(rank.receive_alone.remote(request, timeout)))
+        endpoint, loop = here
+        self.calls["receive_at_rank_here"] += 1
+        assert isinstance(endpoint, GenRankCore)
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(endpoint.receive_alone(request, timeout), loop))
 
     # -- either side ------------------------------------------------------------------
 

@@ -8,7 +8,10 @@ per-handoff trace of both coordinators and their ranks, and runs
 For every receive it lists the trace's events in time order, from the
 client's call, and prints the median time of each event over the receives
 after ``--warmup``, then the median time the client's ``receive`` returned
-(``receive_ms_p50``). ``--json`` prints the same as one JSON object.
+(``receive_ms_p50``). Beside it, in the same run, a plain Ray actor call's
+round trip between two idle actors (``ray_call_ms_p50``, 200 calls) and the
+ratio of the two (``receive_over_ray_call``). ``--json`` prints the same as
+one JSON object.
 
     python bench/engine_receive_trace.py [--handoffs 40] [--warmup 5] [--json]
 """
@@ -31,6 +34,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvhandoff.protocol import Role  # noqa: E402
 from tests.actors import test_engine as te  # noqa: E402
+
+
+@ray.remote(num_cpus=0)
+class _Echo:
+    async def ping(self) -> None:
+        return None
+
+    async def round_trips(self, other: Any, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            t = time.perf_counter()
+            await other.ping.remote()
+            out.append((time.perf_counter() - t) * 1e3)
+        return out
+
+
+async def _ray_call_ms() -> float:
+    a, b = _Echo.remote(), _Echo.remote()
+    await a.round_trips.remote(b, 20)  # warm
+    ms = await a.round_trips.remote(b, 200)
+    for h in (a, b):
+        ray.kill(h)
+    return statistics.median(ms)
 
 
 async def _trace(handoffs: int, warmup: int) -> dict[str, Any]:
@@ -60,9 +86,13 @@ async def _trace(handoffs: int, warmup: int) -> dict[str, Any]:
     finally:
         await eng.close()
     counted = handoffs - warmup
+    ping = await _ray_call_ms()
+    receive = statistics.median(returned)
     return {
         "handoffs": counted,
-        "receive_ms_p50": round(statistics.median(returned), 2),
+        "receive_ms_p50": round(receive, 2),
+        "ray_call_ms_p50": round(ping, 3),
+        "receive_over_ray_call": round(receive / ping, 2),
         # Events seen in most receives, in the order they happened.
         "events": [
             {"at": k, "where": where, "what": what, "ms_p50": round(statistics.median(v), 2), "seen": len(v)}
@@ -78,7 +108,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=min(os.cpu_count() or 2, 16), include_dashboard=False, log_to_driver=False)
     try:
         out = asyncio.run(_trace(args.handoffs, args.warmup))
     finally:
@@ -89,6 +119,7 @@ def main() -> None:
     for e in out["events"]:
         print(f"{e['ms_p50']:8.2f} ms  {e['where']:<12} {e['what']}")
     print(f"{out['receive_ms_p50']:8.2f} ms  client       receive returned")
+    print(f"{out['ray_call_ms_p50']:8.3f} ms  a plain Ray call's round trip ({out['receive_over_ray_call']}x)")
 
 
 if __name__ == "__main__":

@@ -59,12 +59,46 @@ class EndpointHost:
     kvhandoff: RankCore
 
 
+#: The endpoint hosts of this process, by their actor's id (hex), from the
+#: first call forwarded to each: a client in the same process (an engine's
+#: own front end calling its decode rank) reaches the endpoint on its loop
+#: instead of through Ray (`hosted_here`).
+_HOSTED: dict[str, EndpointHost] = {}
+
+
+def hosted_here(handle: Any) -> tuple[RankCore, asyncio.AbstractEventLoop] | None:
+    """The endpoint behind rank actor ``handle`` and the loop its state lives
+    on, if that actor is hosted in this process and has served a call;
+    else None (call it through Ray)."""
+    actor_id = getattr(handle, "_actor_id", None)
+    host = _HOSTED.get(actor_id.hex()) if actor_id is not None and _HOSTED else None
+    if host is None:
+        return None
+    endpoint = host.kvhandoff
+    loop = getattr(endpoint, "_home", None)
+    if loop is None or loop.is_closed():
+        return None
+    return endpoint, loop
+
+
+def _seen_on(host: EndpointHost, loop: asyncio.AbstractEventLoop) -> None:
+    """Record the loop ``host``'s endpoint lives on, and the host in
+    `_HOSTED`. A module function: Ray ships a forwarder by value, with a
+    copy of the globals it names (a copied dict would register nothing)."""
+    host.kvhandoff._home = loop
+    actor_id = ray.get_runtime_context().get_actor_id()
+    if actor_id is not None:
+        _HOSTED[actor_id] = host
+
+
 def _forwarder(name: str) -> Any:
     async def forward(self: EndpointHost, *args: Any, **kwargs: Any) -> Any:
         endpoint = self.kvhandoff
         # The loop its state lives on: kvhandoff.cli.harness.on_endpoint_loop
-        # (the test harness) runs code there.
-        endpoint._home = asyncio.get_running_loop()
+        # (the test harness) and a client in this process run code there.
+        loop = asyncio.get_running_loop()
+        if getattr(endpoint, "_home", None) is not loop:
+            _seen_on(self, loop)
         return await getattr(endpoint, name)(*args, **kwargs)
 
     forward.__name__ = forward.__qualname__ = name

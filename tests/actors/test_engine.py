@@ -75,6 +75,19 @@ class Worker(EndpointHost):
         self.kv = _alloc(self.kind, self.heads)
         make = ctx_endpoint if self.role is Role.CTX else gen_endpoint
         self.kvhandoff = make(plan, rank, self.kv)
+        self.plan = plan
+        self.front_end: EngineDeployment | None = None
+
+    async def receive_here(self, ticket: str, blocks: list[int]) -> tuple[str, bool, dict[str, int]]:
+        """The engine's front end in this worker's process (as vLLM's
+        scheduler is beside its decode worker): a receive through a
+        deployment handle connected here, on the actor's default loop, not
+        the endpoint's. Returns its outcome, whether the blocks came back,
+        and the handle's call counts."""
+        if self.front_end is None:
+            self.front_end = await EngineDeployment.connect(self.plan)
+        result = await self.front_end.receive(ticket, blocks, timeout=60)
+        return result.outcome, result.blocks_returned, dict(self.front_end.calls)
 
     def _shard(self, seed: int, blocks: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """For each (layer, kv): request `seed`'s KV of our head shard over
@@ -323,6 +336,15 @@ async def test_one_rank_instances_receive_at_the_gen_rank(ray_cluster: Any) -> N
                 break
             assert asyncio.get_running_loop().time() < deadline, now
             await asyncio.sleep(0.01)
+        # A front end in the GEN worker's own process calls the rank on its
+        # loop: no Ray call either way.
+        here, ctx_blocks = await eng.prefill_and_publish("here", seed=39, tokens=17)
+        gen_blocks = eng.take(Role.GEN, len(ctx_blocks))
+        outcome, back, client_calls = await eng.gen[0].receive_here.remote(here.encode(), gen_blocks)
+        assert (outcome, back) == ("completed", True), (outcome, client_calls)
+        assert client_calls.get("receive_at_rank_here") == 1 and not client_calls.get("receive_at_rank"), client_calls
+        assert await eng.gen[0].matches.remote(39, gen_blocks)
+        await eng.give_back(here, gen_blocks, ctx_blocks)
         # Received already: refused at the rank, which ended it; nothing held.
         ticket, ctx_blocks = await eng.prefill_and_publish("twice", seed=40, tokens=5)
         gen_blocks = eng.take(Role.GEN, len(ctx_blocks))
