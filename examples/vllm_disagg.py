@@ -141,7 +141,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         # One prefill and one decode instance: an EngineDeployment.
         dep: Any = await EngineDeployment.create(
             ctx_tp=1, gen_tp=1, layout=layout, ctx_memory="paged_interleaved", gen_memory="paged_interleaved",
-            lease_timeout_s=args.lease_timeout_s,
+            lease_timeout_s=args.lease_timeout_s, control_frames=args.control_frames,
         )
         prefills = [VllmEngine.options(**env).remote(dep.plan, "ctx", model, ENGINE_ARGS)]
         decodes = [VllmEngine.options(**env).remote(dep.plan, "gen", model, ENGINE_ARGS)]
@@ -149,7 +149,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         names = {"prefill": prefills[0], "decode": decodes[0]}
     else:
         # Many: an EngineFleet, one instance per engine, any prefill to any decode.
-        dep = await EngineFleet.create(layout=layout, lease_timeout_s=args.lease_timeout_s)
+        dep = await EngineFleet.create(layout=layout, lease_timeout_s=args.lease_timeout_s, control_frames=args.control_frames)
         planned: list[tuple[Any, Any]] = []
         for role, count in (("ctx", args.prefill_engines), ("gen", args.decode_engines)):
             for _ in range(count):
@@ -280,6 +280,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     out = {
         "prompts": len(prompts),
         "engines": {"prefill": len(prefills), "decode": len(decodes)},
+        "control_frames": args.control_frames,
         "completed_by_engine": {
             "prefill": [sum(r.get("prefill") == i for r in completed) for i in range(len(prefills))],
             "decode": [sum(r.get("decode") == i for r in completed) for i in range(len(decodes))],
@@ -349,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-timeout-s", type=float, default=120.0, help="a request not answered by then counts as failed (hung)")
     ap.add_argument("--prefill-engines", type=int, default=1, help="more than one: an EngineFleet, any prefill to any decode")
     ap.add_argument("--decode-engines", type=int, default=1)
+    ap.add_argument(
+        "--control-frames", choices=("nixl", "ray", "auto"), default="nixl",
+        help="how frames travel between the engines' ranks: NIXL notifications (measured faster here "
+        "than Ray calls even on a 2-core box: docs/vllm.md), Ray calls, or measured at launch",
+    )
     ap.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the NixlConnector run")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="show the engines' logs")
