@@ -86,7 +86,7 @@ from kvhandoff.actors._metrics import record_handoff, record_hops
 from kvhandoff.actors._pair import PairCore
 from kvhandoff.actors._placement import remove_group
 from kvhandoff.actors._trace import HandoffTrace, TraceRecorder, critical_path, with_events_of
-from kvhandoff.protocol import Endpoint, ParentKey, RecentMemory, Role
+from kvhandoff.protocol import AdmissionRequest, Endpoint, ParentKey, RecentMemory, Role, RoundError
 from kvhandoff.topology import DEFAULT_LAYOUT as _TOPOLOGY_DEFAULT_LAYOUT
 from kvhandoff.topology import InstancePlacement, TopologySpec, block_bytes, blocks_for_tokens
 
@@ -130,6 +130,7 @@ class _Attempt:
         self.gen = gen
         self.task: asyncio.Task[HandoffResult] | None = None
         self.admission: asyncio.Task[str] | None = None  # the submission's outcome, or "broken"
+        self.timeout = 60.0  # the caller's bound
         self.cancel_requested = False  # a client cancel(): a refusal is then "cancelled"
         self.abandoned = False  # superseded, or its caller stopped waiting
 
@@ -425,6 +426,7 @@ class Deployment(PairCore, Launcher):
             assert older.task is not None
             older.task.cancel()
         attempt = _Attempt(self._new_attempt(request_id), num_tokens, ctx, gen)
+        attempt.timeout = timeout
         self._live[request_id] = attempt
         # The submission starts now, in its own task: whoever hands the attempt
         # back waits for it to be sent first (see the module docstring).
@@ -458,8 +460,40 @@ class Deployment(PairCore, Launcher):
             return "broken"
 
     def _submit_call(self, attempt: _Attempt) -> Any:
-        """The submission's Ray call (a fleet names the CTX instance too)."""
+        """The submission's Ray call (a fleet names the CTX instance too); a
+        lone handoff between instances of one rank each goes to the GEN rank."""
+        if self._receives_at_rank() and len(self._live) == 1:
+            return self._at_rank(attempt)
         return self._coords[Role.GEN].submit.remote(attempt.parent, attempt.num_tokens, True)
+
+    def _receives_at_rank(self) -> bool:
+        """Instances of one rank each, the CTX admitting at the OPEN: the GEN
+        rank is its instance's whole intersection and its OPEN the admission."""
+        return self._admit_at_open and self.ctx_spec.tp == 1 and self.gen_spec.tp == 1
+
+    async def _at_rank(self, attempt: _Attempt) -> str:
+        """One handoff as one call to the GEN rank (`receive_alone`): it
+        admits, sends the OPEN, completes alone and answers; no coordinator
+        on the path (its coordinator learns of it from the rank's report).
+        Only while this client has no other handoff live: under load the
+        coordinator's rounds batch admissions and their OPENs, where a call
+        per handoff costs more (docs/design.md "Admission at the OPEN")."""
+        self.calls["receive_at_rank"] += 1
+        if self._view_epochs is None:
+            await self.refresh_view()
+        rank = self._cached_ranks(Role.GEN)[0]
+        request = AdmissionRequest(attempt.parent, attempt.num_tokens, release_when_ready=True)
+        try:
+            outcome, _ = await rank.receive_alone.remote(request, attempt.timeout)
+        except RoundError:
+            # Refused before anything was held (an incarnation not joined
+            # yet: a restart under way): its coordinator answers instead.
+            self._view_epochs = None
+            return str(await self._coords[Role.GEN].submit.remote(attempt.parent, attempt.num_tokens, True))
+        except Exception:
+            self._view_epochs = None  # the rank died, perhaps: read the view again next time
+            raise
+        return str(outcome)
 
     async def _attempt_ranks(self, attempt: _Attempt, role: Role) -> list[Any]:
         """The current rank handles of the attempt's instance of `role`."""

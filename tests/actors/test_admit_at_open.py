@@ -339,16 +339,16 @@ def test_a_pair_deployment_admits_at_the_open_by_default_and_a_cancel_mid_transf
     assert_clean(stats)
 
 
-def test_a_one_rank_gen_instance_admits_alone_in_six_hops_and_refuses_without_room() -> None:
-    """With a CTX peer that admits at the OPEN, a pair deployment's one-rank
-    GEN instance admits with no round: its coordinator hands the submission
-    to the rank (`admit_alone`), and the rank's answer brings its report, so
-    the leader has the parent in flight before anything else. After the
-    first handoff (admitted in a round while the GEN coordinator learns how
-    the peer admits), the traced path is submit, admit_alone, OPEN,
-    TERMINAL, report, outcome: 6 hops, no vote. With a finished handoff's
-    blocks kept for its consumer, the next one finds too few free GEN
-    blocks: the rank refuses it alone, "rejected", nothing held; every pool
+def test_a_lone_handoff_between_one_rank_instances_goes_to_the_gen_rank_and_refuses_without_room() -> None:
+    """With a CTX peer that admits at the OPEN, a pair deployment's lone
+    handoff between instances of one rank each is one call to the GEN rank
+    (`receive_alone`): it admits, sends the OPEN, completes alone and
+    answers, with no coordinator on the path (its coordinator learns of it
+    from the rank's report). The traced path is receive_alone, OPEN,
+    TERMINAL, the answer: no vote, no admission alone, no decision. With a
+    finished handoff's blocks kept for its consumer (submitted to the
+    coordinator, which admits it alone), the next one finds too few free
+    GEN blocks: the rank refuses it, "rejected", nothing held; every pool
     is whole at the end."""
     from kvhandoff.actors.deployment import Deployment
     from kvhandoff.protocol import Role
@@ -370,37 +370,41 @@ def test_a_one_rank_gen_instance_admits_alone_in_six_hops_and_refuses_without_ro
                 while (await ctx.stats.remote())["free"] != 4:
                     assert time.monotonic() < deadline, "the CTX rank never released its blocks"
                     await asyncio.sleep(0.01)
+            at_rank = dep.calls["receive_at_rank"]
             # A handoff kept for its consumer holds 3 of the GEN rank's 4
-            # blocks once it is over: the coordinator is idle, so the next
-            # one goes alone, and the rank refuses it for want of room.
+            # blocks once it is over; the next one goes to the rank, which
+            # refuses it for want of room.
             coordinator = dep.coordinator(Role.GEN)
             kept = ParentKey(request_id="kept", ctx_attempt=1000, gen_attempt=1000)
             held = await coordinator.submit.remote(kept, TOKENS, False)
-            before = (await coordinator.stats.remote())["calls"].get("rank_admit_alone", 0)
             refused = await dep.handoff("refused", TOKENS, timeout=TIMEOUT)
-            went_alone = (await coordinator.stats.remote())["calls"].get("rank_admit_alone", 0) - before
+            went_to_rank = dep.calls["receive_at_rank"] - at_rank
             during = await gen.stats.remote()
             await gen.free.remote(kept)
-            return results, traces, held, (refused, went_alone), during, await settled_stats(dep, timeout=TIMEOUT)
+            return results, traces, at_rank, held, (refused, went_to_rank), during, await settled_stats(dep, timeout=TIMEOUT)
         finally:
             await dep.shutdown()
 
-    results, traces, held, refused, during, stats = run(scenario())
+    results, traces, at_rank, held, refused, during, stats = run(scenario())
     assert [r.outcome for r in results] == ["completed"] * 4, results
+    assert at_rank == 4, at_rank
     assert all(t is not None for t in traces)
-    alone = min(traces[1:], key=lambda t: t.hops)  # a report can race one hop longer on a busy box
-    steps = [h.what for h in alone.path]
-    assert alone.hops <= 6 and "admit_alone" in steps and "round_vote" not in steps, alone.path
+    fastest = min(traces, key=lambda t: t.hops)
+    steps = [h.what for h in fastest.path]
+    assert fastest.hops <= 4 and "receive_alone" in steps, fastest.path
+    assert not {"round_vote", "admit_alone", "report"} & set(steps), fastest.path
     assert held == "completed", held
-    refused, went_alone = refused
+    refused, went_to_rank = refused
     assert refused.outcome == "rejected" and refused.bytes_verified == 0, refused
-    assert went_alone == 1, went_alone  # refused by the rank alone, not in a round
+    assert went_to_rank == 1, went_to_rank  # refused by the rank, not in a round
     assert during["leased"] == 3, during  # the kept handoff's blocks only
-    assert during["counters"].get("admit_refused", 0) >= 1, during["counters"]
+    assert during["counters"].get("received_alone_refused", 0) >= 1, during["counters"]
     gen = next(s for s in stats["ranks"] if s["role"] == "gen")
-    assert gen["counters"].get("admitted_alone", 0) >= 4, gen["counters"]  # a1-a3 and held at least
+    assert gen["counters"].get("received_alone", 0) >= 4, gen["counters"]
+    assert gen["counters"].get("admitted_alone", 0) >= 1, gen["counters"]  # the kept one
     decided = stats["coordinators"]["gen"]["decided"]
-    assert decided.get("admitted", 0) <= 1, decided  # in a round: the first handoff at most
+    assert decided.get("admitted", 0) == 0, decided  # no round admitted any
+    assert decided.get("completed", 0) >= 4, decided  # it took each in flight from the report
     assert_clean(stats)
 
 
@@ -448,8 +452,8 @@ def test_a_busy_gen_instance_batches_in_rounds_and_a_lone_handoff_goes_alone() -
     """Admission alone is for an idle GEN coordinator only: sixteen
     handoffs submitted at once find it busy (a round running, admissions
     queued, an admission alone out), so most join one round that admits
-    them together, one call per rank; a lone handoff afterwards goes alone
-    again. Were every submission admitted alone, a busy instance would pay
+    them together, one call per rank; a lone handoff afterwards goes to the
+    GEN rank itself. Were every submission admitted alone, a busy instance would pay
     one rank call and one frame call per handoff (the GPU host lost a third
     of a pair's rate so)."""
     from kvhandoff.actors.deployment import Deployment
@@ -467,8 +471,10 @@ def test_a_busy_gen_instance_batches_in_rounds_and_a_lone_handoff_goes_alone() -
             before = await coordinator.stats.remote()
             results = await asyncio.gather(*(dep.handoff(f"b{i}", TOKENS, timeout=TIMEOUT) for i in range(burst)))
             middle = await coordinator.stats.remote()
+            at_rank = dep.calls["receive_at_rank"]
             lone = await dep.handoff("lone", TOKENS, timeout=TIMEOUT)
             after = await coordinator.stats.remote()
+            after["calls"]["receive_at_rank"] = dep.calls["receive_at_rank"] - at_rank
             return before, results, middle, lone, after, await settled_stats(dep, timeout=TIMEOUT)
         finally:
             await dep.shutdown()
@@ -484,5 +490,6 @@ def test_a_busy_gen_instance_batches_in_rounds_and_a_lone_handoff_goes_alone() -
     in_rounds = middle["decided"].get("admitted", 0) - before["decided"].get("admitted", 0)
     assert alone + in_rounds == burst, (alone, in_rounds)
     assert alone < burst // 2 and in_rounds > burst // 2, (alone, in_rounds)
-    assert delta(middle, after, "rank_admit_alone") == 1, after["calls"]
+    # A lone handoff goes to the GEN rank itself (the client has no other live).
+    assert after["calls"]["receive_at_rank"] == 1 and delta(middle, after, "rank_admit_alone") == 0, after["calls"]
     assert_clean(stats)
