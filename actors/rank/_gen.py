@@ -167,7 +167,8 @@ class GenRankCore(RankCore):
         parent's local outcome and for its blocks to be back in the pool.
         Returns ``(outcome, returned)``: "completed" as soon as the last
         TERMINAL made it decode-ready with every byte verified; any other
-        outcome once the coordinator's decision ended it here; "timeout"
+        outcome once the coordinator's decision ended it here (``returned``
+        False at once when its blocks were quarantined); "timeout"
         past ``timeout`` (the caller cancels it). Refused, nothing held:
         "rejected" (no room, the admission stop, draining, or a parent this
         rank already ended); `ParentInFlight` for a parent under way here;
@@ -197,6 +198,8 @@ class GenRankCore(RankCore):
         self._admitted(parent, now)
         start = time.monotonic()
         outcome = await self.wait(parent, timeout)
+        if self.pool.is_quarantined(parent):
+            return str(outcome), False  # held until a proof of quiescence reclaims them
         back = await self.returned(parent, max(timeout - (time.monotonic() - start), 0.0))
         return str(outcome), back
 
