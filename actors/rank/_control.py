@@ -483,4 +483,4 @@ class _ControlPlane(_RankState):
                 self._outcome.setdefault(report.parent, report.outcome, time.monotonic())
         if report.news is not None:
             self.member.follower.record(report.news, report.parent)
-            self._nudge(lazy=report.news is News.COMPLETION and self.role is Role.CTX)
+            self._nudge(lazy=report.news is News.COMPLETION and self._completion_can_wait(report.parent))

@@ -72,6 +72,9 @@ class GenRankCore(RankCore):
         self._admission_closed = False
         # Parents received at this rank (`receive_alone`), until they end.
         self._received_here: set[ParentKey] = set()
+        # Of those, the one completing alone in this `_perform` step: the
+        # rank answers its caller, so its completion report may wait.
+        self._answered_here: set[ParentKey] = set()
         super().__init__(config, epoch, tensors=tensors)  # last: it registers this rank
         if self.arena is not None:
             self._reader = self._staged = StagedReader(self, self.arena, config.staging_window)
@@ -265,9 +268,21 @@ class GenRankCore(RankCore):
             return []
         self.counters["completed_alone"] += 1
         self._completed_alone.add(parent)
+        if parent in self._received_here:
+            self._answered_here.add(parent)
         # One nobody consumes is freed when this turn ends (`_later`, as
         # after an apply): freeing it here too would be a second release.
         return self._perform(self.side.completed(parent, now))
+
+    def _completion_can_wait(self, parent: ParentKey) -> bool:
+        """A parent received at this rank and completed alone: the rank
+        answers its caller (`receive_alone`), so its completion report waits
+        `lazy_flush_s` for other news instead of going out ahead of that
+        answer; the coordinator's decision only settles its bookkeeping."""
+        if parent in self._answered_here:
+            self._answered_here.discard(parent)
+            return True
+        return False
 
     def _later(self, fn: Any, *args: Any) -> None:
         """Run ``fn(*args)`` once the apply in progress has ended: when this

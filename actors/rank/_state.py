@@ -226,6 +226,12 @@ class _RankState:
         completion goes to the rounds (what a role may do at once besides)."""
         return []
 
+    def _completion_can_wait(self, parent: ParentKey) -> bool:
+        """Whether nothing waits at once for this rank's report that `parent`
+        completed (a CTX rank's completions: no answer depends on them), so
+        it may wait `lazy_flush_s` for other news to ride with."""
+        return self.role is Role.CTX
+
     def _releasing(self, parent: ParentKey, blocks: tuple[Any, ...]) -> None:
         """`parent`'s `blocks` go back to our pool (before its outcome is recorded)."""
 
