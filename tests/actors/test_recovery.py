@@ -281,7 +281,12 @@ def test_rounds_carry_and_check_the_topology_digest(ray_cluster) -> None:
         dep = await launch(ctx_tp=1, gen_tp=1)
         try:
             done = await dep.handoff("d", TOKENS, timeout=TIMEOUT)
-            log = await dep.coordinator(Role.GEN).decision_log.remote()
+            # A lone handoff is answered by the GEN rank; its coordinator
+            # decides it from the rank's report (bounded: L1).
+            deadline = time.monotonic() + TIMEOUT
+            while not (log := await dep.coordinator(Role.GEN).decision_log.remote()):
+                assert time.monotonic() < deadline, "the GEN coordinator never decided the handoff"
+                await asyncio.sleep(0.01)
             coord = await dep.coordinator(Role.GEN).stats.remote()
             gen = (await dep.ranks(Role.GEN))[0]
             foreign = RoundProposal(round_no=coord["next_round"], topology_digest=topology_digest(dep.ctx_spec))
