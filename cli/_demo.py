@@ -662,8 +662,8 @@ COUNTER_LABELS = {
     "cancel_deferred": "cancels deferred",
 }
 COUNTER_NOTES = {
-    "refused_StaleError": "frames for a closed session or an older attempt (a RECEIPT that "
-    "crossed the completion round, frames after a cancel): refused by the generation checks, "
+    "refused_StaleError": "frames for a closed session or an older attempt (frames after a "
+    "cancel, a RECEIPT of a cancelled edge): refused by the generation checks, "
     "nothing changed (S3). Expected on a clean run: the protocol working",
     "refused_UnknownSessionError": "frames for a session never opened here (a cancel ahead of "
     "its OPEN): refused, nothing changed (S3). Expected with cancels",

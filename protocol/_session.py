@@ -944,6 +944,11 @@ class _Rank:
             return self._closed_parents[parent]
         raise self._unknown_parent(parent)
 
+    def was_released(self, parent: ParentKey) -> bool:
+        """Whether `parent` is no longer live here because it was released
+        (remembered as RELEASED among the recently closed)."""
+        return parent not in self._parents and self._closed_parents.get(parent) is _PS.RELEASED
+
     def parents(self) -> dict[ParentKey, ParentState]:
         """Every live (not yet released) parent and its state."""
         return {key: record.state for key, record in self._parents.items()}

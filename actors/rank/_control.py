@@ -44,6 +44,7 @@ from kvhandoff.protocol import (
     RoundDecision,
     RoundProposal,
     SendMessage,
+    StaleError,
     Step,
     admission_verdict,
     apply_step,
@@ -235,8 +236,14 @@ class _ControlPlane(_RankState):
         return True
 
     def _refused(self, message: Message | None, exc: ProtocolError, version: int) -> None:
-        """A frame refused: nothing changed (S3), counted. Late RECEIPTs for
-        released parents land here too."""
+        """A frame refused: nothing changed (S3), counted. A RECEIPT for a
+        parent already released here is counted apart: it acknowledges the
+        bytes of an edge that ended COMPLETED (a rank alone in its instance
+        releases at its last TERMINAL, before the RECEIPT can come), so it
+        is expected, not a refusal."""
+        if isinstance(message, Receipt) and isinstance(exc, StaleError) and self.side.was_released(message.ticket.parent):
+            self.counters["receipts_after_release"] += 1
+            return
         self.counters[f"refused_{type(exc).__name__}"] += 1
         if isinstance(message, Open):  # a refused proposal addressed to us gets a typed REJECT
             reject = reject_for(message, exc, self.our)

@@ -256,23 +256,15 @@ class GenRankCore(RankCore):
         return []
 
     def _completing(self, parent: ParentKey, now: float) -> list[Any]:
-        """The only rank of its instance is the whole intersection a
-        completion round would take: decode-ready here, now, and a parent
-        nobody consumes goes back to the pool when this turn ends (no
-        decision's apply on the way to its blocks). Safe at any cancel: every edge is
-        terminal COMPLETED (no WRITE of ours may still land) and the bytes
-        verified; a cancel or failure the leader decides later finds it
-        decode-ready or released, as for one it completed in a round. The
-        report still goes: the leader's decision answers the client."""
-        if self.config.spec.tp != 1:
-            return []
-        self.counters["completed_alone"] += 1
-        self._completed_alone.add(parent)
-        if parent in self._received_here:
+        """As a rank alone completes (`_completing` of the base): decode-ready
+        here, now, and a parent nobody consumes goes back to the pool when
+        this turn ends (`_later`, as after an apply: freeing it here too
+        would be a second release). A parent this rank received itself is
+        answered here (`receive_alone`): its report may wait."""
+        actions = super()._completing(parent, now)
+        if parent in self._completed_alone and parent in self._received_here:
             self._answered_here.add(parent)
-        # One nobody consumes is freed when this turn ends (`_later`, as
-        # after an apply): freeing it here too would be a second release.
-        return self._perform(self.side.completed(parent, now))
+        return actions
 
     def _completion_can_wait(self, parent: ParentKey) -> bool:
         """A parent received at this rank and completed alone: the rank

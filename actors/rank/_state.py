@@ -155,9 +155,9 @@ class _RankState:
         self._lazy_flush_due = False
         # Admitted parents' token counts (GEN: for its OPENs), until their outcome.
         self._tokens: dict[ParentKey, int] = {}
-        # GEN of one rank: parents made decode-ready at their last TERMINAL
-        # (`_completing`); the completion decision that follows is theirs
-        # already, until a decision settles them.
+        # A rank alone in its instance: parents it completed itself
+        # (`_completing`: CTX released, GEN decode-ready); the completion
+        # decision that follows is theirs already, until a decision settles them.
         self._completed_alone: set[ParentKey] = set()
         # Outcomes and waiters (for the client API).
         # Kept while a late `wait` may still ask (protocol `RecentMemory`).
@@ -222,9 +222,20 @@ class _RankState:
         return []
 
     def _completing(self, parent: ParentKey, now: float) -> list[Any]:
-        """`parent` settled here without a cancel and its bytes verified: its
-        completion goes to the rounds (what a role may do at once besides)."""
-        return []
+        """`parent` settled here without a cancel (GEN: its bytes verified);
+        its completion report goes to the rounds. The only rank of its
+        instance is the whole intersection a completion round would take, so
+        it applies that decision now: a CTX rank releases its blocks (every
+        edge terminal COMPLETED: no WRITE of ours reads them any more, S1), a
+        GEN rank makes the parent decode-ready. Safe at any cancel: a cancel
+        or failure the leader decides later finds the parent released or
+        decode-ready, as one it completed in a round; the leader's decision
+        still answers the client and settles `_completed_alone`."""
+        if self.config.spec.tp != 1:
+            return []
+        self.counters["completed_alone"] += 1
+        self._completed_alone.add(parent)
+        return self._perform(self.side.completed(parent, now))
 
     def _completion_can_wait(self, parent: ParentKey) -> bool:
         """Whether nothing waits at once for this rank's report that `parent`

@@ -463,6 +463,41 @@ async def test_a_one_rank_gen_instance_completes_alone(ray_cluster: Any) -> None
         await eng.close()
 
 
+async def test_a_one_rank_ctx_instance_releases_alone(ray_cluster: Any) -> None:
+    """A CTX rank of a one-rank instance is its completion round's whole
+    intersection too: once every edge is terminal COMPLETED (no WRITE of
+    its reads the blocks any more) it gives them back to the engine, with
+    no decision of its coordinator. Shown with that coordinator gone while
+    the rank's frames to the GEN were held: the receive completes with the
+    request's own bytes and the CTX blocks come back; before, they waited
+    for a completion round that never came."""
+    eng = await _engine(1, 1, "paged", "split")
+    try:
+        assert await _handoff(eng, "warm", seed=60, tokens=9) == "completed"
+        ticket, ctx_blocks = await eng.prefill_and_publish("solo-ctx", seed=61, tokens=16)
+        await hold_frames(eng.ctx[0], "solo-ctx", Role.GEN, 0)
+        gen_blocks = eng.take(Role.GEN, len(ctx_blocks))
+        receiving = asyncio.ensure_future(eng.dep.receive(ticket, gen_blocks, timeout=60))
+        deadline = asyncio.get_running_loop().time() + 60  # a bound (L1), not a guess
+        while not await held_frames(eng.ctx[0], "solo-ctx", Role.GEN, 0):
+            assert asyncio.get_running_loop().time() < deadline, "the transfer never started"
+            await asyncio.sleep(0.01)
+        ctx_coord = eng.dep._coords[Role.CTX]
+        watching = ctx_coord.watch.remote()  # answers only with the coordinator's death
+        ray.kill(ctx_coord, no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError):
+            await watching
+        await release_frames(eng.ctx[0], "solo-ctx", Role.GEN, 0)
+        result = await receiving
+        assert result.outcome == "completed" and result.blocks_returned, result
+        assert await eng.gen[0].matches.remote(61, gen_blocks)
+        assert await eng.ctx[0].returned.remote(ticket.parent, 30.0)
+        stats = await eng.ctx[0].stats.remote()
+        assert stats["counters"]["completed_alone"] >= 2 and stats["leased"] == 0, stats
+    finally:
+        await eng.close()
+
+
 async def test_a_second_receive_of_a_ticket_under_way_is_refused_alone(engine: Engine) -> None:
     """A front end that receives a ticket again while its first receive is
     under way (an HTTP retry): the second is refused ("rejected", nothing of

@@ -244,14 +244,14 @@ def test_drain_and_join_under_traffic(nodes) -> None:
     # 0 failed: a handoff routed to gen0 as it began to drain is refused
     # cleanly ("rejected": nothing was queued), later ones are not routed.
     assert outcomes["completed"] > 0 and set(outcomes) <= {"completed", "unavailable", "rejected"}, (outcomes, [s for s in seen if s[1] in ("timeout", "failed")], {n: c.get("rank_errors", [])[-2:] for n, c in stats["coordinators"].items()})
-    # Away from the draining instance nothing fails and nothing pauses. A
-    # CTX rank short of room refuses an OPEN (backpressure: "rejected",
-    # nothing held): CI saw 3 of ~470 so during this drain and join, with
-    # its 32 blocks short (why is open: journal 2026-12-06). Any other
-    # refusal of a bystander fails.
+    # Away from the draining instance nothing fails, nothing is refused and
+    # nothing pauses. (CI once saw 3 OPENs toward gen1 refused for want of
+    # room on ctx0: each CTX rank kept a completed request's blocks until
+    # its coordinator's completion decision, and that coordinator lagged
+    # while gen2 started; a rank alone in its instance now releases at its
+    # last TERMINAL, so a CTX rank holds only handoffs in flight.)
     elsewhere = [(pair, o) for pair, o in seen if pair[1] != "gen0" and o != "completed"]
-    short_of_room = sum(s.get("counters", {}).get("refused_NoCapacity", 0) for s in stats["ranks"])
-    if any(o != "rejected" for _, o in elsewhere) or len(elsewhere) > short_of_room:
+    if elsewhere:
         # pytest.fail: the whole message (an assertion's is cut short)
         pytest.fail(f"refused away from the draining instance: {elsewhere}; outcomes {dict(outcomes)}; {refusals(stats)}")
     assert joined == "gen2" and [r.outcome for r in new] == ["completed"] * 4

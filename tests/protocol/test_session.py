@@ -175,8 +175,10 @@ def test_success_path_actions_in_order() -> None:
     assert pair.gens[0].evidence(ticket).state is EdgeState.COMPLETED
     settled = [a for a in pair.actions if isinstance(a, ParentSettled)]
     assert len(settled) == 2 and all(not s.cancelled for s in settled)
+    assert not pair.ctx.was_released(P)
     pair.run_rounds()
     assert pair.ctx.pool.counts().leased == 0  # CTX released after its completion round
+    assert pair.ctx.was_released(P) and not pair.gens[0].was_released(P)  # GEN: decode-ready, live
     assert pair.gens[0].parent_state(P) is ParentState.DECODE_READY
     assert pair.gens[0].pool.counts().leased == 3  # KV stays with the request
     pair.free(P)
