@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import itertools
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
@@ -224,7 +223,14 @@ class BlockPool:
     session layer uses `ParentKey`). One owner holds at most one lease.
     """
 
-    _ARRAYS = (("_state", np.int8), ("_generation", np.int64), ("_owner_id", np.int64))
+    _ARRAYS = (
+        ("_state", np.int8),
+        ("_generation", np.int64),
+        ("_owner_id", np.int64),
+        ("_free_stamp", np.int64),
+        ("_queue", np.int64),
+        ("_queue_stamp", np.int64),
+    )
 
     def __getstate__(self) -> dict[str, Any]:
         # The three arrays as bytes (see `BlockRefs.__reduce__`).
@@ -252,10 +258,22 @@ class BlockPool:
         self._owner_by_id: dict[int, Hashable] = {}
         self._next_oid = 1
         # FIFO free list: a released block goes to the back, so reuse rotates
-        # through the pool and generation bumps are exercised.
-        # An insertion-ordered set (dict keys): FIFO for `lease`, O(1) removal
-        # of a named block for `lease_blocks`.
-        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
+        # through the pool and generation bumps are exercised. Arrays, so a
+        # lease or a release of thousands of blocks is a few numpy calls:
+        # `_queue[_head:_tail]` holds block ids with the stamp each was queued
+        # under (`_queue_stamp`); a block is free exactly while
+        # `_free_stamp[block]` is its entry's stamp (-1: not free). A block
+        # leased by name (`lease_blocks`) just loses its stamp: its entry
+        # stays behind, stale, and `lease` skips it (lazy deletion); the
+        # queue is compacted when its end reaches the array's.
+        self._free_stamp = np.arange(num_blocks, dtype=np.int64)
+        self._queue = np.zeros(2 * num_blocks, dtype=np.int64)
+        self._queue[:num_blocks] = np.arange(num_blocks, dtype=np.int64)
+        self._queue_stamp = np.full(2 * num_blocks, -1, dtype=np.int64)
+        self._queue_stamp[:num_blocks] = np.arange(num_blocks, dtype=np.int64)
+        self._head, self._tail = 0, num_blocks
+        self._next_stamp = num_blocks
+        self._nfree = num_blocks
         self._leases: dict[Hashable, _Lease] = {}
         self._quarantined = 0  # blocks in QUARANTINED, kept as they move (O(1) `counts`)
         self._closed: collections.OrderedDict[Hashable, Cleanup] = collections.OrderedDict()
@@ -271,7 +289,7 @@ class BlockPool:
         (the admission stop), so a scan of a 65,536-block pool is not affordable.
         `check_invariants` checks the counts against a scan."""
         quarantined = self._quarantined
-        free = len(self._free)
+        free = self._nfree
         return PoolCounts(
             free=free,
             leased=self._num_blocks - free - quarantined,
@@ -286,6 +304,12 @@ class BlockPool:
     def generation_of(self, block: int) -> int:
         self._check_index(block)
         return int(self._generation[block])
+
+    def free_order(self) -> list[int]:
+        """The free blocks in the order `lease` hands them out (oldest first)."""
+        queued = self._queue[self._head : self._tail]
+        live = self._free_stamp[queued] == self._queue_stamp[self._head : self._tail]
+        return queued[live].tolist()  # type: ignore[no-any-return]
 
     def is_current(self, ref: BlockRef) -> bool:
         """True if `ref` names the block's live incarnation (owned, same generation)."""
@@ -345,15 +369,9 @@ class BlockPool:
         if n < 1:
             raise PoolError(f"a lease needs at least one block, got {n}")
         self._check_new_owner(owner)
-        if n > len(self._free):
-            raise PoolError(f"cannot lease {n} blocks: only {len(self._free)} free")
-        # The n oldest free blocks, taken in one pass: deleting a dict's first
-        # key and iterating again skips every deleted slot (quadratic: 0.6 s
-        # for a 32,768-block lease).
-        taken = list(itertools.islice(self._free, n))
-        for block in taken:
-            del self._free[block]
-        return self._claim(owner, np.array(taken, dtype=np.int64))
+        if n > self._nfree:
+            raise PoolError(f"cannot lease {n} blocks: only {self._nfree} free")
+        return self._claim(owner, self._take_oldest(n))
 
     def lease_blocks(self, owner: Hashable, blocks: Sequence[int] | np.ndarray) -> BlockRefs:
         """Lease exactly `blocks`, in that order, to `owner` (an engine's block
@@ -380,8 +398,8 @@ class BlockPool:
         if (states != _FREE).any():
             block = int(wanted[np.argmax(states != _FREE)])
             raise PoolError(f"block {block} is {self.state_of(block).name}, not FREE")
-        for block in wanted.tolist():
-            del self._free[block]
+        self._free_stamp[wanted] = -1  # their queue entries go stale (`_take_oldest` skips them)
+        self._nfree -= len(wanted)
         return self._claim(owner, wanted)
 
     def release(self, owner: Hashable) -> Cleanup:
@@ -458,8 +476,14 @@ class BlockPool:
             raise PoolError(f"block {block} owned by more than one lease")
         if len(self._owner_by_id) != len(self._leases):
             raise PoolError("an owner number outlived its lease")
-        in_free = np.zeros(self._num_blocks, dtype=bool)
-        in_free[list(self._free)] = True
+        in_free = self._free_stamp >= 0
+        queued = self._queue[self._head : self._tail]
+        valid = self._free_stamp[queued] == self._queue_stamp[self._head : self._tail]
+        entries = np.bincount(queued[valid], minlength=self._num_blocks)
+        for block in np.flatnonzero(entries != in_free).tolist():
+            raise PoolError(f"block {block} has {int(entries[block])} live free-list entries, free={bool(in_free[block])}")
+        if int(np.count_nonzero(in_free)) != self._nfree:
+            raise PoolError(f"{int(np.count_nonzero(in_free))} blocks are on the free list, the count says {self._nfree}")
         for block in np.flatnonzero(in_free != (self._state == _FREE)).tolist():
             raise PoolError(
                 f"block {block} is {self.state_of(block)} but free-list={bool(in_free[block])}"
@@ -513,9 +537,55 @@ class BlockPool:
         blocks = lease.refs.blocks
         self._state[blocks] = _FREE
         self._owner_id[blocks] = 0
-        self._free.update(dict.fromkeys(blocks.tolist()))
+        self._queue_free(blocks)
         del self._owner_by_id[lease.oid]
         del self._leases[owner]
+
+    def _take_oldest(self, n: int) -> np.ndarray:
+        """Take the `n` oldest free blocks off the free list (n <= `_nfree`),
+        skipping stale entries: a window of the queue's head at a time,
+        doubled until it holds `n` live entries."""
+        head, tail = self._head, self._tail
+        k = n
+        while True:
+            end = min(tail, head + k)
+            blocks = self._queue[head:end]
+            live = np.flatnonzero(self._free_stamp[blocks] == self._queue_stamp[head:end])
+            if len(live) >= n or end == tail:
+                break
+            k *= 2
+        live = live[:n]
+        taken = blocks[live]  # a copy (fancy indexing): the queue may be rewritten
+        self._head = head + int(live[-1]) + 1
+        self._free_stamp[taken] = -1
+        self._nfree -= n
+        return taken
+
+    def _queue_free(self, blocks: np.ndarray) -> None:
+        """Put `blocks` at the back of the free list, in their order."""
+        m = len(blocks)
+        if self._tail + m > len(self._queue):
+            self._compact()
+        stamps = np.arange(self._next_stamp, self._next_stamp + m, dtype=np.int64)
+        self._next_stamp += m
+        self._queue[self._tail : self._tail + m] = blocks
+        self._queue_stamp[self._tail : self._tail + m] = stamps
+        self._free_stamp[blocks] = stamps
+        self._tail += m
+        self._nfree += m
+
+    def _compact(self) -> None:
+        """Move the live entries to the queue's start, in order (room for
+        every block: at most `num_blocks` are live, the array holds twice that)."""
+        head, tail = self._head, self._tail
+        blocks = self._queue[head:tail]
+        stamps = self._queue_stamp[head:tail]
+        live = self._free_stamp[blocks] == stamps
+        kept_b, kept_s = blocks[live], stamps[live]
+        n = len(kept_b)
+        self._queue[:n] = kept_b
+        self._queue_stamp[:n] = kept_s
+        self._head, self._tail = 0, n
 
     def _remember_closed(self, owner: Hashable, how: Cleanup) -> None:
         self._closed[owner] = how

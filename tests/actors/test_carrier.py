@@ -245,13 +245,19 @@ def _frame_counts(stats: dict) -> dict[str, dict[str, int]]:
     return {f'{s["role"]}{s["rank"]}': {k: s["counters"].get(k, 0) for k in keys} for s in stats["ranks"]}
 
 
+def _receipts_after_release(stats: dict) -> int:
+    return sum(s["counters"].get("receipts_after_release", 0) for s in stats["ranks"] if s["role"] == "ctx")
+
+
 def test_ready_rides_with_the_terminal_and_a_lone_receipt_still_goes(ray_cluster: Any) -> None:
     """Over Ray calls a READY waits for the TERMINAL after it (one call
     carries both: nothing at the GEN acts before the TERMINAL), and a
     RECEIPT waits for the next OPEN to its CTX rank, or for the lazy
-    flush. Here no OPEN follows: the RECEIPT still arrives (the CTX rank's
-    blocks come back), in a call of its own; and the CTX rank's completion
-    news, which waits the same way, still reaches its coordinator."""
+    flush. Here no OPEN follows: the RECEIPT still arrives, in a call of
+    its own (after the CTX rank, alone in its instance, released the
+    blocks at its TERMINAL: it counts a RECEIPT after the release); and
+    the CTX rank's completion news, which waits the same way, still
+    reaches its coordinator."""
 
     async def scenario() -> tuple[Any, dict, dict]:
         dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=32, round_timeout_s=20.0, control_frames="ray")
@@ -261,7 +267,7 @@ def test_ready_rides_with_the_terminal_and_a_lone_receipt_still_goes(ray_cluster
                 await inside(h, _lazy_window(2.0))
             before = await settled_stats(dep, BOUND_S)
             result = await dep.handoff("lazy-0", 60, timeout=BOUND_S)
-            after = await wait_stats(dep, _all_ended, BOUND_S)
+            after = await wait_stats(dep, lambda s: _all_ended(s) and _receipts_after_release(s) == 1, BOUND_S)
             return result, before, after
         finally:
             await dep.shutdown()
@@ -270,6 +276,7 @@ def test_ready_rides_with_the_terminal_and_a_lone_receipt_still_goes(ray_cluster
     assert result.outcome == "completed" and result.bytes_verified == gen_bytes(60, 1), result
     assert_clean(after)
     assert _all_ended(after), after["coordinators"]
+    assert _receipts_after_release(after) == 1, after["ranks"]
     b, a = _frame_counts(before), _frame_counts(after)
     sent = {rank: {k: a[rank][k] - b[rank][k] for k in a[rank]} for rank in a}
     assert sent["ctx0"] == {"frame_calls": 1, "frames_ready": 1, "frames_terminal": 1, "frames_open": 0, "frames_receipt": 0}, sent

@@ -37,7 +37,7 @@ def _snapshot(pool: BlockPool) -> tuple[object, ...]:
         pool.counts(),
         tuple(pool.state_of(b) for b in range(n)),
         tuple(pool.generation_of(b) for b in range(n)),
-        tuple(pool._free),
+        tuple(pool.free_order()),
     )
 
 

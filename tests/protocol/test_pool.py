@@ -88,7 +88,7 @@ def test_quarantine_is_never_reused_until_reclaimed() -> None:
         lambda p: p._generation.__setitem__(0, 99),  # a generation moved under its lease
         lambda p: p._owner_id.__setitem__(2, 1),  # a free block with an owner
         lambda p: p._owner_id.__setitem__(0, 0),  # a leased block with none
-        lambda p: p._free.__setitem__(0, None),  # a leased block on the free list
+        lambda p: p._queue_free(np.array([0])),  # a leased block on the free list
     ],
 )
 def test_check_invariants_detects_corruption(corrupt: Any) -> None:
@@ -186,3 +186,72 @@ def test_a_pickled_pool_and_its_refs_come_back_exact_and_keep_working() -> None:
     copy.check_invariants()
     assert pool.lease_of("a") == held  # the original is untouched
     pool.check_invariants()
+
+
+FIFO_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["lease", "lease", "lease_blocks", "release", "release", "quarantine", "reclaim"]),
+        st.integers(0, 7),
+        st.lists(st.integers(0, 7), min_size=1, max_size=5, unique=True),
+    ),
+    max_size=80,
+)
+
+
+def _fifo_walk(ops: list[tuple[str, int, list[int]]]) -> None:
+    pool = BlockPool(8)
+    model = list(range(8))
+    owners: list[int] = []  # holding a lease (live or quarantined), oldest first
+    fresh = iter(range(10**6))
+    for op, pick, blocks in ops:
+        owner = owners[pick % len(owners)] if owners else None
+        try:
+            if op == "lease":
+                new = next(fresh)
+                refs = pool.lease(new, len(blocks))
+                assert refs.block_list() == model[: len(blocks)]
+                del model[: len(blocks)]
+                owners.append(new)
+            elif op == "lease_blocks":
+                new = next(fresh)
+                pool.lease_blocks(new, blocks)
+                model = [b for b in model if b not in blocks]
+                owners.append(new)
+            elif op == "release" and owner is not None:
+                refs = pool.lease_of(owner)
+                if pool.release(owner) is Cleanup.RELEASED:
+                    model += refs.block_list()
+                    owners.remove(owner)
+            elif op == "quarantine" and owner is not None:
+                pool.quarantine(owner)
+            elif op == "reclaim" and owner is not None:
+                refs = pool.lease_of(owner)
+                pool.reclaim_quarantine(owner, proof="test")
+                model += refs.block_list()
+                owners.remove(owner)
+        except (PoolError, LeaseError):
+            pass
+        pool.check_invariants()
+        assert pool.free_order() == model
+        assert pool.counts().free == len(model)
+
+
+@settings(max_examples=300, deadline=None)
+@given(FIFO_OPS)
+def test_the_free_list_is_a_fifo_like_a_reference_list(ops: list[tuple[str, int, list[int]]]) -> None:
+    """The free list (arrays with lazily deleted entries, compacted when the
+    queue's end reaches the array's) against a plain Python list: `lease`
+    hands out the oldest free blocks, `lease_blocks` takes named ones out of
+    the middle, a release or reclaim puts a lease's blocks at the back in
+    order. Many rounds over an 8-block pool run the compaction often."""
+    _fifo_walk(ops)
+
+
+def test_the_free_list_survives_a_long_random_walk() -> None:
+    """The same check over one long seeded walk (thousands of compactions,
+    with live and stale entries in the queue each time)."""
+    import random
+
+    rng = random.Random(7)
+    kinds = ["lease", "lease", "lease_blocks", "release", "release", "quarantine", "reclaim"]
+    _fifo_walk([(rng.choice(kinds), rng.randrange(8), rng.sample(range(8), rng.randint(1, 5))) for _ in range(5000)])

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -334,7 +335,7 @@ def test_harness_reports_pool_corruption_as_s4_and_leaks_as_no_leak() -> None:
     pair = Pair()
     parent = parent_key(1)
     pair.admit(parent)
-    pair.ctx.pool._free[pair.ctx.lease(parent)[0].block] = None  # a leased block on the free list
+    pair.ctx.pool._queue_free(np.array([pair.ctx.lease(parent)[0].block]))  # a leased block on the free list
     with pytest.raises(AssertionError, match="^S4: pool of"):
         pair.check_s4_and_ownership()
     pair = Pair()
