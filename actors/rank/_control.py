@@ -490,4 +490,7 @@ class _ControlPlane(_RankState):
                 self._outcome.setdefault(report.parent, report.outcome, time.monotonic())
         if report.news is not None:
             self.member.follower.record(report.news, report.parent)
-            self._nudge(lazy=report.news is News.COMPLETION and self._completion_can_wait(report.parent))
+            lazy = report.news is News.COMPLETION and self._completion_can_wait(report.parent)
+            if lazy:
+                self.counters["completion_reports_lazy"] += 1
+            self._nudge(lazy=lazy)

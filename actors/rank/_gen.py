@@ -261,8 +261,11 @@ class GenRankCore(RankCore):
         this turn ends (`_later`, as after an apply: freeing it here too
         would be a second release). A parent this rank received itself is
         answered here (`receive_alone`): its report may wait."""
+        # Asked first: the completion's perform ends the parent's bookkeeping
+        # here (`_finish` -> `_forget`), `_received_here` included.
+        received = parent in self._received_here
         actions = super()._completing(parent, now)
-        if parent in self._completed_alone and parent in self._received_here:
+        if received and parent in self._completed_alone:
             self._answered_here.add(parent)
         return actions
 

@@ -401,6 +401,9 @@ def test_a_lone_handoff_between_one_rank_instances_goes_to_the_gen_rank_and_refu
     assert during["counters"].get("received_alone_refused", 0) >= 1, during["counters"]
     gen = next(s for s in stats["ranks"] if s["role"] == "gen")
     assert gen["counters"].get("received_alone", 0) >= 4, gen["counters"]
+    # Each answered by the rank: its completion report waited (lazy) instead
+    # of going out ahead of that answer (a hop on the path).
+    assert gen["counters"].get("completion_reports_lazy", 0) >= 4, gen["counters"]
     decided = stats["coordinators"]["gen"]["decided"]
     assert decided.get("admitted", 0) <= 1, decided  # the kept one at most: a coordinator's submission
     assert decided.get("completed", 0) >= 4, decided  # it took each in flight from the report
