@@ -36,6 +36,7 @@ from kvhandoff.protocol import (
     PoolError,
     ProtocolError,
     Quarantine,
+    RankReport,
     Ready,
     Receipt,
     Release,
@@ -88,6 +89,15 @@ class _ControlPlane(_RankState):
             asyncio.get_running_loop().call_soon(self._push_report)
         else:
             self._push_report()
+
+    async def close_admission(self) -> RankReport:
+        """The instance drains: this rank admits nothing on its own any more
+        (CTX: at an OPEN; GEN: a receive at the rank), for good; a parent
+        held here goes on to its end. Returns the rank's report, so its
+        coordinator knows every parent admitted here before this call and
+        waits for them too."""
+        self._admission_closed = True
+        return self.member.report()
 
     def _push_lazy_report(self) -> None:
         self._lazy_report_due = False

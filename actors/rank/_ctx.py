@@ -40,7 +40,6 @@ from kvhandoff.protocol import (
     PostChunk,
     Prepared,
     ProtocolError,
-    RankReport,
     RecentMemory,
     Role,
     StageAck,
@@ -89,8 +88,6 @@ class CtxRankCore(RankCore):
         self._writer: StagedWriter | None = None
         # Data phase per parent: [first post, last DONE, bytes] (perf_counter), bounded.
         self._xfer: RecentMemory[ParentKey, list[float]] = RecentMemory(max_bytes=_TIMING_BYTES)
-        # `close_admission`: the instance drains; no admission at an OPEN any more.
-        self._admission_closed = False
         super().__init__(config, epoch, tensors=tensors)  # last: it registers this rank
         if self.arena is not None:
             below = staged_below(self.buffer.device, config.staged_below)
@@ -520,10 +517,3 @@ class CtxRankCore(RankCore):
         """The data phase per parent, [first post, last DONE, bytes] (the bench reads it)."""
         return self._xfer
 
-    async def close_admission(self) -> RankReport:
-        """The instance drains: admit nothing more at an OPEN (for good; a
-        parent held here goes on to its end). Returns the rank's report, so
-        its coordinator knows every parent admitted here before this call
-        and waits for them too."""
-        self._admission_closed = True
-        return self.member.report()

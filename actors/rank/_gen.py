@@ -68,8 +68,6 @@ class GenRankCore(RankCore):
         # Work an apply leaves for after it (`_later`), in order.
         self._deferred: list[tuple[Any, tuple[Any, ...]]] = []
         self._reader: StagedReader | None = None
-        # `close_admission`: the instance drains; no receive alone any more.
-        self._admission_closed = False
         # Parents received at this rank (`receive_alone`), until they end.
         self._received_here: set[ParentKey] = set()
         # Of those, the one completing alone in this `_perform` step: the
@@ -206,13 +204,6 @@ class GenRankCore(RankCore):
         back = await self.returned(parent, max(timeout - (time.monotonic() - start), 0.0))
         return str(outcome), back
 
-    async def close_admission(self) -> RankReport:
-        """The instance drains: no receive at this rank any more (for good; a
-        parent held here goes on to its end). Returns the rank's report, so
-        its coordinator knows every parent received here before this call
-        and waits for them too."""
-        self._admission_closed = True
-        return self.member.report()
 
     def _admitted(self, parent: ParentKey, now: float) -> None:
         # Admitted by both instances (the CTX ranks applied theirs before this

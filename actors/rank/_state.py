@@ -176,6 +176,9 @@ class _RankState:
         self._stopped: asyncio.Event | None = None  # `watch` returns once set (shutdown)
         self._wake = asyncio.Event()
         self.counters: collections.Counter[str] = collections.Counter()
+        # `close_admission`: the instance drains; this rank admits nothing on
+        # its own any more (CTX: at an OPEN; GEN: a receive at the rank).
+        self._admission_closed = False
         # Exported through Ray from the poll loop's expire tick (`_export_metrics`).
         self.metrics = RankMetrics(config.deployment, spec.instance_id, spec.role.value, config.rank)
         self.violations: list[str] = []

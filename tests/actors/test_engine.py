@@ -428,71 +428,42 @@ async def test_a_cancel_before_the_gen_coordinator_knew_the_receive_still_ends_i
         await eng.close()
 
 
-async def test_a_one_rank_gen_instance_completes_alone(ray_cluster: Any) -> None:
-    """A GEN rank of a one-rank instance is its completion round's whole
-    intersection: once the last TERMINAL lands and the bytes are there, the
-    request is decode-ready and its blocks go back to the engine, with no
-    decision of its coordinator, and the rank answers the receive. Shown
-    with that coordinator gone while the CTX's frames were held: the rank
-    still completes, returns the blocks, holding the request's own bytes,
-    and the receive ends "completed"."""
+@pytest.mark.parametrize("role", [Role.GEN, Role.CTX], ids=["gen", "ctx"])
+async def test_a_one_rank_instance_completes_alone(ray_cluster: Any, role: Role) -> None:
+    """The rank of a one-rank instance is its completion round's whole
+    intersection: once the last TERMINAL lands (GEN: and the bytes are
+    there) it completes the request with no decision of its coordinator. A
+    GEN rank makes it decode-ready, returns the blocks to the engine and
+    answers the receive; a CTX rank, every edge terminal COMPLETED (no
+    WRITE of its reads the blocks any more), gives its blocks back.
+    Shown with that role's coordinator gone while the CTX's frames were
+    held: the receive ends "completed" with the request's own bytes and
+    the rank's blocks come back; before, they waited for a completion
+    round that never came."""
     eng = await _engine(1, 1, "paged", "split")
+    rid = f"solo-{role.value}"
     try:
         assert await _handoff(eng, "warm", seed=50, tokens=9) == "completed"
-        ticket, ctx_blocks = await eng.prefill_and_publish("solo", seed=51, tokens=16)
-        await hold_frames(eng.ctx[0], "solo", Role.GEN, 0)
+        ticket, ctx_blocks = await eng.prefill_and_publish(rid, seed=51, tokens=16)
+        await hold_frames(eng.ctx[0], rid, Role.GEN, 0)
         gen_blocks = eng.take(Role.GEN, len(ctx_blocks))
         receiving = asyncio.ensure_future(eng.dep.receive(ticket, gen_blocks, timeout=60))
         deadline = asyncio.get_running_loop().time() + 60  # a bound (L1), not a guess
-        while not await held_frames(eng.ctx[0], "solo", Role.GEN, 0):
+        while not await held_frames(eng.ctx[0], rid, Role.GEN, 0):
             assert asyncio.get_running_loop().time() < deadline, "the transfer never started"
             await asyncio.sleep(0.01)
-        gen_coord = eng.dep._coords[Role.GEN]
-        watching = gen_coord.watch.remote()  # answers only with the coordinator's death
-        ray.kill(gen_coord, no_restart=True)
+        coordinator = eng.dep._coords[role]
+        watching = coordinator.watch.remote()  # answers only with the coordinator's death
+        ray.kill(coordinator, no_restart=True)
         with pytest.raises(ray.exceptions.RayActorError):
             await watching
-        await release_frames(eng.ctx[0], "solo", Role.GEN, 0)
+        await release_frames(eng.ctx[0], rid, Role.GEN, 0)
         result = await receiving
         assert result.outcome == "completed" and result.blocks_returned, result
-        gen = eng.gen[0]
-        assert await gen.matches.remote(51, gen_blocks)
-        stats = await gen.stats.remote()
-        assert stats["counters"]["completed_alone"] >= 2 and stats["leased"] == 0, stats
-    finally:
-        await eng.close()
-
-
-async def test_a_one_rank_ctx_instance_releases_alone(ray_cluster: Any) -> None:
-    """A CTX rank of a one-rank instance is its completion round's whole
-    intersection too: once every edge is terminal COMPLETED (no WRITE of
-    its reads the blocks any more) it gives them back to the engine, with
-    no decision of its coordinator. Shown with that coordinator gone while
-    the rank's frames to the GEN were held: the receive completes with the
-    request's own bytes and the CTX blocks come back; before, they waited
-    for a completion round that never came."""
-    eng = await _engine(1, 1, "paged", "split")
-    try:
-        assert await _handoff(eng, "warm", seed=60, tokens=9) == "completed"
-        ticket, ctx_blocks = await eng.prefill_and_publish("solo-ctx", seed=61, tokens=16)
-        await hold_frames(eng.ctx[0], "solo-ctx", Role.GEN, 0)
-        gen_blocks = eng.take(Role.GEN, len(ctx_blocks))
-        receiving = asyncio.ensure_future(eng.dep.receive(ticket, gen_blocks, timeout=60))
-        deadline = asyncio.get_running_loop().time() + 60  # a bound (L1), not a guess
-        while not await held_frames(eng.ctx[0], "solo-ctx", Role.GEN, 0):
-            assert asyncio.get_running_loop().time() < deadline, "the transfer never started"
-            await asyncio.sleep(0.01)
-        ctx_coord = eng.dep._coords[Role.CTX]
-        watching = ctx_coord.watch.remote()  # answers only with the coordinator's death
-        ray.kill(ctx_coord, no_restart=True)
-        with pytest.raises(ray.exceptions.RayActorError):
-            await watching
-        await release_frames(eng.ctx[0], "solo-ctx", Role.GEN, 0)
-        result = await receiving
-        assert result.outcome == "completed" and result.blocks_returned, result
-        assert await eng.gen[0].matches.remote(61, gen_blocks)
-        assert await eng.ctx[0].returned.remote(ticket.parent, 30.0)
-        stats = await eng.ctx[0].stats.remote()
+        assert await eng.gen[0].matches.remote(51, gen_blocks)
+        rank = eng.gen[0] if role is Role.GEN else eng.ctx[0]
+        assert await rank.returned.remote(ticket.parent, 30.0)
+        stats = await rank.stats.remote()
         assert stats["counters"]["completed_alone"] >= 2 and stats["leased"] == 0, stats
     finally:
         await eng.close()
