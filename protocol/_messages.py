@@ -12,7 +12,12 @@ An OPEN's block list comes in two forms. The list form is one
 byte string of four little-endian columns: block (u32) x n, length (u32) x n,
 generation (u64) x n, address (u64) x n, 24 bytes per block. The packed form
 decodes as one copy and is read as arrays (`block_columns`), so an OPEN of
-8,192 blocks costs no per-block object on either side.
+8,192 blocks costs no per-block object on either side. The run form
+(`Capability.BLOCK_RUNS`, `BlockRuns`) names runs of consecutive blocks of one
+generation at evenly spaced addresses, 24 bytes per run: a pool hands out its
+free blocks in order, so a large lease is a few runs, and its OPEN stays a few
+hundred bytes instead of 24 bytes a block (8,192 blocks: 196 KiB, past the
+size Ray passes inline with a call).
 
 | message | from → to | meaning |
 | --- | --- | --- |
@@ -49,6 +54,9 @@ __all__ = [
     "BlockColumns",
     "PACKED_BLOCK_BYTES",
     "pack_blocks",
+    "RUN_BYTES",
+    "BlockRuns",
+    "pack_runs",
     "block_columns",
     "BufferInfo",
     "Open",
@@ -114,6 +122,7 @@ class Capability(enum.IntFlag):
     CHUNKED_WRITE = 1 << 3  # DMA posted in chunks (cancel stops between chunks)
     STAGED_WRITE = 1 << 4  # gather/scatter through staging slots
     PACKED_BLOCKS = 1 << 5  # an OPEN's block list may come packed (columns of bytes)
+    BLOCK_RUNS = 1 << 6  # an OPEN's block list may come as runs of consecutive blocks
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="kind"):
@@ -131,12 +140,99 @@ class BlockDescriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=True, a
 
 _I63 = 2**63  # generations and addresses stay below, as in `BlockDescriptor`
 
+#: Bytes per run in `BlockRuns.runs`.
+RUN_BYTES = 24
+
+
+class BlockRuns(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An OPEN's blocks as runs (`Capability.BLOCK_RUNS`). Run i is `count`
+    consecutive blocks from `first`, all of one `generation`, the first at
+    `addr` and each next one `stride` bytes further; every block is
+    `length` bytes. `runs` holds four little-endian columns, one entry per
+    run: first (u32), count (u32), generation (u64), addr (u64).
+
+    Checked on decode as the other forms are by their schema, before any
+    expansion: every count at least 1 and their sum at most
+    `MAX_BLOCKS_PER_OPEN`, every block index below 2**32, every generation
+    and every block's address below 2**63."""
+
+    length: U32
+    stride: U63
+    runs: Annotated[bytes, Meta(min_length=RUN_BYTES, max_length=MAX_BLOCKS_PER_OPEN * RUN_BYTES)]
+
+    def __post_init__(self) -> None:
+        if len(self.runs) % RUN_BYTES:
+            raise ValueError(f"runs of {len(self.runs)} bytes, not a multiple of {RUN_BYTES}")
+        first, count, generation, addr = _run_columns(self)
+        if (count == 0).any():
+            raise ValueError("a run of no block")
+        if int(count.sum(dtype=np.uint64)) > MAX_BLOCKS_PER_OPEN:
+            raise ValueError(f"runs of more than {MAX_BLOCKS_PER_OPEN} blocks")
+        last = first.astype(np.uint64) + count.astype(np.uint64) - np.uint64(1)
+        if (last >= np.uint64(2**32)).any():
+            raise ValueError("a run's last block index is not below 2**32")
+        if (generation >= _I63).any() or (addr >= _I63).any():
+            raise ValueError("a run's generation or first address is not below 2**63")
+        # The last address of each run, addr + (count - 1) * stride, below
+        # 2**63 too, checked without overflow: (count - 1) * stride <= room.
+        room = np.uint64(_I63 - 1) - addr
+        steps = count.astype(np.uint64) - np.uint64(1)
+        if self.stride and (steps > room // np.uint64(self.stride)).any():
+            raise ValueError("a run's last address is not below 2**63")
+
+    @property
+    def num_blocks(self) -> int:
+        return int(_run_columns(self)[1].sum(dtype=np.uint64))
+
+
+def _run_columns(runs: BlockRuns) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    raw = runs.runs
+    r = len(raw) // RUN_BYTES
+    return (
+        np.frombuffer(raw, dtype="<u4", count=r, offset=0),
+        np.frombuffer(raw, dtype="<u4", count=r, offset=4 * r),
+        np.frombuffer(raw, dtype="<u8", count=r, offset=8 * r),
+        np.frombuffer(raw, dtype="<u8", count=r, offset=16 * r),
+    )
+
+
+def pack_runs(blocks: np.ndarray, generations: np.ndarray, addrs: np.ndarray, length: int) -> BlockRuns | None:
+    """`blocks` (with their generations and addresses, every block `length`
+    bytes) as runs, or None when runs would not take at most half the
+    packed form's bytes (blocks scattered over the pool: send them packed).
+    The stride is the address step of the first two consecutive blocks."""
+    n = len(blocks)
+    if n == 0 or not n == len(generations) == len(addrs):
+        return None
+    b = np.asarray(blocks, dtype=np.int64)
+    g = np.asarray(generations, dtype=np.uint64)
+    a = np.asarray(addrs, dtype=np.uint64)
+    step = np.diff(b) == 1
+    adjacent = np.flatnonzero(step)
+    stride = np.uint64(a[adjacent[0] + 1] - a[adjacent[0]]) if len(adjacent) else np.uint64(length)
+    if int(stride) >= _I63:
+        return None
+    joined = step & (g[1:] == g[:-1]) & (a[1:] - a[:-1] == stride)
+    starts = np.concatenate(([0], np.flatnonzero(~joined) + 1))
+    if 2 * len(starts) > n:
+        return None
+    counts = np.diff(np.concatenate((starts, [n])))
+    raw = b"".join(
+        (
+            b[starts].astype("<u4").tobytes(),
+            counts.astype("<u4").tobytes(),
+            g[starts].astype("<u8").tobytes(),
+            a[starts].astype("<u8").tobytes(),
+        )
+    )
+    return BlockRuns(length=length, stride=int(stride), runs=raw)
+
 
 class BufferInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """RequestAndBufferInfo: what CTX needs to write into one GEN rank's blocks.
 
-    `blocks` is a list of descriptors or, packed, `pack_blocks`' bytes; read
-    either form with `block_columns`."""
+    `blocks` is a list of descriptors, `pack_blocks`' bytes or `BlockRuns`;
+    read any form with `block_columns`."""
 
     agent_name: Annotated[str, Meta(min_length=1, max_length=MAX_AGENT_NAME_LEN)]
     endpoint_epoch: U63
@@ -148,6 +244,7 @@ class BufferInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             bytes,
             Meta(min_length=PACKED_BLOCK_BYTES, max_length=MAX_BLOCKS_PER_OPEN * PACKED_BLOCK_BYTES),
         ],
+        BlockRuns,
     ]
 
     def __post_init__(self) -> None:
@@ -168,6 +265,8 @@ class BufferInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         """How many blocks the OPEN names, in either form."""
         if isinstance(self.blocks, bytes):
             return len(self.blocks) // PACKED_BLOCK_BYTES
+        if isinstance(self.blocks, BlockRuns):
+            return self.blocks.num_blocks
         return len(self.blocks)
 
 
@@ -196,8 +295,11 @@ def pack_blocks(blocks: np.ndarray, lengths: np.ndarray, generations: np.ndarray
 
 
 def block_columns(buffer: BufferInfo) -> BlockColumns:
-    """`buffer`'s blocks as columns, from either form (views of the packed bytes)."""
+    """`buffer`'s blocks as columns, from any form (views of the packed
+    bytes; runs expanded with a few array operations)."""
     raw = buffer.blocks
+    if isinstance(raw, BlockRuns):
+        return _expand_runs(raw)
     if isinstance(raw, bytes):
         n = len(raw) // PACKED_BLOCK_BYTES
         return BlockColumns(
@@ -213,6 +315,22 @@ def block_columns(buffer: BufferInfo) -> BlockColumns:
         np.fromiter((d.generation for d in raw), dtype=np.uint64, count=n),
         np.fromiter((d.addr for d in raw), dtype=np.uint64, count=n),
     )
+
+
+def _expand_runs(runs: BlockRuns) -> BlockColumns:
+    first, count, generation, addr = _run_columns(runs)
+    n = int(count.sum(dtype=np.uint64))
+    which = np.repeat(np.arange(len(count)), count)
+    offsets = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(count, dtype=np.int64) - count, count)
+    columns = BlockColumns(
+        (first.astype(np.int64)[which] + offsets).astype(np.uint32),
+        np.full(n, runs.length, dtype=np.uint32),
+        generation[which],
+        addr[which] + offsets.astype(np.uint64) * np.uint64(runs.stride),
+    )
+    for column in columns:
+        column.setflags(write=False)
+    return columns
 
 
 class Open(_Msg, frozen=True, tag="open"):

@@ -48,6 +48,7 @@ claims them:
 | STAGED_WRITE             | ✓  | ✓  | data plane only                              |
 | PACKED_BLOCKS            | –  | ✓  | v1 frames keep the one-descriptor-per-block  |
 |                          |    |    | OPEN every older build reads                 |
+| BLOCK_RUNS               | –  | ✓  | as PACKED_BLOCKS: a newer OPEN form          |
 
 Use `require` before anything that depends on a capability: e.g. the active
 cancellation protocol calls ``require(negotiated, Capability.INFLIGHT_CANCEL)``

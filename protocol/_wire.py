@@ -103,7 +103,9 @@ build them), and 512 KiB keeps every frame, legal or hostile, under ~5 ms.
 The packed form of the same list (`Capability.PACKED_BLOCKS`, 24 bytes per
 block in one byte string) is smaller: 16384 x 24 = 393,216 bytes plus a
 5-byte bin header, and it decodes as one copy (about 0.1 ms for 8,192 blocks
-against 1.7 ms for the descriptor list on the 2-core box).
+against 1.7 ms for the descriptor list on the 2-core box). The run form
+(`Capability.BLOCK_RUNS`, 24 bytes a run, at most 16,384 runs) is never
+longer, and its counts are checked before any run is expanded.
 A schema change that grows `BlockDescriptor` must revisit this number;
 tests/protocol/test_wire.py checks the worst-case OPEN still fits, and
 test_fuzz.py measures hostile frames.

@@ -75,6 +75,7 @@ from kvhandoff.protocol import (
     Step,
     Terminal,
     apply_step,
+    block_columns,
     decision_steps,
     decode_frame,
     encode_frame,
@@ -130,13 +131,6 @@ def protocol_call(invariant: str, what: str, call: Callable[[], list[Action]]) -
     if not isinstance(actions, list):
         raise ProtocolCrash(f"{invariant}: {what} returned {actions!r}, not a list of actions")
     return actions
-
-
-def _ref_of(descriptor: object) -> BlockRef:
-    """The block incarnation a descriptor of the model's OPENs names (the
-    model builds one descriptor per block: `buffer_for`)."""
-    assert isinstance(descriptor, BlockDescriptor), f"harness: descriptor {descriptor!r}"
-    return BlockRef(descriptor.block, descriptor.generation)
 
 
 def ctx_endpoint(epoch: int = 1, rank: int = 0, instance: int = 0) -> Endpoint:
@@ -761,7 +755,8 @@ class Pair:
                     gen_refs: tuple[BlockRef, ...] = ()
                     edge_open = self._open_for(poster, ticket)
                     if edge_open is not None:
-                        gen_refs = tuple(_ref_of(d) for d in edge_open.buffer.blocks)
+                        cols = block_columns(edge_open.buffer)  # any form of the block list
+                        gen_refs = tuple(map(BlockRef, cols.blocks.tolist(), cols.generations.tolist()))
                     self.in_flight[(ticket, index)] = Write(
                         ticket=ticket,
                         index=index,

@@ -22,6 +22,7 @@ from kvhandoff.protocol import (
     AdmissionRequest,
     BlockDescriptor,
     BlockRefs,
+    BlockRuns,
     BufferInfo,
     Capability,
     ContextTicket,
@@ -44,6 +45,7 @@ from kvhandoff.protocol import (
     StageWrite,
     active_cancel,
     pack_blocks,
+    pack_runs,
 )
 from kvhandoff.topology import TopologySpec
 
@@ -345,11 +347,17 @@ class GenRankCore(RankCore):
             return None
         return [f[0] for f in found if f is not None]
 
-    def _describe(self, lease: BlockRefs, pair: _Pair) -> list[BlockDescriptor] | bytes:
-        """An OPEN's block list for `lease`: packed (arrays, no per-block
-        object) where `pair` negotiated it, else one descriptor per block."""
+    def _describe(self, lease: BlockRefs, pair: _Pair) -> list[BlockDescriptor] | bytes | BlockRuns:
+        """An OPEN's block list for `lease`: runs of consecutive blocks where
+        `pair` negotiated them and they are few, else packed (arrays, no
+        per-block object) where negotiated, else one descriptor per block."""
         addrs = self.buffer.block_addrs(lease.blocks)
         outcome = pair.negotiation
+        if isinstance(outcome, Negotiated) and outcome.supports(Capability.BLOCK_RUNS):
+            runs = pack_runs(lease.blocks, lease.generations, addrs, self.block_bytes)
+            if runs is not None:
+                self.counters["opens_runs"] += 1
+                return runs
         if isinstance(outcome, Negotiated) and outcome.supports(Capability.PACKED_BLOCKS):
             self.counters["opens_packed"] += 1
             lengths = np.full(len(lease), self.block_bytes, dtype=np.uint32)

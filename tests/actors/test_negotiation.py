@@ -257,11 +257,13 @@ def test_compatible_mix_agrees_on_v2_and_completes(ray_cluster) -> None:
 
 
 def test_an_open_is_packed_only_where_every_rank_negotiated_it(ray_cluster) -> None:
-    """The GEN sends its blocks packed (arrays, no per-block descriptor) when
-    every rank of both instances offered PACKED_BLOCKS, and one descriptor
-    per block when one rank did not (an older build could not read the
-    packed form). Either way the bytes arrive and are verified."""
-    without = v2([2], ALL & ~int(Capability.PACKED_BLOCKS))
+    """The GEN sends its blocks as runs (a fresh pool's lease is one run)
+    when every rank of both instances offered BLOCK_RUNS, packed (arrays,
+    no per-block descriptor) when one rank offered PACKED_BLOCKS only, and
+    one descriptor per block when one rank offered neither (an older build
+    could not read those forms). Each way the bytes arrive and are verified."""
+    no_runs = v2([2], ALL & ~int(Capability.BLOCK_RUNS))
+    without = v2([2], ALL & ~int(Capability.PACKED_BLOCKS | Capability.BLOCK_RUNS))
 
     async def one(descriptors: dict[tuple[Role, int], Any]) -> tuple[Any, dict[str, int], Any]:
         dep = await launch_with(descriptors, ctx_tp=2, gen_tp=1)
@@ -274,17 +276,21 @@ def test_an_open_is_packed_only_where_every_rank_negotiated_it(ray_cluster) -> N
             await dep.shutdown()
 
     async def scenario():
-        return await one({}), await one({(Role.CTX, 1): without})
+        return await one({}), await one({(Role.CTX, 1): no_runs}), await one({(Role.CTX, 1): without})
 
-    (packed, packed_counters, packed_stats), (listed, listed_counters, listed_stats) = run(scenario())
-    for done, stats in ((packed, packed_stats), (listed, listed_stats)):
+    (runs, runs_counters, runs_stats), (packed, packed_counters, packed_stats), (listed, listed_counters, listed_stats) = run(
+        scenario()
+    )
+    for done, stats in ((runs, runs_stats), (packed, packed_stats), (listed, listed_stats)):
         assert done.outcome == "completed", done
         assert done.bytes_verified == gen_bytes(TOKENS, 1)
         assert_clean(stats)
     # tp 2 -> 1: the GEN rank opens one edge per CTX rank, all in one form.
-    assert packed_counters.get("opens_packed", 0) == 1 and "opens_listed" not in packed_counters, packed_counters
-    assert listed_counters.get("opens_listed", 0) == 1 and "opens_packed" not in listed_counters, listed_counters
-    assert listed_stats["ranks"][0]["negotiated"]["capabilities"] == ALL & ~int(Capability.PACKED_BLOCKS)
+    forms = ("opens_runs", "opens_packed", "opens_listed")
+    for counters, form in ((runs_counters, "opens_runs"), (packed_counters, "opens_packed"), (listed_counters, "opens_listed")):
+        assert {f: counters.get(f, 0) for f in forms} == {f: int(f == form) for f in forms}, counters
+    assert packed_stats["ranks"][0]["negotiated"]["capabilities"] == ALL & ~int(Capability.BLOCK_RUNS)
+    assert listed_stats["ranks"][0]["negotiated"]["capabilities"] == ALL & ~int(Capability.PACKED_BLOCKS | Capability.BLOCK_RUNS)
 
 
 def _open(dep: Deployment, request_id: str) -> Open:

@@ -43,6 +43,7 @@ from kvhandoff.protocol import (
     Message,
     Open,
     allowed_kinds,
+    block_columns,
     decode_frame,
     encode_frame,
     kind_code,
@@ -585,6 +586,55 @@ def test_a_bad_packed_block_list_is_a_decode_error(name: str) -> None:
     assert isinstance(good, Open) and good.buffer.num_blocks == 1
 
 
+def _runs_open_frame(runs: Any, length: int = 64, stride: int = 64) -> bytes:
+    plain = _plain(OPEN)
+    plain["buffer"]["blocks"] = {"length": length, "stride": stride, "runs": runs}
+    return _open_frame(plain)
+
+
+def _run(first: int, count: int, generation: int = 0, addr: int = 0) -> bytes:
+    """One run's columns (a list of one run)."""
+    return b"".join(
+        (first.to_bytes(4, "little"), count.to_bytes(4, "little"), generation.to_bytes(8, "little"), addr.to_bytes(8, "little"))
+    )
+
+
+def _runs_of(*runs: tuple[int, int, int, int]) -> bytes:
+    """Several runs' columns: firsts, counts, generations, addresses."""
+    cols = list(zip(*runs))
+    return b"".join(
+        b"".join(v.to_bytes(size, "little") for v in col) for col, size in zip(cols, (4, 4, 8, 8))
+    )
+
+
+#: Run lists a schema check refuses (`Capability.BLOCK_RUNS`), before any
+#: run is expanded: each must be a DecodeError.
+BAD_RUNS: dict[str, tuple[Any, int]] = {
+    "shorter than one run": (bytes(23), 64),
+    "not whole runs": (bytes(47), 64),
+    "a run of no block": (_run(0, 0), 64),
+    "one block past the bound": (_runs_of((0, MAX_BLOCKS_PER_OPEN, 0, 0), (MAX_BLOCKS_PER_OPEN, 1, 0, 0)), 64),
+    "a count past the bound": (_run(0, 2**32 - 1), 64),
+    "a last block index of 2**32": (_run(2**32 - 1, 2), 64),
+    "a generation of 2**63": (_run(0, 1, 2**63), 64),
+    "a first address of 2**63": (_run(0, 1, 0, 2**63), 64),
+    "a last address of 2**63": (_run(0, 3, 0, 2**63 - 128), 64),
+    "a last address past 2**64 (a huge stride)": (_run(0, 3, 0, 0), 2**62),
+    "not bytes but a string": ("x" * 24, 64),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_RUNS))
+def test_a_bad_run_list_is_a_decode_error(name: str) -> None:
+    runs, stride = BAD_RUNS[name]
+    result = _decode(_runs_open_frame(runs, stride=stride))
+    assert isinstance(result, DecodeError), (name, result)
+    # A good list decodes: the check, not the form, refused it.
+    good = _decode(_runs_open_frame(_run(5, 3, 1, 4096)))
+    assert isinstance(good, Open) and good.buffer.num_blocks == 3
+    assert block_columns(good.buffer).addrs.tolist() == [4096, 4160, 4224]
+
+
 def _hostile_frames() -> dict[str, bytes]:
     fill = MAX_FRAME_LEN - FRAME_HEADER_LEN
     ticket = _enc(_plain(READY)["ticket"])
@@ -603,6 +653,8 @@ def _hostile_frames() -> dict[str, bytes]:
             "zeros at the cap": _frame(b"\x00" * fill, OPEN_CODE),
             "random at the cap": _frame(random.Random(0).randbytes(fill), OPEN_CODE),
             "packed blocks past the bound": _packed_open_frame(BAD_PACKED["one block past the bound"]),
+            "runs of 2**32 blocks": _runs_open_frame(_run(0, 2**32 - 1)),
+            "the most runs, each past the bound": _runs_open_frame(_run(0, 2**32 - 1) * MAX_BLOCKS_PER_OPEN),
         }
     )
     return frames

@@ -9,6 +9,7 @@ import pathlib
 import re
 
 import msgspec
+import numpy as np
 import pytest
 
 import kvhandoff.protocol as protocol
@@ -19,6 +20,7 @@ from kvhandoff.protocol import (
     GEN_PARENT_TRANSITIONS,
     MACHINES,
     BlockDescriptor,
+    BlockRuns,
     BufferInfo,
     Cancel,
     CancelReason,
@@ -275,6 +277,14 @@ def _packed(buffer: BufferInfo) -> BufferInfo:
     return msgspec.structs.replace(buffer, blocks=pack_blocks(c.blocks, c.lengths, c.generations, c.addrs))
 
 
+def _runs(buffer: BufferInfo) -> BufferInfo:
+    """The run form, one run per block (any list: nothing to join)."""
+    c = block_columns(buffer)
+    ones = np.ones(len(c.blocks), dtype="<u4")
+    raw = b"".join((c.blocks.astype("<u4").tobytes(), ones.tobytes(), c.generations.astype("<u8").tobytes(), c.addrs.astype("<u8").tobytes()))
+    return msgspec.structs.replace(buffer, blocks=BlockRuns(length=int(c.lengths[0]), stride=0, runs=raw))
+
+
 def test_install_checks_descriptors_against_the_lease() -> None:
     pair = Pair()
     pair.admit(P)
@@ -288,7 +298,7 @@ def test_install_checks_descriptors_against_the_lease() -> None:
     )
     foreign = buffer_for(gen.lease(parent_key(2)), gen.our.epoch)
     before = gen.snapshot()
-    for form in (lambda b: b, _packed):  # either form of the block list, the same checks
+    for form in (lambda b: b, _packed, _runs):  # any form of the block list, the same checks
         with pytest.raises(StaleError):
             gen.install(
                 P, [GenEdgeSpec(ticket=ticket, buffer=form(stale), num_tokens=1, expected_bytes=1)], 0.0
