@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -23,7 +24,7 @@ from kvhandoff.actors._names import agent_name
 from kvhandoff.actors._staged import StagingArena
 from kvhandoff.actors._stager import DATA_MODES, StagedReader, StagedWriter, staging_slot_bytes
 from kvhandoff.actors._trace import TraceRecorder, rank_actor_name
-from kvhandoff.actors.rank._config import RankConfig, _Pair
+from kvhandoff.actors.rank._config import RankConfig, _loop_running, _Pair
 from kvhandoff.protocol import (
     DEFAULT_TRANSFER_TIMEOUT,
     Action,
@@ -238,7 +239,20 @@ class _RankState:
             return []
         self.counters["completed_alone"] += 1
         self._completed_alone.add(parent)
+        if self.role is Role.CTX and _loop_running():
+            # Nobody waits for a CTX release: it runs once this turn's
+            # frames (the TERMINAL that settled it) are on their way.
+            asyncio.get_running_loop().call_soon(self._release_alone, parent)
+            return []
         return self._perform(self.side.completed(parent, now))
+
+    def _release_alone(self, parent: ParentKey) -> None:
+        """A CTX rank's completion alone (`_completing`), after the turn that
+        settled it. A parent no longer live was released meanwhile (a decided
+        cancel releases a settled parent itself); one still live is SETTLED
+        (nothing else follows that state but a release)."""
+        if self.side.is_live(parent):
+            self._perform(self.side.completed(parent, time.monotonic()))
 
     def _completion_can_wait(self, parent: ParentKey) -> bool:
         """Whether nothing waits at once for this rank's report that `parent`
