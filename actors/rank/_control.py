@@ -45,7 +45,6 @@ from kvhandoff.protocol import (
     RoundDecision,
     RoundProposal,
     SendMessage,
-    StaleError,
     Step,
     admission_verdict,
     apply_step,
@@ -236,7 +235,14 @@ class _ControlPlane(_RankState):
         return await self._deliver(message, frame[4])
 
     async def _deliver(self, message: Message, version: int) -> bool:
-        """Hand an agreed frame to the protocol and perform what it produced."""
+        """Hand an agreed frame to the protocol and perform what it produced.
+        A RECEIPT for a parent already released here changes nothing and is
+        counted apart, not refused: it acknowledges the bytes of an edge that
+        ended COMPLETED (a rank alone in its instance releases once its last
+        TERMINAL is out, before the RECEIPT can come)."""
+        if isinstance(message, Receipt) and self.side.was_released(message.ticket.parent):
+            self.counters["receipts_after_release"] += 1
+            return True
         try:
             actions = self._receive(message, time.monotonic())
         except ProtocolError as exc:
@@ -246,14 +252,7 @@ class _ControlPlane(_RankState):
         return True
 
     def _refused(self, message: Message | None, exc: ProtocolError, version: int) -> None:
-        """A frame refused: nothing changed (S3), counted. A RECEIPT for a
-        parent already released here is counted apart: it acknowledges the
-        bytes of an edge that ended COMPLETED (a rank alone in its instance
-        releases at its last TERMINAL, before the RECEIPT can come), so it
-        is expected, not a refusal."""
-        if isinstance(message, Receipt) and isinstance(exc, StaleError) and self.side.was_released(message.ticket.parent):
-            self.counters["receipts_after_release"] += 1
-            return
+        """A frame refused: nothing changed (S3), counted."""
         self.counters[f"refused_{type(exc).__name__}"] += 1
         if isinstance(message, Open):  # a refused proposal addressed to us gets a typed REJECT
             reject = reject_for(message, exc, self.our)

@@ -54,7 +54,7 @@ from kvhandoff.protocol import (
     descriptor_frame,
     encode_frame,
 )
-from kvhandoff.topology import block_bytes, topology_digest
+from kvhandoff.topology import KVLayout, block_bytes, topology_digest
 
 from .helpers import assert_clean, gen_bytes, inside, settled_stats, wait_stats
 
@@ -257,18 +257,23 @@ def test_compatible_mix_agrees_on_v2_and_completes(ray_cluster) -> None:
 
 
 def test_an_open_is_packed_only_where_every_rank_negotiated_it(ray_cluster) -> None:
-    """The GEN sends its blocks as runs (a fresh pool's lease is one run)
-    when every rank of both instances offered BLOCK_RUNS, packed (arrays,
-    no per-block descriptor) when one rank offered PACKED_BLOCKS only, and
-    one descriptor per block when one rank offered neither (an older build
+    """The GEN describes a lease of `RUNS_FROM_BLOCKS` blocks or more as runs
+    (a fresh pool's lease is one run) when every rank of both instances
+    offered BLOCK_RUNS, and a smaller one packed (arrays, no per-block
+    descriptor); packed both when one rank offered PACKED_BLOCKS only; one
+    descriptor per block when one rank offered neither (an older build
     could not read those forms). Each way the bytes arrive and are verified."""
+    from kvhandoff.actors.rank._gen import RUNS_FROM_BLOCKS
+
     no_runs = v2([2], ALL & ~int(Capability.BLOCK_RUNS))
     without = v2([2], ALL & ~int(Capability.PACKED_BLOCKS | Capability.BLOCK_RUNS))
+    tiny = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, dtype="float16", tokens_per_block=1)
+    sizes = (3, RUNS_FROM_BLOCKS)
 
-    async def one(descriptors: dict[tuple[Role, int], Any]) -> tuple[Any, dict[str, int], Any]:
-        dep = await launch_with(descriptors, ctx_tp=2, gen_tp=1)
+    async def one(descriptors: dict[tuple[Role, int], Any]) -> tuple[list[Any], dict[str, int], Any]:
+        dep = await launch_with(descriptors, ctx_tp=2, gen_tp=1, layout=tiny, pool_blocks=2 * RUNS_FROM_BLOCKS)
         try:
-            done = await dep.handoff("packed", TOKENS, timeout=TIMEOUT)
+            done = [await dep.handoff(f"n{n}", n, timeout=TIMEOUT) for n in sizes]
             gen = (await dep.ranks(Role.GEN))[0]
             counters = (await gen.stats.remote())["counters"]
             return done, counters, await wait_stats(dep, lambda s: True, TIMEOUT)
@@ -278,19 +283,18 @@ def test_an_open_is_packed_only_where_every_rank_negotiated_it(ray_cluster) -> N
     async def scenario():
         return await one({}), await one({(Role.CTX, 1): no_runs}), await one({(Role.CTX, 1): without})
 
-    (runs, runs_counters, runs_stats), (packed, packed_counters, packed_stats), (listed, listed_counters, listed_stats) = run(
-        scenario()
-    )
-    for done, stats in ((runs, runs_stats), (packed, packed_stats), (listed, listed_stats)):
-        assert done.outcome == "completed", done
-        assert done.bytes_verified == gen_bytes(TOKENS, 1)
+    arms = run(scenario())
+    for done, _, stats in arms:
+        assert [d.outcome for d in done] == ["completed"] * 2, done
+        assert [d.bytes_verified for d in done] == [n * block_bytes(tiny, 1) for n in sizes], done
         assert_clean(stats)
     # tp 2 -> 1: the GEN rank opens one edge per CTX rank, all in one form.
     forms = ("opens_runs", "opens_packed", "opens_listed")
-    for counters, form in ((runs_counters, "opens_runs"), (packed_counters, "opens_packed"), (listed_counters, "opens_listed")):
-        assert {f: counters.get(f, 0) for f in forms} == {f: int(f == form) for f in forms}, counters
-    assert packed_stats["ranks"][0]["negotiated"]["capabilities"] == ALL & ~int(Capability.BLOCK_RUNS)
-    assert listed_stats["ranks"][0]["negotiated"]["capabilities"] == ALL & ~int(Capability.PACKED_BLOCKS | Capability.BLOCK_RUNS)
+    expected = ({"opens_runs": 1, "opens_packed": 1}, {"opens_packed": 2}, {"opens_listed": 2})
+    for (_, counters, _), want in zip(arms, expected):
+        assert {f: counters.get(f, 0) for f in forms} == {f: want.get(f, 0) for f in forms}, counters
+    caps = [stats["ranks"][0]["negotiated"]["capabilities"] for _, _, stats in arms]
+    assert caps == [ALL, ALL & ~int(Capability.BLOCK_RUNS), ALL & ~int(Capability.PACKED_BLOCKS | Capability.BLOCK_RUNS)]
 
 
 def _open(dep: Deployment, request_id: str) -> Open:
