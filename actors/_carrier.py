@@ -1,5 +1,6 @@
 """Which carrier takes control frames between rank actors, chosen per host at
-start-up (`control_frames="auto"`; the default is "ray").
+start-up (`control_frames="auto"`; the default is "stream", actors/_stream.py,
+which this module does not choose: it needs no probe).
 
 Two carriers exist (docs/design.md "Control frames"): one-way Ray actor calls
 and NIXL notifications between the ranks' own agents. Which one is faster
@@ -62,7 +63,7 @@ __all__ = [
 ]
 
 #: What `control_frames=` accepts.
-CARRIERS = ("auto", "ray", "nixl")
+CARRIERS = ("auto", "ray", "nixl", "stream")
 #: Fewer usable cores than this: Ray calls, no probe (pollers would starve).
 MIN_CORES = 4
 #: NIXL frames only if a notification round trip is at most this share of a Ray call's.
@@ -79,7 +80,7 @@ _CHOSEN: dict[str, CarrierChoice] = {}
 class CarrierChoice:
     """The carrier of a deployment's control frames and why it was taken."""
 
-    carrier: str  # "ray" or "nixl"
+    carrier: str  # "ray", "nixl" or "stream"
     asked: str  # what control_frames= said
     why: str
     cores: int  # usable cores of the launcher's host

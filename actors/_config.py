@@ -35,7 +35,7 @@ Positive = Annotated[int, Meta(ge=1)]
 Count = Annotated[int, Meta(ge=0)]
 Seconds = Annotated[float, Meta(gt=0)]
 MemoryKindName = Literal["blocked", "paged", "paged_hnd", "split", "paged_interleaved"]
-Carrier = Literal["ray", "nixl", "auto"]
+Carrier = Literal["ray", "nixl", "stream", "auto"]
 
 C = TypeVar("C", bound="_Transfer")
 
@@ -53,8 +53,9 @@ class _Transfer(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     lease_timeout_s: Seconds = 30.0
     #: An agreement round's watchdog.
     round_timeout_s: Seconds = 5.0
-    #: How control frames travel between ranks ("auto": measured at launch).
-    control_frames: Carrier = "ray"
+    #: How control frames travel between ranks: "stream" (TCP per peer rank,
+    #: actors/_stream.py), "ray", "nixl", or "auto" (measured at launch).
+    control_frames: Carrier = "stream"
     #: The deployment's name (None: a fresh "kvh-…").
     name: str | None = None
 

@@ -9,6 +9,7 @@ carrier it came by:
   a frame call);
 - ``reply``: the answer to a Ray call we made arrived;
 - ``notif``: a NIXL notification arrived (frames with ``control_frames="nixl"``);
+- ``stream``: a frame arrived on a rank's TCP stream (``control_frames="stream"``);
 - ``local``: no message (the client's start).
 
 A request is traced when its id samples in: ``crc32(request_id) % every == 0``
@@ -48,7 +49,7 @@ CLIENT = "client"
 SENT = "sent:"
 
 #: How a traced event reached its actor.
-CARRIERS = ("call", "reply", "notif", "local")
+CARRIERS = ("call", "reply", "notif", "stream", "local")
 
 #: Requests one actor keeps events of at most (oldest dropped first), and
 #: events per request at most (later ones dropped, counted).

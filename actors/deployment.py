@@ -204,9 +204,12 @@ class Deployment(PairCore, Launcher):
 
         `control_frames` picks how OPEN, READY, TERMINAL, RECEIPT, CANCEL and
         REJECT travel between rank actors: "ray" (one-way actor calls, grouped
-        per peer and event-loop turn; the default), "nixl" (NIXL notifications
+        per peer and event-loop turn), "nixl" (NIXL notifications
         between the ranks' agents; each rank then polls every 0.5 ms while it
-        holds a live request) or "auto" (the faster per hop on this host,
+        holds a live request), "stream" (a TCP connection per peer rank, read
+        by the peer's event loop, no polling: actors/_stream.py; the
+        default: about a third less small-handoff latency than Ray calls on
+        both measured hosts) or "auto" (Ray calls or notifications, the faster per hop on this host,
         measured once at launch, actors/_carrier.py; hosts with fewer than 4
         usable cores take Ray calls without measuring). Notifications are
         much faster per hop on a many-core host, but they cost the ranks

@@ -87,7 +87,7 @@ class EnginePlan(DataPlane, frozen=True, kw_only=True):
     chunk_bytes: int = 1 << 20
     lease_timeout_s: float = 30.0
     consume_timeout_s: float = 30.0
-    control_frames: str = "ray"
+    control_frames: str = "stream"
     #: An engine fleet's plan (actors/engine_fleet.py): `instance` names the
     #: instance these workers host (its spec is `ctx` or `gen`, the other is
     #: its default peer); the endpoints pair with every instance of the other

@@ -443,7 +443,7 @@ async def _run_async(args: argparse.Namespace, reporter: Reporter) -> DemoReport
                 gen_overrides=overrides,
                 start_timeout_s=args.start_timeout,
                 placement=getattr(args, "placement", "any"),
-                control_frames=getattr(args, "control_frames", "ray"),
+                control_frames=getattr(args, "control_frames", "stream"),
                 name=f"kvh-demo-{os.getpid()}",
             )
     except Exception as exc:  # InvalidConfig, LaunchFailed: one line, no traceback

@@ -49,10 +49,11 @@ DATA_MODES = ("auto", "direct", "staged")
 #: `--memory`: where the KV buffers live (host or GPU).
 MEMORY_KINDS = ("DRAM", "VRAM")
 #: `--control-frames` (demo and bench): `Deployment.launch(control_frames=)`.
-CONTROL_FRAMES = ("auto", "ray", "nixl")
+CONTROL_FRAMES = ("auto", "ray", "nixl", "stream")
 CONTROL_FRAMES_HELP = (
-    "how control frames travel between ranks (Deployment.launch(control_frames=)); "
-    "auto: measured once per host at launch"
+    "how control frames travel between ranks (Deployment.launch(control_frames=)): "
+    "stream (the default: a TCP connection per peer rank), ray (one-way actor calls), "
+    "nixl (notifications, polled); auto: Ray calls or notifications, measured once per host at launch"
 )
 #: `kvhandoff demo --placement`.
 PLACEMENTS = ("any", "pack", "spread")
@@ -160,7 +161,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     add("--placement", choices=PLACEMENTS, default="any", help="where the CTX and GEN instances go: any node each, both on one node (pack), or on two different nodes (spread); an instance's ranks always share a node")
     add("--json", action="store_true", help="print one JSON object on stdout and nothing else (no progress on stderr)")
     add("--unqualified", action="store_true", help="use pp=2 on both sides: outside the qualified scope, so the conservative path runs (a cancel waits for the transfer to finish)")
-    add("--control-frames", choices=CONTROL_FRAMES, default="ray", help=CONTROL_FRAMES_HELP)
+    add("--control-frames", choices=CONTROL_FRAMES, default="stream", help=CONTROL_FRAMES_HELP)
     add("--chaos", action="store_true", help="defer every DMA chunk's real post by 5 ms, so cancels meet DMA genuinely in flight; on a fleet of 2x2 or more: kill a rank, kill a coordinator, add an instance and drain one mid-traffic")
 
 
@@ -173,7 +174,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--json", action="store_true", help="print one JSON object instead of tables")
     add("--sections", type=sections, default=",".join(DEFAULT_SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     add("--memory", choices=MEMORY_KINDS, default="DRAM", help="KV buffer memory (VRAM needs one GPU per rank)")
-    add("--control-frames", choices=CONTROL_FRAMES, default="ray", help=CONTROL_FRAMES_HELP)
+    add("--control-frames", choices=CONTROL_FRAMES, default="stream", help=CONTROL_FRAMES_HELP)
     add("--gpus-per-rank", type=positive_float, default="1.0", help="VRAM: each rank's share of a GPU (0.5: a CTX and a GEN rank share one)")
     add("--ctx-tp", type=positive_int, default="1", help="CTX tensor-parallel size (data/control/cancel)")
     add("--gen-tp", type=positive_int, default="1", help="GEN tensor-parallel size (data/control/cancel)")

@@ -180,7 +180,7 @@ async def run_fleet(args: argparse.Namespace, reporter: Reporter) -> FleetReport
                 gpus_per_rank=gpus_per_rank,
                 start_timeout_s=args.start_timeout,
                 round_timeout_s=10.0,
-                control_frames=getattr(args, "control_frames", "ray"),
+                control_frames=getattr(args, "control_frames", "stream"),
                 name=f"kvh-fleet-{random.getrandbits(24):06x}",
             )
     except Exception as exc:  # InvalidConfig, LaunchFailed: one line, no traceback

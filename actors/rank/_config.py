@@ -23,6 +23,9 @@ from kvhandoff.protocol import (
 )
 from kvhandoff.topology import KVLayout, TopologySpec, shard_map, topology_digest
 
+#: What `RankConfig.frames` accepts (actors/_carrier.py resolves "auto" before a rank starts).
+FRAME_CARRIERS = ("ray", "nixl", "stream")
+
 log = logging.getLogger("kvhandoff.rank")
 
 
@@ -94,11 +97,13 @@ class RankConfig(DataPlane, frozen=True, kw_only=True):
     #: from all of them (docs/design.md "Negotiation").
     descriptor: RankDescriptorV1 | RankDescriptorV2 | None = None
     #: How control frames travel to peer ranks: "ray" (a one-way actor call
-    #: per peer and event-loop turn) or "nixl" (a NIXL notification from our
+    #: per peer and event-loop turn), "nixl" (a NIXL notification from our
     #: agent, drained by the poll loop, which then polls every
     #: `poll_interval_s` while a request is live; a peer whose agent we do
-    #: not know yet gets the Ray call). docs/benchmarks.md measures both.
-    frames: str = "ray"
+    #: not know yet gets the Ray call) or "stream" (a TCP connection per peer
+    #: endpoint, read by the peer's event loop: actors/_stream.py; a peer it
+    #: cannot reach gets the Ray call). docs/benchmarks.md measures them.
+    frames: str = "stream"
     #: Whether the coordinator may replace this rank with a new incarnation
     #: (past the quarantine limit). A rank hosted by an engine's own actor is
     #: not ours to restart: it stops admitting instead, and its quarantined

@@ -215,6 +215,23 @@ class _ControlPlane(_RankState):
         """A control frame from a peer rank. Returns whether it was accepted."""
         return await self._receive_frame(frame, "call")
 
+    async def stream_address(self) -> tuple[str, int, str]:
+        """(host, port, token) of this rank's frame server (control_frames=
+        "stream", actors/_stream.py); a peer asks once per incarnation of
+        ours. Raises `RuntimeError` under another carrier."""
+        if self._streams is None:
+            raise RuntimeError(f"rank {self.ns}: frames go by {self.config.frames!r}, not by stream")
+        return await self._streams.address()
+
+    async def _stream_frame(self, frame: bytes) -> bool:
+        """A frame that arrived on our stream (`receive_frame`'s boundary)."""
+        return await self._receive_frame(frame, "stream")
+
+    def _frame_call(self, handle: Any, frames: list[bytes]) -> None:
+        """Frames to one peer in one one-way Ray call (`receive_frames`)."""
+        self.counters["frame_calls"] += 1
+        self._own(handle.receive_frames.remote(frames))
+
     async def _receive_frame(self, frame: bytes, carrier: str) -> bool:
         message = None
         try:
@@ -458,13 +475,15 @@ class _ControlPlane(_RankState):
         # dropped). Frames still waiting for it go first: the order holds.
         box = self._outbox.pop(to, None)
         if box is not None:
-            self.counters["frame_calls"] += 1
-            self._own(box[0].receive_frames.remote(box[1]))
+            self._carry(to, box[0], box[1])
 
         async def resolve_and_send() -> None:
             handle = await self._peer(to)
             if handle is None:
                 self.counters["dropped_stale_sends"] += 1
+                return
+            if self._streams is not None:
+                self._streams.send(to, handle, [frame])
                 return
             await handle.receive_frames.remote([frame])
 
@@ -478,8 +497,14 @@ class _ControlPlane(_RankState):
         for to, (handle, frames, urgent) in list(self._outbox.items()):
             if urgent or everything:
                 del self._outbox[to]
-                self.counters["frame_calls"] += 1
-                self._own(handle.receive_frames.remote(frames))
+                self._carry(to, handle, frames)
+
+    def _carry(self, to: Endpoint, handle: Any, frames: list[bytes]) -> None:
+        """Frames to peer `to`, in order: on its stream (frames="stream"), else one Ray call."""
+        if self._streams is not None:
+            self._streams.send(to, handle, frames)
+        else:
+            self._frame_call(handle, frames)
 
     def _flush_lazy(self) -> None:
         self._lazy_flush_due = False

@@ -55,6 +55,8 @@ class RankCore(_Peers, _ControlPlane, _Polling, RoundParticipant):
     async def shutdown(self) -> None:
         if self._stopped is not None:
             self._stopped.set()
+        if self._streams is not None:
+            self._streams.close()
         for task in list(self._tasks):
             task.cancel()
         if self._poll_task is not None:

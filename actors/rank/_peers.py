@@ -258,6 +258,8 @@ class _Peers(_RankState):
         del self._pairs[instance]
         for key in [k for k in self._peer_handles if k[0] == instance]:
             del self._peer_handles[key]
+        if self._streams is not None:
+            self._streams.forget(lambda e: e.ns.instance_id != instance)
         # Every agent of the instance, older incarnations' included (a
         # `peer_restarted` notice forgets the handle, not the loaded agent).
         prefix = f"{self.config.deployment}.{instance}."
@@ -327,6 +329,8 @@ class _Peers(_RankState):
         cached = self._peer_handles.get(key)
         if cached is not None and cached[0].epoch < their.epoch:
             del self._peer_handles[key]  # the next send resolves the new incarnation
+        if self._streams is not None:  # no frame goes to an older incarnation's stream
+            self._streams.forget(lambda e: (e.ns.instance_id, e.ns.rank) != key or e.epoch >= their.epoch)
         self._renegotiate(self._pairs[their.ns.instance_id])  # it re-registers with its descriptor
         return self._perform_notice(self.side.peer_restarted(their, time.monotonic()), "peer_restarts_seen")
 

@@ -237,6 +237,8 @@ class _Polling(_RankState):
             # Per-request bookkeeping of requests still in progress: empty when idle.
             "tracking": len(self._tokens) + len(self._waiters) + len(self._returns) + self._tracking(),
             "counters": dict(self.counters),
+            "frames": self.config.frames,
+            "streams_open": self._streams.open_count() if self._streams is not None else 0,
             "violations": list(self.violations),
             "negotiated": negotiation_summary(self._negotiation),
             "pairs": {i: negotiation_summary(p.negotiation) for i, p in self._pairs.items()},

@@ -23,8 +23,9 @@ from kvhandoff.actors._metrics import RankMetrics
 from kvhandoff.actors._names import agent_name
 from kvhandoff.actors._staged import StagingArena
 from kvhandoff.actors._stager import DATA_MODES, StagedReader, StagedWriter, staging_slot_bytes
+from kvhandoff.actors._stream import FrameStreams
 from kvhandoff.actors._trace import TraceRecorder, rank_actor_name
-from kvhandoff.actors.rank._config import RankConfig, _loop_running, _Pair
+from kvhandoff.actors.rank._config import FRAME_CARRIERS, RankConfig, _loop_running, _Pair
 from kvhandoff.protocol import (
     DEFAULT_TRANSFER_TIMEOUT,
     Action,
@@ -47,6 +48,12 @@ from kvhandoff.protocol import (
 )
 from kvhandoff.topology import TopologySpec, block_bytes, heads_per_rank, topology_digest
 
+
+def _node_address() -> str:
+    """This node's address as Ray knows it (a rank's frame server listens there)."""
+    import ray
+
+    return str(ray.util.get_node_ip_address())
 
 class _RankState:
     """What a `RankCore` holds (built here: `RankCore(config, epoch)`) and the
@@ -107,8 +114,8 @@ class _RankState:
         #: live fault state a harness drives; None without a `FaultPlan` (a
         #: harness may install one later on a live rank).
         self.faults: RankFaults | None = RankFaults() if plan is not None else None
-        if config.frames not in ("ray", "nixl"):
-            raise ValueError(f"frames must be 'ray' or 'nixl', got {config.frames!r}")
+        if config.frames not in FRAME_CARRIERS:
+            raise ValueError(f"frames must be one of {FRAME_CARRIERS}, got {config.frames!r}")
         if config.data_mode not in DATA_MODES:
             raise ValueError(f"data_mode must be one of {DATA_MODES}, got {config.data_mode!r}")
         if config.staging_window <= 0:
@@ -177,6 +184,14 @@ class _RankState:
         self._stopped: asyncio.Event | None = None  # `watch` returns once set (shutdown)
         self._wake = asyncio.Event()
         self.counters: collections.Counter[str] = collections.Counter()
+        #: frames="stream": this rank's server and its connection per peer
+        #: endpoint (actors/_stream.py); None for the other carriers.
+        self._streams: FrameStreams | None = None
+        if config.frames == "stream":
+            # `own` looks `_own` up at each call (a harness may wrap it).
+            self._streams = FrameStreams(
+                _node_address, self._stream_frame, self._frame_call, lambda coro: self._own(coro), self.counters
+            )
         # `close_admission`: the instance drains; this rank admits nothing on
         # its own any more (CTX: at an OPEN; GEN: a receive at the rank).
         self._admission_closed = False
@@ -316,6 +331,8 @@ class _RankState:
         def _vote(self, proposal: RoundProposal) -> VoteNews: ...
         def _apply(self, decision: RoundDecision) -> None: ...
         async def _receive_frame(self, frame: bytes, carrier: str) -> bool: ...
+        async def _stream_frame(self, frame: bytes) -> bool: ...
+        def _frame_call(self, handle: Any, frames: list[bytes]) -> None: ...
         def _replay_parked(self) -> None: ...
         def _perform(self, actions: list[Action]) -> list[Any]: ...
         def _send(self, to: Endpoint, frame: bytes | Message, request_id: str = "") -> Any: ...

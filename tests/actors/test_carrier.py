@@ -78,7 +78,7 @@ def _node() -> str:
 
 
 def test_asked_carriers_are_taken_as_asked(ray_cluster: Any, fresh: dict) -> None:
-    for asked in ("ray", "nixl"):
+    for asked in ("ray", "nixl", "stream"):
         choice = asyncio.run(choose_carrier(asked))
         assert (choice.carrier, choice.asked, choice.why) == (asked, asked, "asked for")
     assert fresh == {}  # nothing measured, nothing cached
@@ -130,10 +130,10 @@ def test_a_probe_that_fails_keeps_ray_calls(ray_cluster: Any, fresh: dict, monke
     assert choice.carrier == "ray" and "RuntimeError" in choice.why, choice
 
 
-def test_the_default_is_ray_calls_as_asked(ray_cluster: Any, fresh: dict) -> None:
-    """Without `control_frames` a deployment carries frames on Ray calls and
-    measures nothing (the default until notifications pass the fleet chaos
-    runs on many-core hosts: docs/design.md "Control frames")."""
+def test_the_default_is_streams_as_asked(ray_cluster: Any, fresh: dict) -> None:
+    """Without `control_frames` a deployment carries frames on TCP streams
+    (actors/_stream.py) and measures nothing: not one frame rides a Ray call
+    or a notification (docs/design.md "Control frames")."""
     fresh[_node()] = CarrierChoice("nixl", "auto", "what auto would take here", 16)
 
     async def scenario() -> dict:
@@ -145,8 +145,10 @@ def test_the_default_is_ray_calls_as_asked(ray_cluster: Any, fresh: dict) -> Non
             await dep.shutdown()
 
     stats = asyncio.run(scenario())
-    assert stats["control_frames"] == CarrierChoice("ray", "ray", "asked for", stats["control_frames"]["cores"]).as_dict()
-    assert all(nixl == 0 and calls > 0 for _, nixl, calls in _frames_by_carrier(stats))
+    assert stats["control_frames"] == CarrierChoice("stream", "stream", "asked for", stats["control_frames"]["cores"]).as_dict()
+    assert all(nixl == 0 and calls == 0 for _, nixl, calls in _frames_by_carrier(stats))
+    for s in stats["ranks"]:
+        assert s["frames"] == "stream" and s["counters"]["frames_stream_in"] > 0, s["counters"]
 
 
 def test_an_unknown_carrier_is_refused_before_any_actor_starts(ray_cluster: Any, fresh: dict) -> None:

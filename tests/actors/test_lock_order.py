@@ -183,9 +183,15 @@ def _cycle(edges: set[tuple[str, str]]) -> list[str] | None:
     return None
 
 
-def test_no_handler_waits_in_a_cycle_on_the_real_actors() -> None:
+@pytest.mark.parametrize("carrier", ["stream", "ray"])
+def test_no_handler_waits_in_a_cycle_on_the_real_actors(carrier: str) -> None:
+    """With either frame carrier: a stream's connection opens (its address
+    asked by Ray call) in a task the rank owns, as a frame call is one."""
+
     async def scenario() -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
-        dep = await Deployment.launch(ctx_tp=2, gen_tp=1, pool_blocks=64, transfer_timeout_s=5.0)
+        dep = await Deployment.launch(
+            ctx_tp=2, gen_tp=1, pool_blocks=64, transfer_timeout_s=5.0, control_frames=carrier
+        )
         try:
             actors: dict[str, tuple[Any, str]] = {
                 "coord-ctx": (dep.coordinator(Role.CTX), "coordinator"),
