@@ -365,7 +365,9 @@ def test_a_sampled_handoff_traces_its_critical_path(dep: Deployment) -> None:
     whats = [what for _, what, _ in path]
     assert whats.index("submit") < whats.index("admit_many") < whats.index("frame:Open") < whats.index("frame:Terminal"), path
     assert trace.hops == sum(c != "local" for _, _, c in path[1:]) == sum(trace.by_carrier.values())
-    assert set(trace.by_carrier) <= {"call", "reply"}  # frames travel as Ray calls here
+    assert set(trace.by_carrier) <= {"call", "reply", "stream"}
+    # Frames travel on the ranks' streams (the default carrier), the rest as Ray calls.
+    assert {c for _, what, c in path if what.startswith("frame:")} == {"stream"}, path
     times = [e.t_ns for e in trace.events]
     assert times == sorted(times)
     with pytest.raises(ValueError):
