@@ -108,7 +108,7 @@ class FrameStreams:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One peer's connection: the token, then frames until it closes."""
         try:
-            if await reader.readexactly(TOKEN_LEN) != self.token.encode():
+            if not secrets.compare_digest(await reader.readexactly(TOKEN_LEN), self.token.encode()):
                 self.counters["stream_refused_token"] += 1
                 return
             self.counters["stream_accepted"] += 1
