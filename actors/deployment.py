@@ -133,6 +133,8 @@ class _Attempt:
         self.timeout = 60.0  # the caller's bound
         self.cancel_requested = False  # a client cancel(): a refusal is then "cancelled"
         self.abandoned = False  # superseded, or its caller stopped waiting
+        # Who answers the submission, as traces name actors ("": the GEN coordinator).
+        self.answered_by = ""
 
 
 class Deployment(PairCore, Launcher):
@@ -453,7 +455,7 @@ class Deployment(PairCore, Launcher):
         self._trace.record(request_id, "submit", "local")
         try:
             outcome = str(await self._submit_call(attempt))
-            source = f"coord@{attempt.gen or self.gen_spec.instance_id}"
+            source = attempt.answered_by or f"coord@{attempt.gen or self.gen_spec.instance_id}"
             self._trace.record(request_id, "outcome", "reply", source)
             return outcome
         except AdmissionStopped:  # draining (a fleet's instance): refused before anything was queued
@@ -488,6 +490,9 @@ class Deployment(PairCore, Launcher):
         request = AdmissionRequest(attempt.parent, attempt.num_tokens, release_when_ready=True)
         try:
             outcome, _ = await rank.receive_alone.remote(request, attempt.timeout)
+            # The rank answered: a trace's last hop comes from it, not from
+            # its coordinator (whose lazy report may arrive first).
+            attempt.answered_by = f"rank0@{self.gen_spec.instance_id}"
         except RoundError:
             # Refused before anything was held (an incarnation not joined
             # yet: a restart under way): its coordinator answers instead.

@@ -14,6 +14,7 @@ from kvhandoff.actors._coordinator_errors import ParentInFlight
 from kvhandoff.actors._member import VoteNews
 from kvhandoff.actors._pattern import POISON
 from kvhandoff.actors._stager import StagedReader, staged_below, staged_min_descriptors
+from kvhandoff.actors._trace import SENT
 from kvhandoff.actors.rank._config import RankConfig, _loop_running, _Pair, log
 from kvhandoff.actors.rank._core import RankCore
 from kvhandoff.protocol import (
@@ -208,9 +209,17 @@ class GenRankCore(RankCore):
         start = time.monotonic()
         outcome = await self.wait(parent, timeout)
         if self.pool.is_quarantined(parent):
+            self._answering(parent)
             return str(outcome), False  # held until a proof of quiescence reclaims them
         back = await self.returned(parent, max(timeout - (time.monotonic() - start), 0.0))
+        self._answering(parent)
         return str(outcome), back
+
+    def _answering(self, parent: ParentKey) -> None:
+        """Mark, in a sampled trace, that this rank answers its client now:
+        the client's outcome follows this mark, not a later event here."""
+        if self.trace.every:
+            self.trace.record(parent.request_id, f"{SENT}outcome", "local")
 
 
     def _admitted(self, parent: ParentKey, now: float) -> None:

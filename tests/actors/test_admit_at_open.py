@@ -393,6 +393,10 @@ def test_a_lone_handoff_between_one_rank_instances_goes_to_the_gen_rank_and_refu
     steps = [h.what for h in fastest.path]
     assert fastest.hops <= 4 and "receive_alone" in steps, fastest.path
     assert not {"round_vote", "admit_alone", "report"} & set(steps), fastest.path
+    # The rank marks its answer: the client's outcome follows that mark,
+    # whatever reached the rank or its coordinator after it (a lazy report).
+    assert [h.what for h in fastest.path][-2:] == ["sent:outcome", "outcome"], fastest.path
+    assert fastest.path[-2].actor.startswith("rank0@"), fastest.path
     assert held == "completed", held
     refused, went_to_rank = refused
     assert refused.outcome == "rejected" and refused.bytes_verified == 0, refused

@@ -184,3 +184,23 @@ def test_events_after_a_take_are_not_kept() -> None:
     assert len(rec.take("r")) == 1
     rec.record("r", "round_apply", "reply")  # the apply's answer, after the client heard
     assert rec.take("r") == [] and rec.stats()["requests"] == 0
+
+
+def test_a_rank_that_answers_marks_its_answer_and_a_later_report_stays_off_the_path() -> None:
+    # A receive at the GEN rank: the rank answers after the TERMINAL; its
+    # lazy completion report and the coordinator's apply land before the
+    # client records the outcome (a busy host). The answer's mark at the
+    # rank keeps both off the path.
+    trace = path_of(
+        "0 client  submit         local",
+        "1 rank0@g receive_alone  call   client",
+        "2 rank0@c frame:Open     stream rank0@g",
+        "3 rank0@g frame:Terminal stream rank0@c",
+        "4 rank0@g sent:outcome   local",
+        "5 coord@g report         call   rank0@g",
+        "6 rank0@g round_apply    call   coord@g",
+        "7 client  outcome        reply  rank0@g",
+    )
+    steps = [h.what for h in trace.path]
+    assert steps == ["submit", "receive_alone", "frame:Open", "frame:Terminal", "sent:outcome", "outcome"], steps
+    assert trace.hops == 4 and trace.by_carrier == {"call": 1, "stream": 2, "reply": 1}
