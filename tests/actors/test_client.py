@@ -598,15 +598,22 @@ def test_dead_coordinator_fails_handoffs_cleanly_and_stats_still_work(ray_cluste
                 warm = await asyncio.gather(*(dep.handoff(f"before-{i}", TOKENS, timeout=TIMEOUT) for i in range(2)))
                 assert [r.outcome for r in warm] == ["completed"] * 2, warm
             coordinator = dep.coordinator(Role.CTX)
+            ctx_ranks = await dep.ranks(Role.CTX)
             ray.kill(coordinator)
+            # Dead before the handoffs start, not in the middle of one: the
+            # coordinator and, with it, the ranks it owns (Ray ends an owner's
+            # actors some time after the owner; a rank still up would serve an
+            # OPEN that reaches it over its stream, and that handoff would
+            # complete, correctly, with its bytes verified).
             deadline = time.monotonic() + IDLE_BOUND
-            while True:  # dead before the handoffs start, not in the middle of one
-                try:
-                    await coordinator.stats.remote()
-                except ray.exceptions.RayActorError:
-                    break
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.05)
+            for actor, call in [(coordinator, "stats"), *((r, "ping") for r in ctx_ranks)]:
+                while True:
+                    try:
+                        await getattr(actor, call).remote()
+                    except ray.exceptions.RayActorError:
+                        break
+                    assert time.monotonic() < deadline, actor
+                    await asyncio.sleep(0.05)
             results = await asyncio.gather(
                 *(dep.handoff(f"orphaned-{i}", TOKENS, timeout=TIMEOUT) for i in range(8)), return_exceptions=True
             )
