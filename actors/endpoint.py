@@ -56,6 +56,7 @@ from kvhandoff.actors.rank import (
     GenRankCore,
     RankConfig,
     endpoint_actor,
+    endpoint_loop,
 )
 from kvhandoff.protocol import Role
 from kvhandoff.topology import KVLayout, TopologySpec
@@ -63,6 +64,7 @@ from kvhandoff.topology import KVLayout, TopologySpec
 __all__ = [
     "EndpointHost",
     "endpoint_actor",
+    "endpoint_loop",
     "EnginePlan",
     "ctx_endpoint",
     "gen_endpoint",

@@ -367,7 +367,8 @@ class EngineDeployment(PairCore):
     def _receive_at_rank(self, request: AdmissionRequest, timeout: float) -> asyncio.Future[Any]:
         """The GEN rank's `receive_alone` of ``request``: on its loop when this
         process hosts it (an engine's front end beside its decode worker: no
-        Ray hop either way), else one Ray call."""
+        Ray hop either way; called on that very loop, not even a thread hop),
+        else one Ray call."""
         rank = self._ranks[Role.GEN][0]
         here = hosted_here(rank)
         if here is None:
@@ -376,6 +377,9 @@ class EngineDeployment(PairCore):
         endpoint, loop = here
         self.calls["receive_at_rank_here"] += 1
         assert isinstance(endpoint, GenRankCore)
+        if loop is asyncio.get_running_loop():  # called on the endpoint's own loop: no hop at all
+            self.calls["receive_at_rank_on_its_loop"] += 1
+            return asyncio.ensure_future(endpoint.receive_alone(request, timeout))
         return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(endpoint.receive_alone(request, timeout), loop))
 
     # -- either side ------------------------------------------------------------------

@@ -125,6 +125,41 @@ def _run_deferred(core: Any, request_id: str) -> int:
     return len(parents)
 
 
+class _ReportWatch:
+    """Stands in for a rank's coordinator handle: at each report the rank
+    pushes, records whether an urgent frame still waited in the rank's
+    outbox (`_watch_reports`); every other call goes to the real handle."""
+
+    def __init__(self, core: Any, handle: Any) -> None:
+        self._core, self._handle = core, handle
+        self.frames_waiting: list[bool] = []
+
+    @property
+    def report(self) -> _ReportWatch:
+        return self
+
+    def remote(self, report: Any) -> Any:
+        self.frames_waiting.append(any(box[2] for box in self._core._outbox.values()))
+        return self._handle.report.remote(report)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+
+def _watch_reports(core: Any) -> int:
+    if not isinstance(core._coordinator, _ReportWatch):
+        assert core._find_coordinator()
+        core._coordinator = _ReportWatch(core, core._coordinator)
+    return 0
+
+
+def _reports_with_frames_waiting(core: Any) -> list[bool]:
+    """Per report pushed since `_watch_reports`: whether a frame on a
+    handoff's path waited behind it."""
+    watch: _ReportWatch = core._coordinator
+    return list(watch.frames_waiting)
+
+
 def _delay_lookups(directory: Any, seconds: float, instance: str | None, count: int | None) -> None:
     if directory.faults is None:
         directory.faults = DirectoryFaults()

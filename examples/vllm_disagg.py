@@ -27,7 +27,10 @@ dependencies: ``pip install --no-deps nixl==1.5.1``. ``handoff_ms_p50`` is
 measured the same way on both: on the decode engine, from the scheduler's
 allocation of the blocks for the load to vLLM being told the KV is there;
 ``handoff_vs_baseline`` is their ratio. ``settle_s`` is how long the engines
-took, after the last request, to give every block back.
+took, after the last request, to give every block back. ``receive_paths``
+counts how the decode engines' receives reached their GEN rank: on its own
+loop (``receive_at_rank_on_its_loop``: every one but the first, which makes
+the client's handle), from another loop of the process, or by Ray call.
 """
 
 from __future__ import annotations
@@ -256,6 +259,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     settle_s = time.monotonic() - settle_from
     free_at_end = dict(zip(engines, await asyncio.gather(*(e.free_blocks.remote() for e in engines.values()))))
     handoff_ms = [ms for d, warm in zip(decodes, warm_loads) for ms in (await d.handoff_ms.remote())[warm:]]
+    # How the decode engines' receives reached their GEN rank (a pair's):
+    # on the rank's own loop, from another loop of the process, or by Ray.
+    receive_paths: dict[str, int] = {}
+    for calls in await asyncio.gather(*(d.client_calls.remote() for d in decodes)):
+        for name, n in calls.items():
+            if name.startswith("receive_at_rank"):
+                receive_paths[name] = receive_paths.get(name, 0) + n
     stats = await dep.stats()
     await dep.shutdown()
     for engine in (*engines.values(), plain):
@@ -294,6 +304,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "leaked_blocks": leaked,
         "handoff_ms_p50": statistics.median(handoff_ms) if handoff_ms else None,
         "invalid_params": invalid,
+        "receive_paths": receive_paths,
         "settle_s": round(settle_s, 1),
         "baseline": baseline,
         "handoff_vs_baseline": (
@@ -351,9 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-engines", type=int, default=1, help="more than one: an EngineFleet, any prefill to any decode")
     ap.add_argument("--decode-engines", type=int, default=1)
     ap.add_argument(
-        "--control-frames", choices=("nixl", "ray", "auto"), default="nixl",
-        help="how frames travel between the engines' ranks: NIXL notifications (measured faster here "
-        "than Ray calls even on a 2-core box: docs/vllm.md), Ray calls, or measured at launch",
+        "--control-frames", choices=("stream", "nixl", "ray", "auto"), default="stream",
+        help="how frames travel between the engines' ranks: a TCP stream per peer rank (the runtime's "
+        "default), NIXL notifications, Ray calls, or measured at launch (docs/vllm.md)",
     )
     ap.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the NixlConnector run")
     ap.add_argument("--json", action="store_true")

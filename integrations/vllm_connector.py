@@ -65,6 +65,7 @@ from kvhandoff.actors.endpoint import (
     EnginePlan,
     ctx_endpoint,
     endpoint_actor,
+    endpoint_loop,
     gen_endpoint,
 )
 from kvhandoff.actors.engine import EngineDeployment
@@ -171,7 +172,16 @@ class _EngineHost:
             self._load_started[request_id] = time.perf_counter()
             self.tickets[request_id] = ticket
             self.pending += 1
-        self.spawn(self._receive(request_id, ticket, list(blocks)))
+        # A pair's receive goes to the GEN rank, which lives in this process:
+        # run it on the rank's own loop once the deployment handle exists
+        # (the first call makes it, on the control loop). The receive reaches
+        # the rank, and its end reaches the engine thread, with no hop
+        # through the control loop: two thread hops fewer, each a wait for
+        # the GIL while the engine steps. `EngineDeployment.receive` keeps no
+        # state of its own between awaits (Ray calls, tasks it owns), so it
+        # runs on either loop.
+        loop = endpoint_loop(self.owner) if isinstance(self._dep, EngineDeployment) else None
+        asyncio.run_coroutine_threadsafe(self._receive(request_id, ticket, list(blocks)), loop or self._loop)
 
     async def _receive(self, request_id: str, ticket: str, blocks: list[int]) -> None:
         outcome = "failed"
@@ -559,6 +569,11 @@ class VllmEngine(EndpointHost):
             return not self._engine.has_unfinished_requests() and not self._host.busy() and not self._stepper.futures
 
         return bool(await asyncio.wrap_future(self._stepper.submit(quiet)))
+
+    async def client_calls(self) -> dict[str, int]:
+        """The call counts of this engine's kvhandoff client (its deployment
+        handle): how its publishes, receives and cancels went."""
+        return dict(getattr(self._host._dep, "calls", None) or {})
 
     async def handoff_ms(self) -> list[float]:
         return [s * 1e3 for s in self._host.handoff_s]

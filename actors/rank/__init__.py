@@ -109,6 +109,7 @@ from kvhandoff.actors.rank._host import (
     GenRankActor,
     RankActor,
     endpoint_actor,
+    endpoint_loop,
     rank_actor_class,
 )
 
@@ -127,4 +128,5 @@ __all__ = [
     "ENDPOINT_METHODS",
     "ENDPOINT_GROUP",
     "endpoint_actor",
+    "endpoint_loop",
 ]

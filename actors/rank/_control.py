@@ -105,6 +105,11 @@ class _ControlPlane(_RankState):
 
     def _push_report(self) -> None:
         self._report_due = False
+        if self._flush_due:
+            # Urgent frames first: a report's Ray call costs a few hundred µs
+            # of this loop's time, and a frame is on a handoff's critical
+            # path (an OPEN, a READY, a TERMINAL) while the report is not.
+            self._flush()
         if not self._find_coordinator():
             return  # not up yet: the next vote carries the news anyway
         self.counters["reports_sent"] += 1

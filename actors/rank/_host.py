@@ -81,6 +81,15 @@ def hosted_here(handle: Any) -> tuple[RankCore, asyncio.AbstractEventLoop] | Non
     return endpoint, loop
 
 
+def endpoint_loop(host: EndpointHost) -> asyncio.AbstractEventLoop | None:
+    """The loop ``host``'s endpoint lives on, once it has served a call
+    (None before, or once that loop closed): code of the same process that
+    runs there (an engine's own receive beside its decode rank) reaches the
+    endpoint with no thread hop."""
+    loop = getattr(getattr(host, "kvhandoff", None), "_home", None)
+    return None if loop is None or loop.is_closed() else loop
+
+
 def _seen_on(host: EndpointHost, loop: asyncio.AbstractEventLoop) -> None:
     """Record the loop ``host``'s endpoint lives on, and the host in
     `_HOSTED`. A module function: Ray ships a forwarder by value, with a

@@ -414,6 +414,34 @@ def test_a_lone_handoff_between_one_rank_instances_goes_to_the_gen_rank_and_refu
     assert_clean(stats)
 
 
+def test_a_lone_handoffs_open_leaves_before_the_gen_ranks_report() -> None:
+    """A receive at the GEN rank pushes its report to the coordinator and
+    sends its OPEN in the same event-loop turn. The OPEN is on the
+    handoff's critical path and the report is not, and the report's Ray
+    call costs the loop a few hundred µs: the rank flushes its urgent
+    frames first. Watched on the real GEN rank: no report went out while a
+    frame waited in the rank's outbox."""
+    from kvhandoff.actors.deployment import Deployment
+    from kvhandoff.cli.harness import _reports_with_frames_waiting, _watch_reports, on_endpoint_loop
+    from kvhandoff.protocol import Role
+
+    async def scenario() -> tuple[list[str], list[bool], int]:
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=8, **FLEET)
+        try:
+            (gen,) = await dep.ranks(Role.GEN)
+            await gen.__ray_call__.remote(on_endpoint_loop, _watch_reports)
+            outcomes = [(await dep.handoff(f"lone{i}", TOKENS, timeout=TIMEOUT)).outcome for i in range(3)]
+            waiting = await gen.__ray_call__.remote(on_endpoint_loop, _reports_with_frames_waiting)
+            return outcomes, waiting, dep.calls["receive_at_rank"]
+        finally:
+            await dep.shutdown()
+
+    outcomes, waiting, at_rank = run(scenario())
+    assert outcomes == ["completed"] * 3 and at_rank == 3, (outcomes, at_rank)
+    assert len(waiting) >= 3, waiting  # one report per receive at least
+    assert not any(waiting), waiting
+
+
 def test_a_fleets_one_rank_gen_instance_admits_alone_in_six_hops_and_refuses_without_room() -> None:
     """A fleet's submissions go through the GEN coordinator (it names the
     CTX instance): with a CTX peer that admits at the OPEN, its one-rank GEN

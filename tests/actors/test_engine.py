@@ -26,7 +26,7 @@ from kvhandoff.actors import (
     InvalidRequest,
     RoundTimeout,
 )
-from kvhandoff.actors.endpoint import EnginePlan, ctx_endpoint, gen_endpoint
+from kvhandoff.actors.endpoint import EnginePlan, ctx_endpoint, endpoint_loop, gen_endpoint
 from kvhandoff.actors.engine import EngineDeployment, PublishRefused, StaleTicket
 from kvhandoff.actors.rank import EndpointHost, endpoint_actor
 from kvhandoff.cli.harness import held_frames, hold_frames, release_frames
@@ -78,15 +78,24 @@ class Worker(EndpointHost):
         self.plan = plan
         self.front_end: EngineDeployment | None = None
 
-    async def receive_here(self, ticket: str, blocks: list[int]) -> tuple[str, bool, dict[str, int]]:
+    async def receive_here(
+        self, ticket: str, blocks: list[int], on_its_loop: bool = False
+    ) -> tuple[str, bool, dict[str, int]]:
         """The engine's front end in this worker's process (as vLLM's
         scheduler is beside its decode worker): a receive through a
         deployment handle connected here, on the actor's default loop, not
-        the endpoint's. Returns its outcome, whether the blocks came back,
-        and the handle's call counts."""
+        the endpoint's, or (``on_its_loop``) run on the endpoint's own loop
+        (`endpoint_loop`), as the vLLM connector does. Returns its outcome,
+        whether the blocks came back, and the handle's call counts."""
         if self.front_end is None:
             self.front_end = await EngineDeployment.connect(self.plan)
-        result = await self.front_end.receive(ticket, blocks, timeout=60)
+        receive = self.front_end.receive(ticket, blocks, timeout=60)
+        if on_its_loop:
+            loop = endpoint_loop(self)
+            assert loop is not None and loop is not asyncio.get_running_loop()
+            result = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(receive, loop))
+        else:
+            result = await receive
         return result.outcome, result.blocks_returned, dict(self.front_end.calls)
 
     def _shard(self, seed: int, blocks: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -343,7 +352,18 @@ async def test_one_rank_instances_receive_at_the_gen_rank(ray_cluster: Any) -> N
         outcome, back, client_calls = await eng.gen[0].receive_here.remote(here.encode(), gen_blocks)
         assert (outcome, back) == ("completed", True), (outcome, client_calls)
         assert client_calls.get("receive_at_rank_here") == 1 and not client_calls.get("receive_at_rank"), client_calls
+        assert not client_calls.get("receive_at_rank_on_its_loop"), client_calls  # from another loop: one thread hop
         assert await eng.gen[0].matches.remote(39, gen_blocks)
+        await eng.give_back(here, gen_blocks, ctx_blocks)
+        # Run on the endpoint's own loop (the vLLM connector's receive): the
+        # rank's receive is awaited there, with no thread hop either way.
+        here, ctx_blocks = await eng.prefill_and_publish("on-its-loop", seed=38, tokens=17)
+        gen_blocks = eng.take(Role.GEN, len(ctx_blocks))
+        outcome, back, client_calls = await eng.gen[0].receive_here.remote(here.encode(), gen_blocks, True)
+        assert (outcome, back) == ("completed", True), (outcome, client_calls)
+        assert client_calls.get("receive_at_rank_on_its_loop") == 1, client_calls
+        assert client_calls.get("receive_at_rank_here") == 2 and not client_calls.get("receive_at_rank"), client_calls
+        assert await eng.gen[0].matches.remote(38, gen_blocks)
         await eng.give_back(here, gen_blocks, ctx_blocks)
         # Received already: refused at the rank, which ended it; nothing held.
         ticket, ctx_blocks = await eng.prefill_and_publish("twice", seed=40, tokens=5)

@@ -63,6 +63,12 @@ def test_example_100_requests_with_aborts_is_token_exact_and_leaks_nothing() -> 
     assert out["leaked_blocks"] == {"prefill": 0, "decode": 0}, out["leaked_blocks"]
     assert out["handoff_ms_p50"] is not None and out["handoff_ms_p50"] > 0
     assert out["invalid_params"] == {"garbage": "InvalidTransferParams"}
+    # Every receive but the first (which made the client's handle) ran on the
+    # decode rank's own loop: no thread hop, no Ray call to reach it.
+    paths = out["receive_paths"]
+    assert paths.get("receive_at_rank_on_its_loop", 0) >= out["completed"], paths
+    assert paths["receive_at_rank_here"] == paths["receive_at_rank_on_its_loop"] + 1, paths
+    assert not paths.get("receive_at_rank"), paths
     assert all(c["state"] == "running" and not c["timeouts"] for c in out["coordinators"].values()), out["coordinators"]
     base = out["baseline"]
     assert "error" not in base, base  # the NixlConnector run is part of the measurement
