@@ -562,6 +562,10 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         loop = asyncio.get_running_loop()
         futures = []
         for parent in parents:
+            if self._admits_alone and not self._knows(parent):
+                # Perhaps admitted by our rank alone, its report not here yet
+                # (a publish or a receive at the rank): cancelled once it is.
+                self._cancelled_early.remember(parent, True, time.monotonic())
             future: asyncio.Future[str | None] = loop.create_future()
             self._pending_cancels.setdefault(parent, []).append(future)
             futures.append(future)

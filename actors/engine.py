@@ -85,7 +85,7 @@ from kvhandoff.actors._instance import _ref, await_started, connected, start_coo
 from kvhandoff.actors._metrics import record_handoff
 from kvhandoff.actors._pair import PairCore
 from kvhandoff.actors.endpoint import EnginePlan
-from kvhandoff.actors.rank import GenRankCore
+from kvhandoff.actors.rank import CtxRankCore, GenRankCore
 from kvhandoff.actors.rank._host import hosted_here
 from kvhandoff.protocol import (
     AdmissionRequest,
@@ -246,8 +246,9 @@ class EngineDeployment(PairCore):
                     max_restarts=0,
                     peer=f"{plan.name}.coord.{Role.CTX.value}" if role is Role.GEN else None,
                     peer_claims=role is Role.GEN,
-                    # One GEN rank claims a ticket of one CTX rank with no round.
-                    admits_alone=role is Role.GEN and plan.gen.tp == 1,
+                    # One GEN rank claims a ticket of one CTX rank with no
+                    # round; between ranks alone both sides admit alone.
+                    admits_alone=(role is Role.GEN and plan.gen.tp == 1) or (role is Role.CTX and self._at_rank),
                     # A failed worker is detached, not fatal: the engine re-attaches it (`reattach`).
                     reattach=f"{plan.name}.directory",
                 )
@@ -287,10 +288,19 @@ class EngineDeployment(PairCore):
         self._check_open()
         parent = checks.fresh_parent(request_id)
         ids = checks.check_blocks(num_tokens, blocks, self.plan.layout)
-        try:
-            ok = await self._coords[Role.CTX].admit.remote(parent, num_tokens, ids)
-        except AdmissionStopped as exc:  # a worker is detached (re-attach it) or a rank restarting
-            raise PublishRefused(request_id, f"the CTX instance admits nothing now: {exc.reason}") from None
+        if self._at_rank:
+            # Between instances of one rank each the CTX rank leases the
+            # blocks alone (`publish_alone`): no admission round on the
+            # prefill engine's path. The GEN rank's OPEN is the claim.
+            try:
+                ok = await self._publish_at_rank(AdmissionRequest(parent, num_tokens, blocks=ids))
+            except Exception as exc:  # the rank died or restarts: the engine re-attaches it
+                raise PublishRefused(request_id, f"the CTX rank admits nothing now: {exc!r}"[:500]) from None
+        else:
+            try:
+                ok = await self._coords[Role.CTX].admit.remote(parent, num_tokens, ids)
+            except AdmissionStopped as exc:  # a worker is detached (re-attach it) or a rank restarting
+                raise PublishRefused(request_id, f"the CTX instance admits nothing now: {exc.reason}") from None
         if not ok:
             raise PublishRefused(request_id, "a CTX rank refused the blocks (see its stats' counters)")
         return HandoffTicket(
@@ -322,7 +332,7 @@ class EngineDeployment(PairCore):
         # Between instances of one rank each, the GEN rank drives the whole
         # receive and answers it (`receive_alone`: no coordinator on the
         # way); else the GEN coordinator claims and admits it in a round.
-        at_rank = self.plan.gen.tp == 1 and self.plan.ctx.tp == 1
+        at_rank = self._at_rank
         if at_rank:
             request = AdmissionRequest(parent, ticket.num_tokens, release_when_ready=True, blocks=ids)
             submission = self._receive_at_rank(request, timeout)
@@ -363,6 +373,29 @@ class EngineDeployment(PairCore):
             blocks_returned=back,
             latency_s=latency,
         )
+
+    @property
+    def _at_rank(self) -> bool:
+        """Instances of one rank each: a publish and a receive go to the rank
+        (`publish_alone`, `receive_alone`), with no coordinator round."""
+        return self.plan.gen.tp == 1 and self.plan.ctx.tp == 1
+
+    def _publish_at_rank(self, request: AdmissionRequest) -> asyncio.Future[bool]:
+        """The CTX rank's `publish_alone` of ``request``, reached as
+        `_receive_at_rank` reaches the GEN rank (on its loop when this process
+        hosts it, else one Ray call)."""
+        rank = self._ranks[Role.CTX][0]
+        here = hosted_here(rank)
+        if here is None:
+            self.calls["publish_at_rank"] += 1
+            return asyncio.ensure_future(_ref(rank.publish_alone.remote(request)))
+        endpoint, loop = here
+        self.calls["publish_at_rank_here"] += 1
+        assert isinstance(endpoint, CtxRankCore)
+        if loop is asyncio.get_running_loop():
+            self.calls["publish_at_rank_on_its_loop"] += 1
+            return asyncio.ensure_future(endpoint.publish_alone(request))
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(endpoint.publish_alone(request), loop))
 
     def _receive_at_rank(self, request: AdmissionRequest, timeout: float) -> asyncio.Future[Any]:
         """The GEN rank's `receive_alone` of ``request``: on its loop when this

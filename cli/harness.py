@@ -128,11 +128,15 @@ def _run_deferred(core: Any, request_id: str) -> int:
 class _ReportWatch:
     """Stands in for a rank's coordinator handle: at each report the rank
     pushes, records whether an urgent frame still waited in the rank's
-    outbox (`_watch_reports`); every other call goes to the real handle."""
+    outbox (`_watch_reports`), and holds the report while ``hold`` is set
+    (`_hold_reports`: a report that comes late, in order, once released);
+    every other call goes to the real handle."""
 
     def __init__(self, core: Any, handle: Any) -> None:
         self._core, self._handle = core, handle
         self.frames_waiting: list[bool] = []
+        self.hold = False
+        self.held: list[Any] = []
 
     @property
     def report(self) -> _ReportWatch:
@@ -140,17 +144,45 @@ class _ReportWatch:
 
     def remote(self, report: Any) -> Any:
         self.frames_waiting.append(any(box[2] for box in self._core._outbox.values()))
+        if self.hold:
+            self.held.append(report)
+            done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            done.set_result(True)
+            return done
         return self._handle.report.remote(report)
+
+    def release(self) -> int:
+        self.hold = False
+        held, self.held = self.held, []
+        for report in held:
+            self._core._own(self._handle.report.remote(report))
+        return len(held)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._handle, name)
 
 
-def _watch_reports(core: Any) -> int:
+def _report_watch(core: Any) -> _ReportWatch:
     if not isinstance(core._coordinator, _ReportWatch):
         assert core._find_coordinator()
         core._coordinator = _ReportWatch(core, core._coordinator)
+    watch: _ReportWatch = core._coordinator
+    return watch
+
+
+def _watch_reports(core: Any) -> int:
+    _report_watch(core)
     return 0
+
+
+def _hold_reports(core: Any) -> int:
+    _report_watch(core).hold = True
+    return 0
+
+
+def _release_reports(core: Any) -> int:
+    """Send the held reports, in order; returns how many."""
+    return _report_watch(core).release()
 
 
 def _reports_with_frames_waiting(core: Any) -> list[bool]:

@@ -27,10 +27,16 @@ dependencies: ``pip install --no-deps nixl==1.5.1``. ``handoff_ms_p50`` is
 measured the same way on both: on the decode engine, from the scheduler's
 allocation of the blocks for the load to vLLM being told the KV is there;
 ``handoff_vs_baseline`` is their ratio. ``settle_s`` is how long the engines
-took, after the last request, to give every block back. ``receive_paths``
-counts how the decode engines' receives reached their GEN rank: on its own
-loop (``receive_at_rank_on_its_loop``: every one but the first, which makes
-the client's handle), from another loop of the process, or by Ray call.
+took, after the last request, to give every block back. ``publish_ms_p50``
+is the prefill engine's wait, inside vLLM's ``request_finished``, for each
+ticket (kvhandoff only; its first publish left out); ``request_ms_p50`` a
+completed request's time through the proxy (prefill, handoff, decode) and
+``serving_s`` the time to serve every prompt (kvhandoff only). ``publish_paths``
+and ``receive_paths`` count how the engines' publishes and receives reached
+their rank (one prefill and one decode engine: each publish is its CTX
+rank's alone, each receive its GEN rank's): on its own loop
+(``..._on_its_loop``: every one but the engine's first, which makes the
+client's handle), from another loop of the process, or by Ray call.
 """
 
 from __future__ import annotations
@@ -196,6 +202,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         rid, stage = f"req{k}", plan[k]
         row: dict[str, Any] = {"id": rid, "abort_at": stage, "outcome": None}
         async with sem:
+            row["t0"] = time.perf_counter()
             row["prefill"], prefill = proxy.prefill()
             first = prefill.generate.remote(rid, prompts[k], 1)
             p = await answer(prefill, rid, first, 0.02 if stage == "prefill" else None)
@@ -230,6 +237,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 row["outcome"] = "aborted"
             elif d["outcome"] == "completed":
                 row["outcome"] = "completed"
+                row["request_ms"] = (time.perf_counter() - row["t0"]) * 1e3
                 row["token_exact"] = d["token_ids"] == reference[k]
                 row["external_tokens"] = d["num_cached_tokens"]
             else:
@@ -237,7 +245,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 row["error"] = d["outcome"]
         results.append(row)
 
+    serving = time.perf_counter()
     await asyncio.gather(*(one(k) for k in range(len(prompts))))
+    serving_s = time.perf_counter() - serving
 
     # Invalid kv_transfer_params: a clear error for that request, the engine keeps serving.
     invalid = {}
@@ -259,13 +269,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     settle_s = time.monotonic() - settle_from
     free_at_end = dict(zip(engines, await asyncio.gather(*(e.free_blocks.remote() for e in engines.values()))))
     handoff_ms = [ms for d, warm in zip(decodes, warm_loads) for ms in (await d.handoff_ms.remote())[warm:]]
-    # How the decode engines' receives reached their GEN rank (a pair's):
+    # The prefill side's share: the engine thread's wait for each ticket
+    # (the first publish of each engine, which makes its handle, left out).
+    publish_ms = [ms for p in prefills for ms in (await p.publish_ms.remote())[1:]]
+    # How the engines' publishes and receives reached their rank (a pair's):
     # on the rank's own loop, from another loop of the process, or by Ray.
-    receive_paths: dict[str, int] = {}
-    for calls in await asyncio.gather(*(d.client_calls.remote() for d in decodes)):
+    paths: dict[str, dict[str, int]] = {"publish": {}, "receive": {}}
+    for calls in await asyncio.gather(*(e.client_calls.remote() for e in engines.values())):
         for name, n in calls.items():
-            if name.startswith("receive_at_rank"):
-                receive_paths[name] = receive_paths.get(name, 0) + n
+            for kind, counts in paths.items():
+                if name.startswith(f"{kind}_at_rank"):
+                    counts[name] = counts.get(name, 0) + n
     stats = await dep.stats()
     await dep.shutdown()
     for engine in (*engines.values(), plain):
@@ -303,8 +317,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "external_tokens_min": min((r.get("external_tokens", 0) for r in completed), default=0),
         "leaked_blocks": leaked,
         "handoff_ms_p50": statistics.median(handoff_ms) if handoff_ms else None,
+        "publish_ms_p50": statistics.median(publish_ms) if publish_ms else None,
+        "request_ms_p50": statistics.median(r["request_ms"] for r in completed) if completed else None,
+        "serving_s": round(serving_s, 2),
         "invalid_params": invalid,
-        "receive_paths": receive_paths,
+        "publish_paths": paths["publish"],
+        "receive_paths": paths["receive"],
         "settle_s": round(settle_s, 1),
         "baseline": baseline,
         "handoff_vs_baseline": (

@@ -115,6 +115,9 @@ class _EngineHost:
         #: Per completed load: from the decode scheduler's allocation of the
         #: blocks (the load starts) to vLLM being told the KV is there.
         self.handoff_s: list[float] = []
+        #: Per publish: how long the engine thread waited in `request_finished`
+        #: for the ticket (the prefill side's share of the handoff).
+        self.publish_s: list[float] = []
         self._load_started: dict[str, float] = {}
         self.wake = threading.Event()  # set when vLLM has something to learn (a transfer ended)
         self.kv: list[torch.Tensor] = []  # vLLM's KV tensors, as the endpoint sees them
@@ -145,8 +148,13 @@ class _EngineHost:
             ticket = await (await self.dep()).publish(request_id, num_tokens, blocks)
             return ticket.encode()
 
-        text = str(self.call(run()))
+        # On the CTX rank's own loop once the deployment handle exists, as a
+        # receive runs (`receive`): a pair's publish is the rank's alone.
+        loop = endpoint_loop(self.owner) if isinstance(self._dep, EngineDeployment) else None
+        started = time.perf_counter()
+        text = str(asyncio.run_coroutine_threadsafe(run(), loop or self._loop).result())
         with self._lock:
+            self.publish_s.append(time.perf_counter() - started)
             self.tickets[request_id] = text
             self.pending += 1
         self.spawn(self._watch_sent(request_id, text))
@@ -574,6 +582,10 @@ class VllmEngine(EndpointHost):
         """The call counts of this engine's kvhandoff client (its deployment
         handle): how its publishes, receives and cancels went."""
         return dict(getattr(self._host._dep, "calls", None) or {})
+
+    async def publish_ms(self) -> list[float]:
+        """Per publish, the prefill engine thread's wait for its ticket (ms)."""
+        return [s * 1e3 for s in self._host.publish_s]
 
     async def handoff_ms(self) -> list[float]:
         return [s * 1e3 for s in self._host.handoff_s]

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvhandoff.actors._coordinator_errors import ParentInFlight
 from kvhandoff.actors._dataplane import (
     BufferGeometry,
     Chunk,
@@ -42,6 +43,7 @@ from kvhandoff.protocol import (
     ProtocolError,
     RecentMemory,
     Role,
+    RoundError,
     StageAck,
     StaleError,
     active_cancel,
@@ -120,6 +122,41 @@ class CtxRankCore(RankCore):
         if self.config.synthetic:
             self._prefill(parent)
         self._perform(self.side.prefilled(parent))
+
+    async def publish_alone(self, request: AdmissionRequest) -> bool:
+        """An engine's published request, leased on this rank alone with no
+        coordinator round: for a CTX instance of one rank whose GEN peer is
+        one rank too (its GEN rank receives alone, and its OPEN, bound here,
+        is the claim: nothing at a coordinator waits for the parent; docs/
+        design.md "Engines"). Leases exactly the engine's ``request.blocks``
+        as a vote does, records the admission and pushes the report at once,
+        so the coordinator has the parent in flight before anything else of
+        it (a cancel it got earlier is kept until that report comes). Returns
+        False when refused (no room or a block still held, the admission
+        stop, a draining instance, a rank not taken into its coordinator's
+        rounds): nothing is held. Raises `RoundError` on a rank of several
+        and `ParentInFlight` for a parent already here."""
+        parent = request.parent
+        if self.trace.every:
+            self.trace.record(parent.request_id, "publish_alone", "call", "client")
+        if self.config.spec.tp != 1:
+            raise RoundError(f"rank {self.ns}: a publish at the rank needs a one-rank instance")
+        if self.side.is_admitted(parent) or parent in self.side.parents():
+            raise ParentInFlight(f"parent {parent!r} is already pending or in flight")
+        now = time.monotonic()
+        if (
+            not self.member.joined
+            or self._admission_closed
+            or not self._lease_for(request, now, now + self.config.lease_timeout_s, self.side.admission_stopped())
+        ):
+            self.counters["published_alone_refused"] += 1
+            return False
+        self.counters["published_alone"] += 1
+        self.member.follower.record_admitted(parent)
+        self._nudge()  # the coordinator learns it before any later news of it
+        self._admitted(parent, now)
+        self._ensure_polling()  # its lease deadline ticks in the poll loop
+        return True
 
     def _decided(self, parent: ParentKey, now: float) -> None:
         self._perform(self.side.decided(parent, now))

@@ -309,6 +309,63 @@ async def test_a_cancel_is_one_call_that_ends_an_unclaimed_ticket(ray_cluster: A
         await eng.close()
 
 
+async def test_one_rank_instances_publish_at_the_ctx_rank(ray_cluster: Any) -> None:
+    """CTX and GEN instances of one rank each: a publish is one call to the
+    CTX rank (`publish_alone`), which leases exactly the engine's blocks
+    with no admission round, and the CTX coordinator takes the parent in
+    flight from the rank's report. Blocks still held are refused with
+    nothing held. A cancel that reaches the CTX coordinator before that
+    report (held here) is kept and applied once the report comes: the
+    blocks come back well before the ticket's 600 s lease would return
+    them. A draining CTX instance publishes nothing."""
+    from kvhandoff.cli.harness import _hold_reports, _release_reports, on_endpoint_loop
+
+    eng = await _engine(1, 1, "paged", "split", lease_timeout_s=600.0)
+    try:
+        ctx_coord = eng.dep._coords[Role.CTX]
+        before = await ctx_coord.stats.remote()
+        for i, tokens in enumerate((1, 6, 17)):
+            assert await _handoff(eng, f"pub-{i}", seed=51 + i, tokens=tokens) == "completed"
+        assert eng.dep.calls["publish_at_rank"] == 3, eng.dep.calls  # the driver: one Ray call each
+        (ctx_stats,) = [s for s in (await eng.dep.stats())["ranks"] if s["role"] == "ctx"]
+        assert ctx_stats["counters"]["published_alone"] == 3, ctx_stats["counters"]
+        now = await ctx_coord.stats.remote()
+        # No admission round: the coordinator decided none, it learned each
+        # from the rank's report and decided its end.
+        assert now["decided"].get("admitted", 0) == before["decided"].get("admitted", 0), now["decided"]
+        assert now["calls"].get("reports_received", 0) > before["calls"].get("reports_received", 0), now["calls"]
+        # Blocks the rank still holds are refused: nothing more is held.
+        ticket, ctx_blocks = await eng.prefill_and_publish("held-blocks", seed=55, tokens=5)
+        with pytest.raises(PublishRefused):
+            await eng.dep.publish("same-blocks", 5, ctx_blocks)
+        (ctx_stats,) = [s for s in (await eng.dep.stats())["ranks"] if s["role"] == "ctx"]
+        assert ctx_stats["leased"] == len(ctx_blocks), ctx_stats
+        assert ctx_stats["counters"]["published_alone_refused"] == 1, ctx_stats["counters"]
+        await eng.dep.cancel(ticket)
+        assert await eng.dep.returned(ticket, Role.CTX, timeout=60)
+        eng.give(Role.CTX, ctx_blocks)
+        # A cancel ahead of the rank's report: kept until the report comes.
+        await eng.ctx[0].__ray_call__.remote(on_endpoint_loop, _hold_reports)
+        early, ctx_blocks = await eng.prefill_and_publish("early", seed=56, tokens=5)
+        await eng.dep.cancel(early)
+        assert await eng.ctx[0].__ray_call__.remote(on_endpoint_loop, _release_reports) >= 1
+        assert await eng.dep.returned(early, Role.CTX, timeout=60)  # the lease is 600 s
+        assert (await ctx_coord.stats.remote())["calls"].get("cancels_before_report") == 1
+        eng.give(Role.CTX, ctx_blocks)
+        await eng.check_clean()
+        # A draining CTX instance: its coordinator closes the rank's
+        # admission, and a publish is refused with nothing held.
+        assert await ctx_coord.drain.remote(60.0)
+        blocks = eng.take(Role.CTX, 1)
+        with pytest.raises(PublishRefused):
+            await eng.dep.publish("draining", 3, blocks)
+        eng.give(Role.CTX, blocks)
+        (ctx_stats,) = [s for s in (await eng.dep.stats())["ranks"] if s["role"] == "ctx"]
+        assert ctx_stats["leased"] == 0, ctx_stats
+    finally:
+        await eng.close()
+
+
 async def test_one_rank_instances_receive_at_the_gen_rank(ray_cluster: Any) -> None:
     """CTX and GEN instances of one rank each: the CTX rank binds a published
     ticket to the first GEN OPEN and decides it alone, and the GEN rank is

@@ -62,13 +62,16 @@ def test_example_100_requests_with_aborts_is_token_exact_and_leaks_nothing() -> 
     assert out["external_tokens_min"] > 0 and out["external_tokens"] > 0, out  # every completed request loaded its KV
     assert out["leaked_blocks"] == {"prefill": 0, "decode": 0}, out["leaked_blocks"]
     assert out["handoff_ms_p50"] is not None and out["handoff_ms_p50"] > 0
+    assert out["publish_ms_p50"] is not None and out["publish_ms_p50"] > 0
     assert out["invalid_params"] == {"garbage": "InvalidTransferParams"}
-    # Every receive but the first (which made the client's handle) ran on the
-    # decode rank's own loop: no thread hop, no Ray call to reach it.
-    paths = out["receive_paths"]
-    assert paths.get("receive_at_rank_on_its_loop", 0) >= out["completed"], paths
-    assert paths["receive_at_rank_here"] == paths["receive_at_rank_on_its_loop"] + 1, paths
-    assert not paths.get("receive_at_rank"), paths
+    # Every publish and receive but the engine's first (which made the
+    # client's handle) ran on its rank's own loop: no round, no thread hop,
+    # no Ray call to reach it.
+    for kind in ("publish", "receive"):
+        paths = out[f"{kind}_paths"]
+        assert paths.get(f"{kind}_at_rank_on_its_loop", 0) >= out["completed"], paths
+        assert paths[f"{kind}_at_rank_here"] == paths[f"{kind}_at_rank_on_its_loop"] + 1, paths
+        assert not paths.get(f"{kind}_at_rank"), paths
     assert all(c["state"] == "running" and not c["timeouts"] for c in out["coordinators"].values()), out["coordinators"]
     base = out["baseline"]
     assert "error" not in base, base  # the NixlConnector run is part of the measurement
