@@ -6,8 +6,11 @@ names, and `__all__` lists exactly those (tests/protocol/test_public.py).
 """
 
 from . import (
+    _actions,
+    _ctx_session,
     _decision,
     _errors,
+    _gen_session,
     _memory,
     _messages,
     _negotiation,
@@ -17,11 +20,15 @@ from . import (
     _rounds,
     _session,
     _staging,
+    _tables,
     _ticket,
     _wire,
 )
+from ._actions import *  # noqa: F403
+from ._ctx_session import *  # noqa: F403
 from ._decision import *  # noqa: F403
 from ._errors import *  # noqa: F403
+from ._gen_session import *  # noqa: F403
 from ._memory import *  # noqa: F403
 from ._messages import *  # noqa: F403
 from ._negotiation import *  # noqa: F403
@@ -31,6 +38,7 @@ from ._round_messages import *  # noqa: F403
 from ._rounds import *  # noqa: F403
 from ._session import *  # noqa: F403
 from ._staging import *  # noqa: F403
+from ._tables import *  # noqa: F403
 from ._ticket import *  # noqa: F403
 from ._wire import *  # noqa: F403
 
@@ -42,7 +50,11 @@ __all__ = [
     *_negotiation.__all__,
     *_pool.__all__,
     *_registry.__all__,
+    *_tables.__all__,
+    *_actions.__all__,
     *_session.__all__,
+    *_ctx_session.__all__,
+    *_gen_session.__all__,
     *_round_messages.__all__,
     *_rounds.__all__,
     *_decision.__all__,

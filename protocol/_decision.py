@@ -25,19 +25,13 @@ import enum
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
+from ._actions import Action, AdmissionStop, CancelIntent, LocalOutcome, ParentSettled
+from ._ctx_session import CtxRank
+from ._gen_session import GenRank
 from ._messages import CancelReason
 from ._negotiation import Negotiated, NegotiationOutcome, refusal_kind
 from ._round_messages import RoundDecision
 from ._rounds import News
-from ._session import (
-    Action,
-    AdmissionStop,
-    CancelIntent,
-    CtxRank,
-    GenRank,
-    LocalOutcome,
-    ParentSettled,
-)
 from ._ticket import ParentKey
 
 __all__ = [

@@ -197,6 +197,17 @@ class SessionRegistry(Generic[V]):
         peers.discard(ticket)
         if not peers:
             del self._live_by_request[ticket.request_id]
+        self._remember(ticket, how)
+
+    def refused(self, ticket: ContextTicket) -> None:
+        """Remember a ticket that was never live here and was refused (a CTX
+        rank's REJECT promised its GEN rank that nothing writes under it), so
+        that a later copy of the same proposal is refused too (bounded, as
+        closed sessions are). A live or already closed ticket is left alone."""
+        if ticket not in self._live and ticket not in self._closed:
+            self._remember(ticket, "refused")
+
+    def _remember(self, ticket: ContextTicket, how: str) -> None:
         ticket = self._compact(ticket)
         self._closed[ticket] = how
         self._closed_by_request[ticket.request_id] = (*self._closed_by_request.get(ticket.request_id, ()), ticket)

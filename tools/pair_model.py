@@ -81,7 +81,6 @@ from kvhandoff.protocol import (
     encode_frame,
     pairing_undo,
     pairing_veto,
-    reject_for,
     report_of,
 )
 from kvhandoff.topology import KVLayout, shard_map
@@ -843,7 +842,7 @@ class Pair:
             self.errors.append(error)
             if role is Role.CTX and isinstance(message, Open):
                 # The actor answers a refused OPEN with a REJECT (to the ticket's GEN).
-                reject: Reject | None = reject_for(message, error, self.ctxs[rank].our)
+                reject: Reject | None = self.ctxs[rank].refuse(message, error)
                 if reject is not None:  # an OPEN not addressed to us is dropped silently
                     self.queue.append(
                         Envelope(Role.GEN, message.ticket.gen.ns.rank, encode_frame(reject))

@@ -23,6 +23,7 @@ from kvhandoff.protocol import (
     CancelIntent,
     CleanupSkipped,
     ContextTicket,
+    CtxRank,
     Drain,
     Endpoint,
     LocalOutcome,
@@ -277,7 +278,10 @@ class _ControlPlane(_RankState):
         """A frame refused: nothing changed (S3), counted."""
         self.counters[f"refused_{type(exc).__name__}"] += 1
         if isinstance(message, Open):  # a refused proposal addressed to us gets a typed REJECT
-            reject = reject_for(message, exc, self.our)
+            # The CTX side keeps the REJECT's promise (`CtxRank.refuse`): a
+            # later copy of this OPEN is refused too.
+            side = self.side
+            reject = side.refuse(message, exc) if isinstance(side, CtxRank) else reject_for(message, exc, self.our)
             encoded = None if reject is None else self._encode(reject, answering=version)
             if encoded is not None:  # written in the OPEN's version when none is agreed
                 self.counters["frames_reject"] += 1

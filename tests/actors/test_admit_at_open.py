@@ -16,7 +16,9 @@ What would fail if it broke:
 * a CTX rank without room refuses an OPEN with a REJECT while another
   handoff holds its blocks mid-transfer: that handoff ends "rejected" (as
   a round's refusal), its GEN blocks come back, the held one completes,
-  nothing leaks;
+  nothing leaks; a copy of the refused OPEN that comes once there is room
+  is refused too (the REJECT promised that nothing writes under its
+  ticket: admitted then, the CTX would write into GEN blocks given back);
 * a draining CTX instance's rank refuses an OPEN that reaches it anyway
   (a GEN coordinator asked directly, past the fleet's routing), and its
   coordinator's drain waits for the handoff its rank admitted before (it
@@ -163,6 +165,22 @@ def test_every_pair_of_a_mixed_fleet_one_rank_ctx_admitted_at_its_opens_the_othe
     assert_clean(stats)
 
 
+def _keep_refused_opens(ep) -> None:
+    """Inside a CTX rank: keep a copy of every OPEN frame it refuses."""
+    from kvhandoff.protocol import Open, encode_frame
+
+    kept: list[bytes] = []
+    refused = ep._refused
+
+    def keeping(message, exc, version):
+        if isinstance(message, Open):
+            kept.append(encode_frame(message))
+        return refused(message, exc, version)
+
+    ep._refused = keeping
+    ep.kept_refused_opens = kept
+
+
 def test_a_ctx_rank_without_room_refuses_the_open_and_the_handoff_ends_cleanly() -> None:
     """Pools of 4 blocks, handoffs of 3: the first holds 3 CTX blocks while
     its chunks are held in flight; the second, from the other GEN instance,
@@ -187,14 +205,20 @@ def test_a_ctx_rank_without_room_refuses_the_open_and_the_handoff_ends_cleanly()
             while (await ctx.stats.remote())["in_flight_chunks"] == 0:
                 assert time.monotonic() < deadline and not held.done()
                 await asyncio.sleep(0.02)
+            await inside(ctx, _keep_refused_opens)
             refused = await fleet.handoff("refused", TOKENS, ctx="ctx0", gen="gen1", timeout=TIMEOUT)
             during = await ctx.stats.remote()
             await inside(ctx, lambda ep: setattr(ep.transport.plan, "hold", False))
-            return await held, refused, before, during, await settled(fleet)
+            held = await held
+            await settled(fleet)
+            # The refused OPEN again, now that the pool has room: refused too.
+            (copy,) = await inside(ctx, lambda ep: ep.kept_refused_opens)
+            again = await ctx.receive_frame.remote(copy)
+            return held, refused, before, during, again, await settled(fleet)
         finally:
             await fleet.shutdown()
 
-    held, refused, before, during, stats = run(scenario())
+    held, refused, before, during, again, stats = run(scenario())
     assert held.outcome == "completed", held
     # Refused by the CTX, as a round refuses it: "rejected", not "cancelled".
     assert refused.outcome == "rejected" and refused.bytes_verified == 0, refused
@@ -205,6 +229,9 @@ def test_a_ctx_rank_without_room_refuses_the_open_and_the_handoff_ends_cleanly()
     assert during["leased"] == 3, during  # the held handoff's blocks only
     ctx_rank = next(s for s in stats["ranks"] if s["role"] == "ctx")
     assert ctx_rank["counters"].get("admitted_at_open", 0) == c0.get("admitted_at_open", 0) + 1, ctx_rank["counters"]
+    # The copy: refused as a ticket refused before, never admitted (S1).
+    assert again is False
+    assert ctx_rank["counters"].get("refused_StaleError", 0) == c1.get("refused_StaleError", 0) + 1, ctx_rank["counters"]
     assert_clean(stats)
 
 

@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 
+from kvhandoff import protocol
 from kvhandoff.protocol import CancelReason, EdgeState, ParentState
+from kvhandoff.protocol import _gen_session as gen_session
 from kvhandoff.protocol import _session as session
 from kvhandoff.tools import _flags
 from kvhandoff.tools import explore as ex
@@ -150,11 +152,11 @@ def test_the_default_bounds_cover_every_topology_the_issue_names() -> None:
 def test_a_planted_bug_is_found_with_a_shortest_trace(monkeypatch: pytest.MonkeyPatch) -> None:
     """Undo the fix above in the GEN edge table: the explorer finds the
     quarantine that never ends, by the shortest trace there is."""
-    table = dict(session.GEN_EDGE_TRANSITIONS)
-    table[(EdgeState.UNKNOWN, session.EdgeEvent.REJECTED)] = table[
-        (EdgeState.UNKNOWN, session.EdgeEvent.CANCEL)
+    table = dict(protocol.GEN_EDGE_TRANSITIONS)
+    table[(EdgeState.UNKNOWN, protocol.EdgeEvent.REJECTED)] = table[
+        (EdgeState.UNKNOWN, protocol.EdgeEvent.CANCEL)
     ]
-    monkeypatch.setattr(session.GenRank, "_edge_table", table)
+    monkeypatch.setattr(gen_session.GenRank, "_edge_table", table)
     config = ex.Config("planted", cancels=1, dups=0, errs=0, restarts=0, chunks=1)
     result = ex.explore(config)
     assert result.violations, "the planted bug was not found"
@@ -181,11 +183,11 @@ def test_a_planted_bug_is_found_with_a_shortest_trace(monkeypatch: pytest.Monkey
 
 def test_a_refused_frame_that_changes_state_is_an_s3_violation(monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank that records part of a frame before refusing it breaks S3."""
-    def refusing(self: session.GenRank, message: object, now: float) -> list[object]:
+    def refusing(self: gen_session.GenRank, message: object, now: float) -> list[object]:
         self.pool.lease(parent_key(9), 1)
-        raise session.UnknownSessionError("planted")
+        raise protocol.UnknownSessionError("planted")
 
-    monkeypatch.setattr(session.GenRank, "receive_ready", refusing)
+    monkeypatch.setattr(gen_session.GenRank, "receive_ready", refusing)
     result = ex.explore(ex.Config("s3", cancels=0, dups=0, errs=0, restarts=0, expiries=0, chunks=1))
     assert result.violations and result.violations[0]["invariant"] == "S3"
 
@@ -201,7 +203,7 @@ def test_a_lost_frame_anywhere_ends_every_quarantine(monkeypatch: pytest.MonkeyP
         result = ex.explore(world)
         assert result.violations == [] and result.complete, (world.name, result.violations[:1])
     # Without the asks, the first lost OPEN leaves a quarantine for good.
-    monkeypatch.setattr(session, "UNKNOWN_ASKS", 0)
+    monkeypatch.setattr(gen_session, "UNKNOWN_ASKS", 0)
     (violation, *_) = ex.explore(worlds[0]).violations
     assert violation["invariant"] == "L2" and any(step.startswith("lost: OPEN") for step in violation["trace"])
 
@@ -216,7 +218,7 @@ def test_the_runtime_needs_no_topology_wide_not_started_verdict(monkeypatch: pyt
     calls: list[object] = []
     real = session._Rank.release_not_started
 
-    def counted(self: session._Rank, parent: session.ParentKey) -> list[session.Action]:
+    def counted(self: session._Rank, parent: protocol.ParentKey) -> list[protocol.Action]:
         calls.append(parent)
         return real(self, parent)
 

@@ -1,6 +1,6 @@
 """Session machines: the tables, the docs rendered from them, default-deny, cleanup-once.
 
-Mirrors protocol/_session.py (h11's test_state.py, h2's test_state_machines.py).
+Mirrors protocol/_tables.py and the rank sessions (_session.py, _ctx_session.py, _gen_session.py) (h11's test_state.py, h2's test_state_machines.py).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from kvhandoff.protocol import (
     reject_for,
     render_state_tables,
 )
-from kvhandoff.protocol._session import _STATE_DOCS
+from kvhandoff.protocol._tables import _STATE_DOCS
 
 from ._helpers import decided, prepared, resident
 from .harness import (
@@ -135,7 +135,7 @@ def test_rendering_lists_every_row() -> None:
 
 def test_state_docs_match_enum_comments() -> None:
     # The docs' state meanings are the enums' one-line comments, verbatim.
-    source = (ROOT / "protocol" / "_session.py").read_text()
+    source = (ROOT / "protocol" / "_tables.py").read_text()
     for member, doc in _STATE_DOCS.items():
         pattern = rf'{member.name} = "{member.value}"  # (.*)'
         block = source[source.index(f"class {type(member).__name__}(") :]

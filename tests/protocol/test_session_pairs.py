@@ -1,6 +1,6 @@
 """Every (state, message/event) pair of the session machines, through the real ranks.
 
-For each machine of protocol/_session.py (`MACHINES`: ctx-parent, ctx-edge,
+For each machine of protocol/_tables.py (`MACHINES`: ctx-parent, ctx-edge,
 gen-parent, gen-edge), scenarios built with the real API (the pair harness:
 admit, prefill, install, OPEN frames, decide, chunks, cancel, expire, peer
 restarts, rounds) bring a `CtxRank`/`GenRank` parent or edge (the *subject*)
@@ -45,6 +45,8 @@ from typing import Any
 
 import pytest
 
+import kvhandoff.protocol._ctx_session as ctx_session_module
+import kvhandoff.protocol._gen_session as gen_session_module
 import kvhandoff.protocol._session as session_module
 from kvhandoff import protocol
 from kvhandoff.protocol import (
@@ -898,6 +900,8 @@ UNREACHABLE_ROWS: dict[tuple[str, enum.Enum, enum.Enum], str] = {
 def traced() -> Iterator[list[tuple[str, enum.Enum, enum.Enum]]]:
     """Record every successful table lookup `_fire` makes (machine, state, event)."""
     fired: list[tuple[str, enum.Enum, enum.Enum]] = []
+    # Every module that fires a table imports `_fire` by name: spy on each.
+    modules = (session_module, ctx_session_module, gen_session_module)
     real = session_module._fire
 
     def spy(machine: str, table: Any, state: enum.Enum, event: enum.Enum) -> Any:
@@ -905,11 +909,13 @@ def traced() -> Iterator[list[tuple[str, enum.Enum, enum.Enum]]]:
         fired.append((machine, state, event))
         return tr
 
-    session_module._fire = spy  # type: ignore[assignment]
+    for module in modules:
+        module._fire = spy  # type: ignore[attr-defined]
     try:
         yield fired
     finally:
-        session_module._fire = real
+        for module in modules:
+            module._fire = real  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------
