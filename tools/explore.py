@@ -181,6 +181,9 @@ _DIRECT = [
     _world("direct-tp1-restart-reorder-err", direct=1, chunks=1, restarts=1, reorders=1, errs=1, partials=1),
     _world("direct-tp1x2-ctx-short-cancel", direct=1, requests=2, ctx_blocks=1, chunks=1, cancels=1),
     _world("direct-tp1x2-gen-short-dup", direct=1, requests=2, gen_blocks=1, chunks=1, dups=1),
+    # A CTX rank without room refuses an OPEN; a copy of it comes once there
+    # is room (the REJECT's promise: `CtxRank.refuse`).
+    _world("direct-tp1x2-ctx-short-dup", direct=1, requests=2, ctx_blocks=1, chunks=1, dups=1),
     _world("direct-gen2-restart", direct=1, gen_ranks=2, chunks=1, restarts=1),
     _world("direct-gen2-cancel-reorder", direct=1, gen_ranks=2, chunks=1, cancels=1, reorders=1),
     _world("direct-fleet2-restart", direct=1, ctx_instances=2, requests=2, chunks=1, restarts=1),
