@@ -1227,8 +1227,8 @@ def _targets(out: dict[str, Any]) -> list[dict[str, Any]]:
         host = "GPU host" if (out.get("machine", {}).get("cpus") or 0) >= 16 else "2-core box"
         gpu = host == "GPU host"
         add("small handoff p50 / ping p50", control["latency_over_ping_p50"], "<=", 2.0 if gpu else 6.0, host)
-        if "latency_over_ping_p99" in control and gpu:
-            add("small handoff p99 / ping p50", control["latency_over_ping_p99"], "<=", 4.0, host)
+        if "latency_over_ping_p99" in control:  # bounded on the GPU host; recorded on the 2-core box
+            add("small handoff p99 / ping p50", control["latency_over_ping_p99"], "<=", 4.0, host if gpu else "GPU host target")
         clients = max((r["concurrency"] for r in control.get("sustained", [])), default=1)
         add(
             "sustained handoffs/s / pipelined Ray calls/s",
