@@ -918,6 +918,7 @@ class _Bench:
             "machine": {
                 "host": platform.node(),
                 "cpus": os.cpu_count(),
+                "physical_cores": _physical_cores(),
                 "loadavg_start": os.getloadavg(),
                 "memory": a.memory,
                 "ucx_tls": os.environ.get("UCX_TLS"),
@@ -1293,6 +1294,32 @@ def _fmt(value: Any, digits: int = 3) -> str:
             return "n/a"
         return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:,.0f}"
     return str(value)
+
+
+def _physical_cores() -> int | None:
+    """Distinct (package, core) pairs in /proc/cpuinfo: the cores that
+    `cpus` counts once each, however many hardware threads each has (None
+    where /proc/cpuinfo does not say). Processes on the two threads of one
+    core share it: a fleet's scaling is bounded by these, not by `cpus`."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return None
+    cores: set[tuple[str, str]] = set()
+    package = core = None
+    for line in text.splitlines() + [""]:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "physical id":
+            package = value.strip()
+        elif key == "core id":
+            core = value.strip()
+        elif not line.strip():
+            if package is not None and core is not None:
+                cores.add((package, core))
+            package = core = None
+    return len(cores) or None
 
 
 def _table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -145,6 +145,15 @@ def _host_busy_s() -> float | None:
     return (sum(fields[:8]) - idle) / ticks
 
 
+#: The rank counters `_work` sums: Ray calls carrying frames, frames, reports
+#: to the coordinator (and those held for `report_gap_s`), stream writes and
+#: frames read, completion reports that waited for other news.
+_RANK_WORK = (
+    "frame_calls", "frames_sent", "reports_sent", "reports_paced", "stream_writes", "frames_stream_in",
+    "completion_reports_lazy",
+)
+
+
 async def _work(stats: list[dict[str, Any]]) -> collections.Counter[str]:
     """What the coordinators and ranks did so far, summed: rounds, Ray calls
     by kind, frames and reports (the work a handoff costs, machine-free)."""
@@ -153,15 +162,20 @@ async def _work(stats: list[dict[str, Any]]) -> collections.Counter[str]:
         for name, c in st.get("coordinators", {}).items():
             if isinstance(c, dict):
                 total["rounds"] += int(c.get("rounds", 0))
+                role = name.rstrip("0123456789")[-3:]  # "ctx0" -> "ctx"
                 total.update({f"coord_{k}": int(v) for k, v in c.get("calls", {}).items()})
-                # CPU microseconds, by process kind and role ("ctx0" -> "ctx").
-                total[f"cpu_us_coord_{name.rstrip('0123456789')[-3:]}"] += int(1e6 * c.get("cpu_s", 0.0))
+                total.update({f"coord_{role}_{k}": int(v) for k, v in c.get("calls", {}).items()})
+                # CPU microseconds, by process kind and role.
+                total[f"cpu_us_coord_{role}"] += int(1e6 * c.get("cpu_s", 0.0))
         for r in st.get("ranks", []):
             counters = r.get("counters", {}) if isinstance(r, dict) else {}
-            for key in ("frame_calls", "frames_sent", "reports_sent"):
+            role = r.get("role", "") if isinstance(r, dict) else ""
+            # Summed, and by role: what a GEN and a CTX rank each did.
+            for key in _RANK_WORK:
                 total[f"rank_{key}"] += int(counters.get(key, 0))
+                total[f"rank_{key}_{role}"] += int(counters.get(key, 0))
             if isinstance(r, dict) and "cpu_s" in r:
-                total[f"cpu_us_rank_{r.get('role', '')}"] += int(1e6 * r["cpu_s"])
+                total[f"cpu_us_rank_{role}"] += int(1e6 * r["cpu_s"])
     return total
 
 

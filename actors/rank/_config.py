@@ -74,6 +74,15 @@ class RankConfig(DataPlane, frozen=True, kw_only=True):
     #: no answer; a fleet's ranks, whose traffic spreads over many peers,
     #: make fewer calls per handoff with it (docs/journal/2026-12-05-benchmarks-history.md "Fleet scale").
     lazy_flush_s: float = 0.005
+    #: The shortest gap between two of this rank's reports to its coordinator
+    #: (0: none). News recorded sooner after a report waits out the gap and
+    #: goes in one report with whatever else came meanwhile: a GEN rank whose
+    #: batch of OPENs went to several CTX ranks hears their TERMINALs within
+    #: a fraction of a millisecond of each other, each in its own turn of the
+    #: event loop, and would report (and its coordinator run a round) once per
+    #: peer. A rank that reported longer ago than the gap reports at once: a
+    #: lone handoff waits for nothing.
+    report_gap_s: float = 0.001
     device: str = "cpu"
     fault_plan: FaultPlan | None = None
     #: Outside the qualified scope (topology/_gate.py): a cancel never

@@ -86,7 +86,15 @@ class _ControlPlane(_RankState):
             return
         self._report_due = True
         if _loop_running():
-            asyncio.get_running_loop().call_soon(self._push_report)
+            loop = asyncio.get_running_loop()
+            wait = self._last_report_at + self.config.report_gap_s - loop.time()
+            if wait > 0:
+                # Reported a moment ago: this news rides with what comes
+                # before the gap ends (`report_gap_s`).
+                self.counters["reports_paced"] += 1
+                loop.call_later(wait, self._push_report)
+            else:
+                loop.call_soon(self._push_report)
         else:
             self._push_report()
 
@@ -114,6 +122,8 @@ class _ControlPlane(_RankState):
         if not self._find_coordinator():
             return  # not up yet: the next vote carries the news anyway
         self.counters["reports_sent"] += 1
+        if _loop_running():
+            self._last_report_at = asyncio.get_running_loop().time()
         self._own(self._coordinator.report.remote(self.member.report()))
 
     def _own(self, awaitable: Any) -> None:

@@ -154,6 +154,8 @@ class _RankState:
         self._coordinator: Any = None
         self._report_due = False
         self._lazy_report_due = False
+        # When this rank last pushed a report (its loop's clock; `report_gap_s`).
+        self._last_report_at = float("-inf")
         # Frames waiting to go, per peer endpoint (`_flush`): [handle, frames,
         # urgent]. An urgent frame goes when this event-loop turn ends; a
         # lazy one (READY, RECEIPT) with the next urgent frame to its peer,

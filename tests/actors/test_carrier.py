@@ -285,6 +285,53 @@ def test_ready_rides_with_the_terminal_and_a_lone_receipt_still_goes(ray_cluster
     assert sent["gen0"] == {"frame_calls": 2, "frames_ready": 0, "frames_terminal": 0, "frames_open": 1, "frames_receipt": 1}, sent
 
 
+def _report_gap(seconds: float) -> Any:
+    """A function for `inside`: set a rank's gap between reports (`report_gap_s`)."""
+
+    def apply(rank: Any) -> float:
+        before = rank.config.report_gap_s
+        rank.config = msgspec.structs.replace(rank.config, report_gap_s=seconds)
+        return before
+
+    return apply
+
+
+def test_news_that_comes_within_the_gap_rides_in_the_next_report_and_is_never_lost(ray_cluster: Any) -> None:
+    """A GEN rank that reported a moment ago holds its next report until the
+    gap (`report_gap_s`) has passed: completions that come meanwhile go in
+    one report. A fleet's GEN instance pairs with two CTX instances here, so
+    the TERMINALs of a pair of handoffs come on two streams, each in a turn
+    of the rank's loop of its own: some reports are held. Each handoff's
+    answer waits for its coordinator to hear the completion, and every
+    handoff still completes and is heard of (the coordinators end with
+    nothing in flight): held news goes out when the gap ends."""
+    rounds = 4
+
+    async def scenario() -> tuple[list[Any], dict]:
+        fleet = await Fleet.launch(ctx=2, gen=1, pool_blocks=32, round_timeout_s=20.0)
+        try:
+            (gen,) = await fleet.instance_ranks("gen0")
+            # Wide, so that the completions of a pair of handoffs fall within
+            # it; short next to the bound, so held reports do not slow the test.
+            await inside(gen, _report_gap(0.25))
+            results: list[Any] = []
+            for i in range(rounds):
+                results += await asyncio.gather(
+                    *(fleet.handoff(f"gap-{i}-{c}", 60, ctx=c, gen="gen0", timeout=BOUND_S) for c in ("ctx0", "ctx1"))
+                )
+            return results, await wait_stats(fleet, _all_ended, BOUND_S)
+        finally:
+            await fleet.shutdown()
+
+    results, stats = asyncio.run(scenario())
+    assert [r.outcome for r in results] == ["completed"] * 2 * rounds, results
+    assert all(r.bytes_verified == gen_bytes(60, 1) for r in results), results
+    assert_clean(stats)
+    assert _all_ended(stats), stats["coordinators"]
+    (gen,) = [s for s in stats["ranks"] if s["role"] == "gen"]
+    assert gen["counters"].get("reports_paced", 0) >= 1, sorted(gen["counters"].items())
+
+
 def _coordinator_lazy_apply(seconds: float) -> Any:
     """A function for a coordinator's `__ray_call__`: set its lazy-apply window."""
 
