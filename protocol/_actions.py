@@ -54,6 +54,7 @@ __all__ = [
     "Action",
     "EdgeEvidence",
     "GenEdgeSpec",
+    "PullEdgeSpec",
     "ADMISSION_REFUSALS",
     "reject_for",
 ]
@@ -257,6 +258,30 @@ class GenEdgeSpec:
     buffer: BufferInfo
     num_tokens: int
     expected_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PullEdgeSpec:
+    """What a reading GEN actor knows about one pull edge before it posts
+    READs (`GenRank.install_pull`).
+
+    `source` names the CTX rank's lent blocks as an OPEN names a GEN rank's
+    (the actor builds it from the block ids the ticket carries and the CTX
+    agent's registered buffer); `peer`, when known, is that registered
+    buffer, and every block of `source` must be a whole block of it.
+    `lend_seq` is the CTX rank's number for the lend, `num_chunks` how many
+    READ chunks the actor splits the edge into, `expected_bytes` what they
+    read in all.
+    """
+
+    ticket: ContextTicket
+    source: BufferInfo
+    num_tokens: int
+    lend_seq: int
+    num_chunks: int
+    expected_bytes: int
+    block_bytes: int | None = None
+    peer: PeerBuffer | None = None
 
 
 #: The REJECT reasons by which a CTX rank that admits at the OPEN refused to

@@ -3,19 +3,16 @@ sides share and the module's theory of operation: _session.py."""
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ._actions import (
     Action,
     CancelDeferred,
     CancelIntent,
-    Drain,
     PeerBuffer,
-    PostChunk,
-    SendMessage,
     reject_for,
 )
+from ._edge_roles import _BothRoles
 from ._errors import (
     AdmissionRefused,
     IllegalTransition,
@@ -29,12 +26,10 @@ from ._messages import (
     Cancel,
     CancelReason,
     Open,
-    Ready,
     Receipt,
     Reject,
     SessionMessage,
     Terminal,
-    TerminalKind,
 )
 from ._pool import BlockPool, BlockRefs
 from ._registry import DuplicateSessionError
@@ -42,27 +37,24 @@ from ._session import (
     DEFAULT_CHUNK_WINDOW,
     DEFAULT_QUARANTINE_LIMIT,
     DEFAULT_TRANSFER_TIMEOUT,
-    MAX_DEAD_WRITERS,
     _check_endpoint,
     _check_open_buffer,
     _Edge,
     _Parent,
-    _Rank,
 )
 from ._tables import (
     _EE,
     _ES,
-    _EVIDENCE_OF,
     _FX,
     _PE,
     _PS,
     _TERMINAL_EDGE_STATES,
     CTX_EDGE_TRANSITIONS,
     CTX_PARENT_TRANSITIONS,
-    Effect,
+    GEN_EDGE_TRANSITIONS,
     _fire,
 )
-from ._ticket import ContextTicket, Endpoint, ParentKey, RankNamespace, Role
+from ._ticket import ContextTicket, Endpoint, ParentKey, Role
 
 __all__ = [
     "CtxRank",
@@ -74,12 +66,15 @@ __all__ = [
 # ---------------------------------------------------------------------------
 
 
-class CtxRank(_Rank):
+class CtxRank(_BothRoles):
     """The prefill side of one rank: sources of the DMA (see the module docstring)."""
 
     _role = Role.CTX
     _parent_table = CTX_PARENT_TRANSITIONS
     _edge_table = CTX_EDGE_TRANSITIONS
+    _pull_edge_table = GEN_EDGE_TRANSITIONS
+    _edge_machine_name = "ctx-edge"
+    _pull_edge_machine = "ctx-pull-edge"
 
     def __init__(
         self,
@@ -111,12 +106,6 @@ class CtxRank(_Rank):
         self.edges_per_parent = edges_per_parent
         self.chunk_window = chunk_window
         self.conservative = conservative
-        #: Chunks that reported ERR with more than one descriptor (unproven).
-        self.unproven_chunks = 0
-        #: GEN incarnations confirmed dead: the newest dead epoch per GEN
-        #: rank, bounded (`peer_dead`). A WRITE toward one can land only in
-        #: a dead process's memory, and our blocks are only read by it.
-        self._dead_targets: collections.OrderedDict[RankNamespace, int] = collections.OrderedDict()
 
     def admit(
         self,
@@ -193,7 +182,7 @@ class CtxRank(_Rank):
         if ticket.ctx != self.our or ticket not in self._sessions:
             return None
         edge = self._sessions.get(ticket)
-        if edge.open != message:
+        if edge.pull or edge.open != message:
             return None  # another OPEN under a live ticket: DUPLICATE, as before
         if edge.state not in _TERMINAL_EDGE_STATES:
             return []
@@ -343,6 +332,59 @@ class CtxRank(_Rank):
             message, now, num_chunks=num_chunks, expected_agent=expected_agent, block_bytes=block_bytes, peer=peer
         )
 
+    def lend(self, parent: ParentKey, readers: Mapping[ContextTicket, int], *, lend_seq: int, now: float) -> list[Action]:
+        """Pull: lend the RESIDENT parent's blocks to the GEN ranks that
+        `readers` name (one ticket per edge of the parent here, each with the
+        bytes its reader reads), under this rank's number `lend_seq` for the
+        lend (increasing in an incarnation: `LendMemory`).
+
+        From now on a READ may be in flight whenever a reader holds the
+        ticket, so the parent is DECIDED at once and its blocks come back
+        only on each reader's word (its TERMINAL), its confirmed death, or,
+        past the lease deadline, a FENCE it answered (the cancel's CANCEL to
+        each reader). Call it before the ticket leaves this rank. Raises
+        (`LeaseError`, `StaleError`, `DuplicateSessionError`,
+        `IllegalTransition`) and changes nothing if the parent is not
+        RESIDENT with no edge, a ticket does not name this parent, our
+        endpoint and digest and a GEN peer, or the count is not the
+        parent's edges here."""
+        record = self._require(parent)
+        _fire(self._machine("parent"), self._parent_table, record.state, _PE.DECIDED)  # validate
+        if record.state is not _PS.RESIDENT or record.edges:
+            raise LeaseError(f"{parent!r}: only a resident parent with no edge is lent (state {record.state.value})")
+        if lend_seq < 1:
+            raise LeaseError(f"a lend is numbered from 1, got {lend_seq}")
+        if len(readers) != self._edges_of(record):
+            raise LeaseError(f"{len(readers)} reader(s) for a parent of {self._edges_of(record)} edge(s) here")
+        for ticket, nbytes in readers.items():
+            if ticket.parent != parent:
+                raise StaleError("parent", ticket.parent, parent)
+            _check_endpoint("ctx", ticket.ctx, self.our)
+            if ticket.ctx_digest != self.digest:
+                raise StaleError("ctx topology digest", ticket.ctx_digest.hex(), self.digest.hex())
+            if ticket.gen.ns.role is not Role.GEN:
+                raise StaleError("gen namespace role", ticket.gen.ns.role, Role.GEN)
+            if ticket in self._sessions or self._sessions.closed_how(ticket) is not None:
+                raise DuplicateSessionError(ticket)
+            if nbytes < 0:
+                raise LeaseError(f"negative bytes {nbytes} for a reader")
+        for ticket, nbytes in readers.items():
+            edge = _Edge(
+                ticket=ticket, state=_ES.OPEN_PROPOSED, open=None, expected_bytes=nbytes, pull=True, lend_seq=lend_seq
+            )
+            self._sessions.install(ticket, edge)
+            record.edges[ticket] = edge
+        actions = self._fire_parent(parent, _PE.DECIDED)
+        record.deadline = record.lease_deadline
+        if self._dead_peers:  # a reader already confirmed dead reads nothing
+            actions += self._dead_proof(record, now)
+        return actions
+
+    def _lent(self, ticket: ContextTicket) -> bool:
+        """Whether `ticket` names a session this rank lent (pull)."""
+        edge = self._sessions.find(ticket)
+        return edge is not None and edge.pull
+
     def is_prepared(self, parent: ParentKey) -> bool:
         """Every expected edge of `parent` is recorded and still PREPARED, and the
         parent is RESIDENT (not decided, not cancelled): what `Prepared` reports."""
@@ -366,112 +408,6 @@ class CtxRank(_Rank):
             actions += self._fire_edge(edge, _EE.DECIDED)
         return actions + self._settle(record, now)
 
-    def chunk_done(
-        self, ticket: ContextTicket, index: int, nbytes: int, now: float
-    ) -> list[Action]:
-        """A posted chunk reported DONE with `nbytes` written."""
-        edge = self._posted_edge(ticket, index)
-        if nbytes < 0:
-            raise PoolError(f"negative byte count {nbytes}")
-        if edge.state is _ES.UNKNOWN:
-            edge.in_flight.discard(index)
-            return self._fire_edge(edge, _EE.CHUNK_DONE) + self._late_drain(edge, now)
-        edge.in_flight.discard(index)
-        edge.chunks_done += 1
-        edge.bytes_done += nbytes
-        record = self._parents[ticket.parent]
-        if edge.state is _ES.POSTING and edge.chunks_done == edge.num_chunks:
-            actions = self._fire_edge(edge, _EE.ALL_CHUNKS_DONE)
-        else:
-            actions = self._fire_edge(edge, _EE.CHUNK_DONE)
-            if edge.state is _ES.DRAINING and not edge.in_flight:
-                actions += self._fire_edge(edge, _EE.DRAIN_DONE)
-        return actions + self._settle(record, now)
-
-    def chunk_failed(self, ticket: ContextTicket, index: int, now: float, descriptors: int = 1) -> list[Action]:
-        """A posted chunk reported ERR: the edge is incomplete, the parent is cancelled.
-
-        `descriptors` is how many descriptors the post handed to the transport
-        (0: none, it failed before any DMA). An ERR proves the chunk quiescent
-        only with at most one: one transport operation, ended. With several,
-        one failing does not end the others, whose bytes may still land in the
-        peer's blocks: the chunk stays in flight, unproven, and the edge is
-        UNKNOWN at once (quarantine until a proof: the peer's TERMINAL cannot
-        give one, a death or restart of this incarnation does)."""
-        if type(descriptors) is not int or descriptors < 0:
-            raise PoolError(f"descriptors must be an int >= 0, got {descriptors!r}")
-        edge = self._posted_edge(ticket, index)
-        record = self._parents[ticket.parent]
-        if descriptors > 1 and not self._target_dead(edge):
-            return self._chunk_unproven(record, edge, index, now)
-        edge.in_flight.discard(index)
-        if edge.state is _ES.UNKNOWN:
-            return self._fire_edge(edge, _EE.CHUNK_FAILED) + self._late_drain(edge, now)
-        edge.failed = True
-        actions = self._fire_edge(edge, _EE.CHUNK_FAILED)
-        if edge.state is _ES.DRAINING and not edge.in_flight:
-            actions += self._fire_edge(edge, _EE.DRAIN_DONE)
-        if record.cancel_reason is None:
-            actions += self._cancel(record, CancelReason.FAILURE, now, intent=True)
-        elif record.state is _PS.FINISHING:
-            actions += self._stop_finishing(record, now)  # incomplete: stop waiting for it
-        return actions + self._settle(record, now)
-
-    def _chunk_unproven(self, record: _Parent, edge: _Edge, index: int, now: float) -> list[Action]:
-        """A multi-descriptor chunk reported ERR: its index stays in flight
-        (nothing proves its writes ended), the parent is cancelled, and the
-        edge loses quiescence: UNKNOWN, TERMINAL(UNKNOWN) to the GEN, and the
-        parent is quarantined once every edge is terminal."""
-        edge.failed = True
-        edge.unproven.add(index)
-        self.unproven_chunks += 1
-        if edge.state is _ES.UNKNOWN:
-            return self._settle(record, now)
-        actions: list[Action] = []
-        if record.cancel_reason is None:
-            actions += self._cancel(record, CancelReason.FAILURE, now, intent=True)
-        elif record.state is _PS.FINISHING:
-            actions += self._stop_finishing(record, now)
-        if not self._edge_unknown(edge):  # the cancel may have moved it already
-            actions += self._fire_edge(edge, _EE.QUIESCENCE_LOST)
-        return actions + self._settle(record, now)
-
-    @staticmethod
-    def _edge_unknown(edge: _Edge) -> bool:
-        return edge.state is _ES.UNKNOWN
-
-    def _late_drain(self, edge: _Edge, now: float) -> list[Action]:
-        """An UNKNOWN edge whose last posted chunk just reported DONE/ERR: every
-        WRITE we posted from these blocks has ended (polled from the initiator),
-        so the edge is DRAINED after all; its TERMINAL(DRAINED) is the GEN's
-        proof too. The parent is reclaimed once no edge is UNKNOWN. Toward a
-        GEN incarnation confirmed dead, chunks that ended in ERR with several
-        descriptors count as ended too: their other writes can land only in
-        the dead process, and our blocks are only read."""
-        if edge.in_flight and not (self._target_dead(edge) and edge.in_flight <= edge.unproven):
-            return []
-        edge.in_flight.clear()
-        edge.unproven.clear()
-        actions = self._prove_quiescent(edge)
-        return actions + self._settle(self._parents[edge.ticket.parent], now)
-
-    def receive_receipt(self, message: Receipt) -> list[Action]:
-        """GEN acknowledged the bytes of a COMPLETED edge (not quiescence, not completion)."""
-        edge = self._sessions.get(message.ticket)
-        _fire(self._machine("edge"), self._edge_table, edge.state, _EE.RECEIPT_RECEIVED)
-        if message.bytes_received != edge.bytes_done:
-            raise StaleError("receipt bytes", message.bytes_received, edge.bytes_done)
-        edge.receipt_bytes = message.bytes_received
-        return self._fire_edge(edge, _EE.RECEIPT_RECEIVED)
-
-    def receive_reject(self, message: Reject, now: float) -> list[Action]:
-        """GEN refused one of our messages for this session: it no longer wants the bytes."""
-        edge = self._sessions.get(message.ticket)
-        record = self._parents[edge.ticket.parent]
-        if record.cancel_reason is not None or record.state is _PS.QUARANTINED:
-            return []
-        return self._cancel(record, CancelReason.PEER, now, intent=True)
-
     def receive(self, message: SessionMessage, now: float, *, num_chunks: int = 1) -> list[Action]:
         """Dispatch a received message (OPEN, CANCEL, RECEIPT, REJECT) to its handler."""
         match message:
@@ -486,6 +422,8 @@ class CtxRank(_Rank):
                 return self.receive_receipt(message)
             case Reject():
                 return self.receive_reject(message, now)
+            case Terminal() if self._lent(message.ticket):
+                return self.receive_terminal(message, now)  # a reader's word on a lent edge
             case _:
                 raise IllegalTransition("ctx-receive", self._role, type(message).__name__)
 
@@ -513,85 +451,17 @@ class CtxRank(_Rank):
                 actions += self._cancel(record, CancelReason.TIMEOUT, now, intent=True)
             elif record.state is _PS.FINISHING and past:
                 actions += self._stop_finishing(record, now)
-            if record.state in (_PS.CANCELLING, _PS.FINISHING):
-                for edge in record.edges.values():
-                    if (
-                        edge.state is _ES.DRAINING
-                        and edge.deadline is not None
-                        and now >= edge.deadline
-                    ):
-                        actions += self._fire_edge(edge, _EE.QUIESCENCE_LOST)
-                actions += self._settle(record, now)
+            actions += self._expire_edges(record, now)
         return actions
-
-    def peer_restarted(self, their: Endpoint, now: float) -> list[Action]:
-        """A GEN rank came back with a newer epoch: its old sessions are dead.
-
-        Edges to the old epoch with chunks in flight cannot be proven quiescent
-        (UNKNOWN); the others are cancelled and drain/not-start normally.
-        """
-        actions: list[Action] = []
-        for record in list(self._parents.values()):
-            hit = [
-                e
-                for e in record.edges.values()
-                if e.ticket.gen.ns == their.ns and e.ticket.gen.epoch < their.epoch
-            ]
-            if not hit:
-                continue
-            for edge in hit:
-                if edge.in_flight and edge.state in (_ES.POSTING, _ES.DRAINING):
-                    actions += self._fire_edge(edge, _EE.QUIESCENCE_LOST)
-            if record.cancel_reason is None and record.state is not _PS.QUARANTINED:
-                actions += self._cancel(record, CancelReason.FAILURE, now, intent=True)
-            else:
-                actions += self._settle(record, now)
-        return actions
-
-    def peer_dead(self, dead: Endpoint, now: float) -> list[Action]:
-        """GEN incarnation `dead` (and every older one) is confirmed dead. We
-        are the writer: its death does not end WRITEs we posted (only polling
-        them to DONE/ERR does), so first this is `peer_restarted` for every
-        epoch up to `dead`'s. But a WRITE toward it can land only in the dead
-        process's memory, and it only reads our blocks: an UNKNOWN edge
-        toward it whose every chunk has ended at the initiator (DONE, or ERR
-        with any number of descriptors) is proven, and a quarantined parent
-        with no UNKNOWN edge left is reclaimed. A chunk still in flight ends
-        it later, at its poll (docs/design.md "Quarantine and reclaim")."""
-        known = self._dead_targets.get(dead.ns)
-        if known is None or dead.epoch > known:
-            self._dead_targets[dead.ns] = dead.epoch
-            self._dead_targets.move_to_end(dead.ns)
-            while len(self._dead_targets) > MAX_DEAD_WRITERS:
-                self._dead_targets.popitem(last=False)
-        actions = self.peer_restarted(Endpoint(ns=dead.ns, epoch=dead.epoch + 1), now)
-        for record in list(self._parents.values()):
-            for edge in list(record.edges.values()):
-                if (
-                    record.key in self._parents
-                    and edge.state is _ES.UNKNOWN
-                    and self._target_dead(edge)
-                ):
-                    actions += self._late_drain(edge, now)
-        return actions
-
-    def _target_dead(self, edge: _Edge) -> bool:
-        """Whether `edge`'s GEN incarnation is confirmed dead (`peer_dead`)."""
-        dead_epoch = self._dead_targets.get(edge.ticket.gen.ns)
-        return dead_epoch is not None and edge.ticket.gen.epoch <= dead_epoch
 
     # ---- internals -----------------------------------------------------
-
-    def _posted_edge(self, ticket: ContextTicket, index: int) -> _Edge:
-        edge = self._sessions.get(ticket)
-        if index not in edge.in_flight:
-            raise PoolError(f"chunk {index} of edge {ticket.edge} is not in flight")
-        return edge
 
     def _cancel(
         self, record: _Parent, reason: CancelReason, now: float, *, intent: bool
     ) -> list[Action]:
-        if not (self.conservative and record.state is _PS.DECIDED):
+        lent = any(e.pull for e in record.edges.values())
+        if not (self.conservative and record.state is _PS.DECIDED) or lent:
+            # A lent parent's transfer is its reader's: the FENCE is how it ends.
             return super()._cancel(record, reason, now, intent=intent)
         # Conservative path: the decided transfer runs to its end (or to its
         # deadline); the cancel is recorded and applies when the edges settle.
@@ -601,48 +471,3 @@ class CtxRank(_Rank):
         if intent:
             actions.append(CancelIntent(record.key, reason))
         return actions + self._settle(record, now)
-
-    def _stop_finishing(self, record: _Parent, now: float) -> list[Action]:
-        """Conservative path given up (deadline passed, or a chunk failed): the
-        edges stop posting and drain, as a cancel on the active path would."""
-        actions: list[Action] = []
-        for edge in record.edges.values():
-            if edge.state not in _TERMINAL_EDGE_STATES and edge.state is not _ES.DRAINING:
-                actions += self._cancel_edge(edge, now)
-        return actions
-
-    def _cancel_edge(self, edge: _Edge, now: float) -> list[Action]:
-        if edge.state is _ES.POSTING:
-            edge.deadline = now + self.transfer_timeout
-        actions = self._fire_edge(edge, _EE.CANCEL)
-        if edge.state is _ES.DRAINING and not edge.in_flight:
-            actions += self._fire_edge(edge, _EE.DRAIN_DONE)
-        return actions
-
-    def _edge_effect(self, edge: _Edge, effect: Effect) -> list[Action]:
-        to = edge.ticket.gen
-        if effect is _FX.SEND_READY:
-            return [SendMessage(to, Ready(ticket=edge.ticket))]
-        if effect is _FX.POST:
-            return self._post_more(edge)
-        if effect is _FX.SEND_TERMINAL:
-            kind = _EVIDENCE_OF[edge.state]
-            nbytes = edge.bytes_done if kind is TerminalKind.COMPLETED else 0
-            return [SendMessage(to, Terminal(ticket=edge.ticket, evidence=kind, bytes_done=nbytes))]
-        if effect is _FX.STOP_AND_DRAIN:
-            assert edge.deadline is not None
-            return [Drain(edge.ticket, tuple(sorted(edge.in_flight)), edge.deadline)]
-        raise AssertionError(f"unhandled ctx edge effect {effect}")  # pragma: no cover
-
-    def _post_more(self, edge: _Edge) -> list[Action]:
-        # The chunk counts as in flight from the moment the action exists: the
-        # actor may post it before telling us anything (S1 is conservative).
-        actions: list[Action] = []
-        while len(edge.in_flight) < self.chunk_window and edge.next_index < edge.num_chunks:
-            self._fire_edge(edge, _EE.CHUNK_POSTED)
-            edge.in_flight.add(edge.next_index)
-            actions.append(PostChunk(edge.ticket, edge.next_index))
-            edge.next_index += 1
-        return actions
-
-

@@ -3,7 +3,6 @@ both sides share and the module's theory of operation: _session.py."""
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,21 +11,22 @@ import numpy as np
 from ._actions import (
     Action,
     GenEdgeSpec,
+    PullEdgeSpec,
     SendMessage,
 )
+from ._edge_roles import UNKNOWN_ASKS, _BothRoles
 from ._errors import (
     IllegalTransition,
     PoolError,
     StaleError,
 )
+from ._lends import LendMemory
 from ._messages import (
     Cancel,
     CancelReason,
     Open,
     Ready,
-    Receipt,
     Reject,
-    RejectReason,
     SessionMessage,
     Terminal,
     TerminalKind,
@@ -35,37 +35,28 @@ from ._messages import (
 from ._pool import BlockRef, BlockRefs
 from ._registry import DuplicateSessionError, check_descriptors
 from ._session import (
-    MAX_DEAD_WRITERS,
     _check_endpoint,
+    _check_open_buffer,
     _Edge,
-    _Parent,
-    _Rank,
 )
 from ._tables import (
     _EE,
     _ES,
-    _FX,
     _PE,
     _PS,
-    _TERMINAL_EDGE_STATES,
-    _TERMINAL_EVENT,
     _WRITE_TARGET,
+    CTX_EDGE_TRANSITIONS,
     GEN_EDGE_TRANSITIONS,
     GEN_PARENT_TRANSITIONS,
-    Effect,
     _fire,
 )
-from ._ticket import ContextTicket, Endpoint, ParentKey, RankNamespace, Role
+from ._ticket import ContextTicket, ParentKey, Role
 
 __all__ = [
     "GenRank",
     "UNKNOWN_ASKS",
 ]
 
-#: How many times a GEN rank asks the writer of an UNKNOWN edge again (its
-#: OPEN re-sent, `GenRank.expire`), a transfer timeout apart and doubling,
-#: before it leaves the quarantine to the writer's death or a restart.
-UNKNOWN_ASKS = 4
 
 
 # ---------------------------------------------------------------------------
@@ -73,17 +64,20 @@ UNKNOWN_ASKS = 4
 # ---------------------------------------------------------------------------
 
 
-class GenRank(_Rank):
+class GenRank(_BothRoles):
     """The decode side of one rank: destinations of the DMA (see the module docstring)."""
 
     _role = Role.GEN
     _parent_table = GEN_PARENT_TRANSITIONS
     _edge_table = GEN_EDGE_TRANSITIONS
+    _pull_edge_table = CTX_EDGE_TRANSITIONS
+    _edge_machine_name = "gen-edge"
+    _pull_edge_machine = "gen-pull-edge"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        #: The newest confirmed-dead epoch of each CTX rank (`peer_dead`), newest last, bounded.
-        self._dead_writers: collections.OrderedDict[RankNamespace, int] = collections.OrderedDict()
+        #: Pull: the lends this rank read or was fenced off, per CTX incarnation.
+        self._lends = LendMemory()
 
     def admit(
         self,
@@ -116,22 +110,13 @@ class GenRank(_Rank):
         seen: set[ContextTicket] = set()
         for spec in edges:
             ticket = spec.ticket
-            if ticket.parent != parent:
-                raise StaleError("parent", ticket.parent, parent)
-            _check_endpoint("gen", ticket.gen, self.our)
-            if ticket.gen_digest != self.digest:
-                raise StaleError("gen topology digest", ticket.gen_digest.hex(), self.digest.hex())
-            if ticket.ctx.ns.role is not Role.CTX:
-                raise StaleError("ctx namespace role", ticket.ctx.ns.role, Role.CTX)
             if spec.buffer.endpoint_epoch != self.our.epoch:
                 raise StaleError(
                     "gen epoch in buffer info", spec.buffer.endpoint_epoch, self.our.epoch
                 )
-            if ticket in seen or ticket in self._sessions:
-                raise DuplicateSessionError(ticket)
+            self._check_edge_ticket(parent, ticket, seen, closed_too=False)
             if spec.expected_bytes < 0:
                 raise PoolError(f"negative expected bytes {spec.expected_bytes}")
-            seen.add(ticket)
             cols = block_columns(spec.buffer)
             check_descriptors(self.pool, cols.blocks, cols.generations)
             ours = self.pool.owned_by(parent, cols.blocks)  # a current block of our lease
@@ -153,9 +138,110 @@ class GenRank(_Rank):
             self._sessions.install(spec.ticket, edge)
             record.edges[spec.ticket] = edge
         actions = self._fire_parent(parent, _PE.INSTALLED)
-        if self._dead_writers:  # an edge toward a writer already confirmed dead
+        if self._dead_peers:  # an edge toward a writer already confirmed dead
             actions += self._dead_proof(record, now)
         return actions
+
+    def install_pull(self, parent: ParentKey, edges: Sequence[PullEdgeSpec], now: float) -> list[Action]:
+        """Pull: install the parent's edges as READs of the CTX blocks each
+        spec names, and post each edge's first window of chunks (no OPEN, no
+        round: the CTX rank lent the blocks to this rank before the ticket
+        left it, `CtxRank.lend`).
+
+        Every check runs before anything is recorded: each ticket names this
+        parent, our endpoint and digest and a CTX peer; the lend was neither
+        read nor fenced off here before (`lend_seq` above the CTX
+        incarnation's floor and not remembered: a lend is read once); the
+        CTX incarnation is not one confirmed dead; `source` names one whole
+        block of the CTX agent's registered buffer (`peer`, when given) per
+        block of our lease, each `block_bytes` long. Raises `StaleError`,
+        `LeaseError`, `PoolError` or `DuplicateSessionError`; nothing changes.
+        """
+        record = self._require(parent)
+        _fire(self._machine("parent"), self._parent_table, record.state, _PE.INSTALLED)  # validate
+        if not edges:
+            raise PoolError("a session needs at least one edge")
+        seen: set[ContextTicket] = set()
+        for spec in edges:
+            ticket = spec.ticket
+            self._check_edge_ticket(parent, ticket, seen)
+            if spec.lend_seq < 1:
+                raise PoolError(f"a lend is numbered from 1, got {spec.lend_seq}")
+            if self._lends.used(ticket.ctx, spec.lend_seq):
+                raise StaleError("lend (read or fenced here before)", spec.lend_seq, f"> {self._lends.floor(ticket.ctx)}, unused")
+            dead_epoch = self._dead_peers.get(ticket.ctx.ns)
+            if dead_epoch is not None and ticket.ctx.epoch <= dead_epoch:
+                raise StaleError("ctx incarnation (confirmed dead)", ticket.ctx.epoch, f"> {dead_epoch}")
+            if spec.num_chunks < 1:
+                raise PoolError(f"an edge needs at least one chunk, got {spec.num_chunks}")
+            if spec.expected_bytes < 0:
+                raise PoolError(f"negative expected bytes {spec.expected_bytes}")
+            source = Open(ticket=ticket, buffer=spec.source, num_tokens=spec.num_tokens)
+            _check_open_buffer(
+                source, len(record.refs), expected_agent=None, block_bytes=spec.block_bytes, peer=spec.peer
+            )
+        record.deadline = now + self.transfer_timeout
+        for spec in edges:
+            self._lends.mark(spec.ticket.ctx, spec.lend_seq)
+            edge = _Edge(
+                ticket=spec.ticket,
+                state=_ES.PREPARED,
+                open=Open(ticket=spec.ticket, buffer=spec.source, num_tokens=spec.num_tokens),
+                num_chunks=spec.num_chunks,
+                expected_bytes=spec.expected_bytes,
+                pull=True,
+                lend_seq=spec.lend_seq,
+            )
+            self._sessions.install(spec.ticket, edge)
+            record.edges[spec.ticket] = edge
+        actions = self._fire_parent(parent, _PE.INSTALLED)
+        for edge in list(record.edges.values()):
+            actions += self._fire_edge(edge, _EE.DECIDED)
+        return actions + self._settle(record, now)
+
+    def fence(self, message: Cancel, now: float) -> list[Action]:
+        """Pull: a CTX rank's FENCE (a CANCEL with its `lend_seq`) for a lend
+        this rank holds no session of. It never reads that lend from now on
+        (remembered: a later `install_pull` of it raises) and answers with
+        its word: NOT_STARTED if it never used the lend, DRAINED if it read
+        it and its session ended already (nothing of it is in flight). A
+        FENCE not addressed to this incarnation raises `StaleError`;
+        nothing changes."""
+        ticket = message.ticket
+        _check_endpoint("gen", ticket.gen, self.our)
+        if ticket.gen_digest != self.digest:
+            raise StaleError("gen topology digest", ticket.gen_digest.hex(), self.digest.hex())
+        if ticket.ctx.ns.role is not Role.CTX:
+            raise StaleError("ctx namespace role", ticket.ctx.ns.role, Role.CTX)
+        if message.lend_seq < 1:
+            raise PoolError(f"a FENCE names a lend numbered from 1, got {message.lend_seq}")
+        if ticket in self._sessions:
+            return self.receive_cancel(message, now)
+        read = self._lends.used(ticket.ctx, message.lend_seq)
+        self._lends.mark(ticket.ctx, message.lend_seq)
+        kind = TerminalKind.DRAINED if read else TerminalKind.NOT_STARTED
+        return [SendMessage(ticket.ctx, Terminal(ticket=ticket, evidence=kind))]
+
+    def _check_edge_ticket(
+        self, parent: ParentKey, ticket: ContextTicket, seen: set[ContextTicket], *, closed_too: bool = True
+    ) -> None:
+        """What every edge ticket installed here must say: this parent, our
+        endpoint and digest, a CTX peer, once (`closed_too`: never installed
+        before either). Raises; changes nothing."""
+        if ticket.parent != parent:
+            raise StaleError("parent", ticket.parent, parent)
+        _check_endpoint("gen", ticket.gen, self.our)
+        if ticket.gen_digest != self.digest:
+            raise StaleError("gen topology digest", ticket.gen_digest.hex(), self.digest.hex())
+        if ticket.ctx.ns.role is not Role.CTX:
+            raise StaleError("ctx namespace role", ticket.ctx.ns.role, Role.CTX)
+        if ticket in seen or ticket in self._sessions or (closed_too and self._sessions.closed_how(ticket) is not None):
+            raise DuplicateSessionError(ticket)
+        seen.add(ticket)
+
+    def snapshot(self) -> tuple[object, ...]:
+        """What `_Rank.snapshot` pictures, and the lends this rank used."""
+        return (*super().snapshot(), self._lends.snapshot())
 
     def may_be_written(self) -> bool:
         """Whether a CTX WRITE may be in flight toward this rank: a live parent
@@ -175,56 +261,6 @@ class GenRank(_Rank):
         edge = self._sessions.get(message.ticket)
         return self._fire_edge(edge, _EE.READY_RECEIVED)
 
-    def receive_terminal(self, message: Terminal, now: float) -> list[Action]:
-        """TERMINAL evidence for an exact session.
-
-        COMPLETED with the expected bytes -> RECEIPT; COMPLETED with other bytes
-        is quiescent but wrong, so it counts as DRAINED and cancels the parent;
-        NOT_STARTED/DRAINED cancel the parent (siblings); UNKNOWN quarantines.
-        """
-        edge = self._sessions.get(message.ticket)
-        record = self._parents[edge.ticket.parent]
-        event = _TERMINAL_EVENT[message.evidence]
-        bad_bytes = (
-            message.evidence is TerminalKind.COMPLETED and message.bytes_done != edge.expected_bytes
-        )
-        if bad_bytes:
-            event = _EE.TERMINAL_DRAINED
-        if edge.state is _ES.UNKNOWN and message.evidence is not TerminalKind.UNKNOWN:
-            # The writer sends a TERMINAL other than UNKNOWN only once every chunk
-            # it posted on this edge was polled to DONE/ERR: a late proof.
-            event = _EE.QUIESCENCE_PROVEN
-        tr = _fire(self._machine("edge"), self._edge_table, edge.state, event)  # validate first
-        if tr.next is _ES.COMPLETED and edge.state is not _ES.COMPLETED:
-            edge.bytes_done = message.bytes_done  # what the RECEIPT acknowledges
-        actions = self._fire_edge(edge, event)
-        if (
-            edge.state is not _ES.COMPLETED
-            and record.cancel_reason is None
-            and record.state not in (_PS.QUARANTINED, _PS.DECODE_READY)
-        ):
-            reason = (
-                CancelReason.FAILURE
-                if bad_bytes or edge.state is _ES.UNKNOWN
-                else CancelReason.PEER
-            )
-            actions += self._cancel(record, reason, now, intent=True)
-        return actions + self._settle(record, now)
-
-    def receive_reject(self, message: Reject, now: float) -> list[Action]:
-        """CTX refused our OPEN: it never recorded it, so the edge is NOT_STARTED.
-
-        A DUPLICATE reject means an earlier copy of the OPEN *was* recorded: no change.
-        """
-        edge = self._sessions.get(message.ticket)
-        if message.reason is RejectReason.DUPLICATE:
-            return []
-        record = self._parents[edge.ticket.parent]
-        actions = self._fire_edge(edge, _EE.REJECTED)
-        if record.cancel_reason is None and record.state not in (_PS.QUARANTINED, _PS.DECODE_READY):
-            actions += self._cancel(record, CancelReason.PEER, now, intent=True)
-        return actions + self._settle(record, now)
-
     def receive(self, message: SessionMessage, now: float) -> list[Action]:
         """Dispatch a received message (READY, TERMINAL, REJECT, CANCEL) to its handler."""
         match message:
@@ -234,6 +270,8 @@ class GenRank(_Rank):
                 return self.receive_terminal(message, now)
             case Reject():
                 return self.receive_reject(message, now)
+            case Cancel() if message.lend_seq:
+                return self.fence(message, now)  # a lender's FENCE (pull)
             case Cancel():
                 return self.receive_cancel(message, now)
             case _:
@@ -274,112 +312,7 @@ class GenRank(_Rank):
                 and now >= record.deadline
             ):
                 actions += self._cancel(record, CancelReason.TIMEOUT, now, intent=True)
-            if record.state is _PS.CANCELLING:
-                for edge in record.edges.values():
-                    if (
-                        edge.state not in _TERMINAL_EDGE_STATES
-                        and edge.deadline is not None
-                        and now >= edge.deadline
-                    ):
-                        actions += self._fire_edge(edge, _EE.QUIESCENCE_LOST)
-                actions += self._settle(record, now)
-            if record.state is _PS.QUARANTINED:
-                actions += self._ask_again(record, now)
-        return actions
-
-    def _ask_again(self, record: _Parent, now: float) -> list[Action]:
-        """Ask the writer of each UNKNOWN edge of quarantined `record` what
-        became of it: its OPEN again, at once and then a transfer timeout
-        later, doubling, `UNKNOWN_ASKS` times in all. The answer proves the
-        edge or nothing (`CtxRank.open_again`): our TERMINAL resent (a lost
-        one ends the quarantine), or a REJECT (no session of the writer's
-        can write). Past the last ask the quarantine waits for the writer's
-        death, or counts toward the admission stop and its planned restart."""
-        actions: list[Action] = []
-        for edge in record.edges.values():
-            due = edge.deadline is None or now >= edge.deadline
-            if edge.state is _ES.UNKNOWN and due and edge.asks < UNKNOWN_ASKS:
-                edge.asks += 1
-                edge.deadline = now + self.transfer_timeout * (1 << (edge.asks - 1))
-                actions.append(SendMessage(edge.ticket.ctx, edge.open))
-        return actions
-
-    def peer_restarted(self, their: Endpoint, now: float) -> list[Action]:
-        """A CTX rank came back with a newer epoch: edges still waiting on the old
-        one can never get TERMINAL, and its posted writes are unproven: UNKNOWN."""
-        actions: list[Action] = []
-        for record in list(self._parents.values()):
-            hit = [
-                e
-                for e in record.edges.values()
-                if e.ticket.ctx.ns == their.ns
-                and e.ticket.ctx.epoch < their.epoch
-                and e.state not in _TERMINAL_EDGE_STATES
-            ]
-            for edge in hit:
-                actions += self._fire_edge(edge, _EE.QUIESCENCE_LOST)
-            if hit:
-                actions += self._settle(record, now)
-        return actions
-
-    def peer_dead(self, dead: Endpoint, now: float) -> list[Action]:
-        """CTX incarnation `dead` (and every older one) is confirmed dead: a dead
-        process posts no WRITE, so every edge it was writing is proven
-        quiescent, UNKNOWN ones included. Edges still waiting become DRAINED and
-        cancel their parent; a quarantined parent whose every edge is now
-        proven is reclaimed (docs/design.md "Quarantine and reclaim")."""
-        known = self._dead_writers.get(dead.ns)
-        if known is None or dead.epoch > known:
-            # Remembered: an edge toward this incarnation installed after
-            # this notice (an OPEN built from a registration read before the
-            # death) is proven at its install, not quarantined for good.
-            self._dead_writers[dead.ns] = dead.epoch
-            self._dead_writers.move_to_end(dead.ns)
-            while len(self._dead_writers) > MAX_DEAD_WRITERS:
-                self._dead_writers.popitem(last=False)
-        actions: list[Action] = []
-        for record in list(self._parents.values()):
-            actions += self._dead_proof(record, now)
-        return actions
-
-    def _dead_proof(self, record: _Parent, now: float) -> list[Action]:
-        """Apply every confirmed death of a writer to `record`'s edges: an
-        edge whose CTX incarnation is dead (or older than a dead one) and
-        still waits, or is UNKNOWN, is proven quiescent (a dead process posts
-        no WRITE); an installed parent it hit is cancelled as failed."""
-        hit = []
-        for e in record.edges.values():
-            dead_epoch = self._dead_writers.get(e.ticket.ctx.ns)
-            if (
-                dead_epoch is not None
-                and e.ticket.ctx.epoch <= dead_epoch
-                and (e.state is _ES.UNKNOWN or e.state not in _TERMINAL_EDGE_STATES)
-            ):
-                hit.append(e)
-        if not hit:
-            return []
-        actions: list[Action] = []
-        for edge in hit:
-            actions += self._prove_quiescent(edge)
-        if record.cancel_reason is None and record.state is _PS.INSTALLED:
-            actions += self._cancel(record, CancelReason.FAILURE, now, intent=True)
-        actions += self._settle(record, now)
+            actions += self._expire_edges(record, now)
         return actions
 
     # ---- internals -----------------------------------------------------
-
-    def _cancel_edge(self, edge: _Edge, now: float) -> list[Action]:
-        if edge.state not in _TERMINAL_EDGE_STATES and edge.deadline is None:
-            edge.deadline = now + self.transfer_timeout
-        return self._fire_edge(edge, _EE.CANCEL)
-
-    def _edge_effect(self, edge: _Edge, effect: Effect) -> list[Action]:
-        to = edge.ticket.ctx
-        if effect is _FX.SEND_CANCEL:
-            record = self._parents[edge.ticket.parent]
-            reason = record.cancel_reason or CancelReason.PEER
-            return [SendMessage(to, Cancel(ticket=edge.ticket, reason=reason))]
-        if effect is _FX.SEND_RECEIPT:
-            return [SendMessage(to, Receipt(ticket=edge.ticket, bytes_received=edge.bytes_done))]
-        raise AssertionError(f"unhandled gen edge effect {effect}")  # pragma: no cover
-

@@ -353,6 +353,9 @@ class Cancel(_Msg, frozen=True, tag="cancel"):
     ticket: ContextTicket
     reason: CancelReason
     detail: Detail = ""
+    #: Pull: the CTX rank's number for the lend this CANCEL fences a reader
+    #: off (0: a push session's CANCEL).
+    lend_seq: U63 = 0
 
 
 class Terminal(_Msg, frozen=True, tag="terminal"):

@@ -179,7 +179,7 @@ from ._tables import (
     Transition,
     _fire,
 )
-from ._ticket import ContextTicket, Endpoint, ParentKey, Role
+from ._ticket import ContextTicket, Endpoint, ParentKey, RankNamespace, Role
 
 __all__ = [
     "whole_block_misfits",
@@ -213,20 +213,29 @@ MAX_DEAD_WRITERS = 4096
 class _Edge:
     ticket: ContextTicket
     state: EdgeState
-    open: Open
-    num_chunks: int = 1  # CTX: chunks of this edge
-    expected_bytes: int = 0  # GEN: what COMPLETED must report
-    next_index: int = 0  # CTX: next chunk to post
-    in_flight: set[int] = field(default_factory=set)  # CTX: posted, not DONE/ERR
-    #: CTX: indices in `in_flight` that ended in ERR with several descriptors
-    #: (ended at the initiator, their other writes unproven).
+    #: Push: the GEN rank's OPEN (its destination blocks). Pull, on the
+    #: reader: what it reads (the CTX blocks as an OPEN would name them);
+    #: on the CTX rank: None (the reader was named at the lend).
+    open: Open | None
+    num_chunks: int = 1  # poster: chunks of this edge
+    expected_bytes: int = 0  # waiter: what COMPLETED must report
+    next_index: int = 0  # poster: next chunk to post
+    in_flight: set[int] = field(default_factory=set)  # poster: posted, not DONE/ERR
+    #: poster: indices in `in_flight` that ended in ERR with several
+    #: descriptors (ended at the initiator, their other writes unproven).
     unproven: set[int] = field(default_factory=set)
     chunks_done: int = 0
     bytes_done: int = 0
-    failed: bool = False  # CTX: a chunk reported ERR
-    deadline: float | None = None  # drain (CTX) / cancel wait (GEN)
-    receipt_bytes: int | None = None  # CTX: what GEN acknowledged
-    asks: int = 0  # GEN: times the writer of this UNKNOWN edge was asked again
+    failed: bool = False  # poster: a chunk reported ERR
+    deadline: float | None = None  # drain (poster) / cancel wait (waiter)
+    receipt_bytes: int | None = None  # poster: what the waiter acknowledged
+    asks: int = 0  # waiter: times the poster of this UNKNOWN edge was asked again
+    #: Pull (the GEN rank reads the CTX rank's blocks): the roles of the
+    #: edge machines swap (_edge_roles.py).
+    pull: bool = False
+    #: Pull: the CTX rank's number for the lend (its incarnation's sequence),
+    #: by which the reader remembers what it read or was fenced off.
+    lend_seq: int = 0
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # Every field, positionally (cheaper than copyreg's slot dict: the
@@ -270,7 +279,13 @@ class _Rank:
 
     _role: Role
     _parent_table: Mapping[tuple[ParentState, ParentEvent], Transition]
+    #: The table of this role's push edges (CTX: poster; GEN: waiter) and of
+    #: its pull edges (the other role's).
     _edge_table: Mapping[tuple[EdgeState, EdgeEvent], Transition]
+    _pull_edge_table: Mapping[tuple[EdgeState, EdgeEvent], Transition]
+    #: The machines' names in errors (built once: an edge fires on every event).
+    _edge_machine_name: str
+    _pull_edge_machine: str
 
     def __init__(
         self,
@@ -304,6 +319,13 @@ class _Rank:
             collections.OrderedDict()
         )
         self._sessions: SessionRegistry[_Edge] = SessionRegistry()
+        #: Most chunks of one edge this rank posts at a time (poster edges).
+        self.chunk_window = DEFAULT_CHUNK_WINDOW
+        #: Chunks that reported ERR with more than one descriptor (unproven).
+        self.unproven_chunks = 0
+        #: Peer incarnations confirmed dead: the newest dead epoch per peer
+        #: rank, bounded (`peer_dead`).
+        self._dead_peers: collections.OrderedDict[RankNamespace, int] = collections.OrderedDict()
 
     # ---- queries -------------------------------------------------------
 
@@ -349,8 +371,13 @@ class _Rank:
         return self._sessions.get(ticket).evidence()
 
     def session_open(self, ticket: ContextTicket) -> Open:
-        """The OPEN recorded for an installed session (its GEN block descriptors)."""
-        return self._sessions.get(ticket).open
+        """The OPEN recorded for an installed session: push, the GEN block
+        descriptors; pull, on the reader, the CTX blocks it reads. A pull
+        session on the CTX rank has none (`UnknownSessionError`)."""
+        message = self._sessions.get(ticket).open
+        if message is None:
+            raise UnknownSessionError(f"no OPEN for the lent session {ticket.edge} of {ticket.parent.request_id!r}")
+        return message
 
     def lease(self, parent: ParentKey) -> BlockRefs:
         return self._require(parent).refs
@@ -623,7 +650,8 @@ class _Rank:
         if effect is _FX.PREPARED:
             return [Prepared(record.key)]
         if effect is _FX.SEND_OPEN:
-            return [SendMessage(e.ticket.ctx, e.open) for e in record.edges.values()]
+            # Pull edges send nothing: the reader posts its READs (`GenRank.install_pull`).
+            return [SendMessage(e.ticket.ctx, e.open) for e in record.edges.values() if not e.pull and e.open]
         raise AssertionError(f"unhandled parent effect {effect}")  # pragma: no cover
 
     def _close(self, record: _Parent, how: str) -> None:
@@ -634,8 +662,47 @@ class _Rank:
         while len(self._closed_parents) > _CLOSED_PARENT_MEMORY:
             self._closed_parents.popitem(last=False)
 
+    def _is_poster(self, edge: _Edge) -> bool:
+        """Whether this rank posts `edge`'s DMA (push: the CTX rank; pull: the GEN rank)."""
+        return (self._role is Role.CTX) is not edge.pull
+
+    def _table_of(self, edge: _Edge) -> Mapping[tuple[EdgeState, EdgeEvent], Transition]:
+        return self._pull_edge_table if edge.pull else self._edge_table
+
+    def _edge_machine(self, edge: _Edge) -> str:
+        return self._pull_edge_machine if edge.pull else self._edge_machine_name
+
+    def _peer_of(self, edge: _Edge) -> Endpoint:
+        """The other rank of `edge`."""
+        return edge.ticket.gen if self._role is Role.CTX else edge.ticket.ctx
+
+    def _older_incarnation(self, edge: _Edge, their: Endpoint) -> bool:
+        """Whether `edge`'s peer is an incarnation of `their` rank older than `their`."""
+        peer = self._peer_of(edge)
+        return peer.ns == their.ns and peer.epoch < their.epoch
+
+    def _remember_dead(self, dead: Endpoint) -> None:
+        known = self._dead_peers.get(dead.ns)
+        if known is None or dead.epoch > known:
+            # Remembered: an edge toward this incarnation installed after this
+            # notice (built from a registration read before the death) is
+            # proven at its install, not quarantined for good.
+            self._dead_peers[dead.ns] = dead.epoch
+            self._dead_peers.move_to_end(dead.ns)
+            while len(self._dead_peers) > MAX_DEAD_WRITERS:
+                self._dead_peers.popitem(last=False)
+
+    def _peer_is_dead(self, edge: _Edge) -> bool:
+        """Whether `edge`'s peer incarnation is confirmed dead (`peer_dead`)."""
+        peer = self._peer_of(edge)
+        dead_epoch = self._dead_peers.get(peer.ns)
+        return dead_epoch is not None and peer.epoch <= dead_epoch
+
     def _fire_edge(self, edge: _Edge, event: EdgeEvent) -> list[Action]:
-        tr = _fire(self._machine("edge"), self._edge_table, edge.state, event)
+        if edge.pull:
+            tr = _fire(self._pull_edge_machine, self._pull_edge_table, edge.state, event)
+        else:
+            tr = _fire(self._edge_machine_name, self._edge_table, edge.state, event)
         edge.state = tr.next  # type: ignore[assignment]
         actions: list[Action] = []
         for effect in tr.effects:

@@ -6,7 +6,7 @@ import argparse
 import pathlib
 
 #: The named bounds of tools/explore.py `CONFIGS` (a test keeps them equal).
-CONFIG_NAMES = ("default", "direct", "fleet", "large", "lossy", "quick", "smoke")
+CONFIG_NAMES = ("default", "direct", "fleet", "large", "lossy", "pull", "quick", "smoke")
 
 
 def add_explore_arguments(parser: argparse.ArgumentParser) -> None:

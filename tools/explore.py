@@ -116,6 +116,8 @@ class Config:
     #: 1: the direct path (one-rank CTX instances): no CTX round admits; the
     #: CTX rank admits at the OPEN, or refuses it with a REJECT.
     direct: int = 0
+    #: 1: pull (the CTX ranks lend their blocks, the GEN ranks READ them).
+    pull: int = 0
     max_states: int = 1_000_000
     max_depth: int = 80
 
@@ -189,6 +191,26 @@ _DIRECT = [
     _world("direct-fleet2-restart", direct=1, ctx_instances=2, requests=2, chunks=1, restarts=1),
 ]
 
+#: Pull: each CTX rank lends its prefilled blocks to its edges' GEN ranks,
+#: which READ them (the roles of the edge machines swap); a cancel on the
+#: CTX side is a FENCE the reader answers. ~90,000 states, about 80 s on a
+#: 2-core box (two worlds at a time).
+_PULL = [
+    _world("pull-tp1-cancel-deadline", pull=1, chunks=2, cancels=1, expiries=1),
+    _world("pull-tp1-restart-dup-cancel", pull=1, chunks=2, restarts=1, dups=1, cancels=1),
+    _world("pull-tp1-restart-reorder-err", pull=1, chunks=1, restarts=1, reorders=1, errs=1, partials=1),
+    _world("pull-tp1-err-cancel-deadline", pull=1, chunks=2, window=2, errs=1, partials=1, cancels=1, expiries=1),
+    _world("pull-tp1x2-gen-short-cancel", pull=1, requests=2, gen_blocks=1, chunks=1, cancels=1),
+    _world("pull-gen2-restart", pull=1, gen_ranks=2, chunks=1, restarts=1),
+    _world("pull-gen2-cancel-dup", pull=1, gen_ranks=2, chunks=1, cancels=1, dups=1),
+    _world("pull-ctx2-gen1-cancel", pull=1, ctx_ranks=2, chunks=1, cancels=1),
+    _world("pull-ctx2-gen1-deadline-reorder", pull=1, ctx_ranks=2, chunks=1, expiries=1, reorders=1),
+    _world("pull-tp1-loss-cancel-deadline", pull=1, chunks=1, drops=1, cancels=1, expiries=1),
+    _world("pull-tp1-loss2-deadline", pull=1, chunks=1, drops=2, expiries=1),
+    _world("pull-ctx2-gen2-err-dup", pull=1, ctx_ranks=2, gen_ranks=2, chunks=1, errs=1, partials=1, dups=1),
+    _world("pull-fleet2-restart", pull=1, ctx_instances=2, requests=2, chunks=1, restarts=1),
+]
+
 #: Named bounds. `default` is CI's; `quick` is what each planted bug is
 #: explored with (it stops at the first violation); `large` runs on demand.
 CONFIGS: dict[str, list[Config]] = {
@@ -197,6 +219,7 @@ CONFIGS: dict[str, list[Config]] = {
     "quick": [dataclasses.replace(c, max_states=4_000) for c in (*_DEFAULT, *_FLEET)],
     "fleet": _FLEET,
     "direct": _DIRECT,
+    "pull": _PULL,
     "large": [
         _world("tp1-everything", chunks=2, window=2, restarts=1, errs=1, partials=1, dups=1, cancels=2, expiries=1),
         _world("tp2-everything", gen_ranks=2, chunks=1, restarts=1, errs=1, partials=1, dups=1, cancels=1, expiries=1),
@@ -298,6 +321,7 @@ class World(Pair):
             timeout=10.0,
             not_started_verdict=bool(config.verdict),
             direct=bool(config.direct),
+            pull=bool(config.pull),
         )
         self.config = config
         self.budget = {
@@ -338,8 +362,10 @@ class World(Pair):
             for c, ctx in enumerate(self.ctxs):
                 if ctx.parents().get(p) is ParentState.ADMITTED:
                     out.append(("prefill", p, c))
+                if self.pull and ctx.parents().get(p) is ParentState.RESIDENT and not ctx.is_cancelled(p):
+                    out.append(("lend", p, c))
             for g, gen in enumerate(self.gens):
-                if gen.parents().get(p) is ParentState.ADMITTED:
+                if gen.parents().get(p) is ParentState.ADMITTED and (not self.pull or self.lent_to(p, g)):
                     out.append(("install", p, g))
             if self.all_prepared(p):  # a one-rank CTX instance decides alone
                 out.append(("decide", p))
@@ -429,9 +455,14 @@ class World(Pair):
         if kind == "prefill":
             self.prefill(event[1], event[2])
             return f"{self._who(event[2])} prefills {event[1].request_id}"
+        if kind == "lend":
+            self.lend(event[1], event[2])
+            return f"{self._who(event[2])} lends {event[1].request_id} to its readers"
         if kind == "install":
             p, g = event[1], event[2]
             self._install_one(p, g)
+            if self.pull:
+                return f"GEN rank {g} installs {p.request_id} (posts its READs)"
             return f"GEN rank {g} installs {p.request_id} (sends its OPEN)"
         if kind == "decide":
             self.decide(event[1])
@@ -597,6 +628,7 @@ class World(Pair):
         self.decode_ready = set(sorted(self.decode_ready, key=repr))
         self.prepared = set(sorted(self.prepared, key=repr))
         self.admitted = set(sorted(self.admitted, key=repr))
+        self.lent = dict(sorted(self.lent.items(), key=lambda kv: repr(kv[0])))
         self.dead_gens = set(sorted(self.dead_gens))
         self.dead_ctxs = set(sorted(self.dead_ctxs))
         self.touched = set(sorted(self.touched, key=repr))

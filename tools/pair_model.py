@@ -60,6 +60,7 @@ from kvhandoff.protocol import (
     PostChunk,
     Prepared,
     ProtocolError,
+    PullEdgeSpec,
     Quarantine,
     RankNamespace,
     Ready,
@@ -95,6 +96,7 @@ __all__ = [
     "ProtocolCrash",
     "Write",
     "buffer_for",
+    "ctx_buffer_for",
     "ctx_endpoint",
     "gen_endpoint",
     "make_ticket",
@@ -168,6 +170,16 @@ def buffer_for(refs: Iterable[BlockRef], epoch: int) -> BufferInfo:
     )
 
 
+def ctx_buffer_for(refs: Iterable[BlockRef], epoch: int) -> BufferInfo:
+    """Pull: the CTX blocks a ticket names to its reader, as an OPEN names GEN blocks."""
+    return BufferInfo(
+        agent_name=f"ctx-agent-{epoch}",
+        endpoint_epoch=epoch,
+        memory=MemoryKind.DRAM,
+        blocks=[BlockDescriptor(r.block, r.generation, r.block * CHUNK_BYTES, CHUNK_BYTES) for r in refs],
+    )
+
+
 def model_edges(n_ctx: int, n_gen: int) -> tuple[tuple[int, int], ...]:
     """The (CTX rank, GEN rank) edges of a TP `n_ctx` -> `n_gen` handoff: the
     runtime's shard map (`topology.shard_map`) over a layout whose KV heads
@@ -189,6 +201,8 @@ class Write:
     gen_rank: int
     ctx_refs: tuple[BlockRef, ...]
     gen_refs: tuple[BlockRef, ...]
+    #: A READ the GEN rank posted (pull), not a CTX WRITE: the GEN polls it.
+    pull: bool = False
 
 
 @dataclasses.dataclass
@@ -216,10 +230,21 @@ class Pair:
         conservative: bool = False,
         not_started_verdict: bool = True,
         direct: bool = False,
+        pull: bool = False,
     ) -> None:
         if direct and n_ctx != 1:
             raise ValueError("the direct path admits at the OPEN on a one-rank CTX instance only")
+        if direct and pull:
+            raise ValueError("a pull handoff is lent at the CTX rank: no OPEN admits it")
         self.now = 0.0
+        #: Pull: the CTX ranks lend their prefilled blocks (`lend`) and the GEN
+        #: ranks READ them (`install` is `GenRank.install_pull`).
+        self.pull = pull
+        #: Pull: each lent ticket's lend number and the CTX blocks it names (as
+        #: the ticket carries them to the reader), and each CTX incarnation's
+        #: last lend number.
+        self.lent: dict[ContextTicket, tuple[int, BufferInfo]] = {}
+        self.lend_seqs: dict[tuple[int, int], int] = {}
         #: The direct path: no CTX round admits; the CTX rank admits a parent
         #: at its OPEN (`CtxRank.admit_at_open`) and reports it to its leader.
         self.direct = direct
@@ -327,12 +352,14 @@ class Pair:
         )
 
     def _new_gen(self, epoch: int, rank: int) -> GenRank:
-        return GenRank(
+        gen = GenRank(
             gen_endpoint(epoch, rank),
             GEN_DIGEST,
             BlockPool(self.gen_blocks),
             transfer_timeout=self.timeout,
         )
+        gen.chunk_window = self.chunk_window  # its READs, in pull
+        return gen
 
     def ranks(self) -> list[CtxRank | GenRank]:
         return [*self.ctxs, *self.gens]
@@ -388,6 +415,58 @@ class Pair:
             f"pairing: the CTX instance keeps {parent!r}, which its GEN instance refused"
         )
 
+    def pull_specs(self, parent: ParentKey, gen_rank: int) -> list[PullEdgeSpec]:
+        """What GEN rank `gen_rank` installs for `parent` in pull: one READ
+        edge per CTX rank of its edges, over the blocks that rank lent."""
+        gen = self.gens[gen_rank]
+        specs = []
+        for c in self.ctxs_of(gen_rank, self.home.get(parent, 0)):
+            ticket = make_ticket(parent, self.ctxs[c].our, gen.our)
+            assert ticket in self.lent, f"harness: {ticket.edge} of {parent!r} was never lent"
+            seq, source = self.lent[ticket]
+            specs.append(
+                PullEdgeSpec(
+                    ticket=ticket,
+                    source=source,
+                    num_tokens=16,
+                    lend_seq=seq,
+                    num_chunks=self.chunks[parent],
+                    expected_bytes=self.chunks[parent] * CHUNK_BYTES,
+                    block_bytes=CHUNK_BYTES,
+                )
+            )
+        return specs
+
+    def lent_to(self, parent: ParentKey, gen_rank: int) -> bool:
+        """Pull: whether every CTX rank GEN rank `gen_rank` reads from lent
+        `parent` (the ticket reaches the reader only after the publish)."""
+        gen = self.gens[gen_rank]
+        return all(
+            make_ticket(parent, self.ctxs[c].our, gen.our) in self.lent
+            for c in self.ctxs_of(gen_rank, self.home.get(parent, 0))
+        )
+
+    def lend(self, parent: ParentKey, ctx_rank: int | None = None) -> None:
+        """Pull: CTX rank `ctx_rank` (flat; every rank of the parent's CTX
+        instance: None) lends its prefilled blocks to the GEN ranks of its edges."""
+        for c in self.home_ranks(parent) if ctx_rank is None else (ctx_rank,):
+            ctx = self.ctxs[c]
+            key = (c, ctx.our.epoch)
+            seq = self.lend_seqs[key] = self.lend_seqs.get(key, 0) + 1
+            readers = {
+                make_ticket(parent, ctx.our, self.gens[g].our): self.chunks[parent] * CHUNK_BYTES
+                for g in self.gens_of(ctx.our.ns.rank)
+            }
+            self._act(
+                "S3",
+                f"lend({parent!r}) on {ctx.our.ns}",
+                partial(ctx.lend, parent, readers, lend_seq=seq, now=self.now),
+                ctx,
+            )
+            source = ctx_buffer_for(ctx.lease(parent), ctx.our.epoch)
+            for ticket in readers:
+                self.lent[ticket] = (seq, source)
+
     def prefill(self, parent: ParentKey, ctx_rank: int | None = None) -> None:
         """CTX rank `ctx_rank` (a flat rank; every rank of the parent's CTX
         instance: None) finished its prefill."""
@@ -400,12 +479,12 @@ class Pair:
         `parent` (one OPEN per edge)."""
         for g in range(self.n_gen) if gen_rank is None else (gen_rank,):
             gen = self.gens[g]
-            self._act(
-                "S3",
-                f"install({parent!r}) on {gen.our.ns}",
-                partial(gen.install, parent, self.gen_specs(parent, g), self.now),
-                gen,
+            install = (
+                partial(gen.install_pull, parent, self.pull_specs(parent, g), self.now)
+                if self.pull
+                else partial(gen.install, parent, self.gen_specs(parent, g), self.now)
             )
+            self._act("S3", f"install({parent!r}) on {gen.our.ns}", install, gen)
 
     def decide(self, parent: ParentKey) -> None:
         """A one-rank CTX instance decides a prepared parent alone (its rank
@@ -601,8 +680,14 @@ class Pair:
     # ---- the data plane model ------------------------------------------
 
     def polled(self, write: Write) -> bool:
-        """Whether the CTX incarnation that posted `write` still polls it."""
+        """Whether the incarnation that posted `write` (the CTX rank's; in
+        pull the GEN rank's) still polls it."""
+        if write.pull:
+            return write.gen_epoch == self.gens[write.gen_rank].our.epoch
         return write.ctx_epoch == self.ctxs[write.ctx_rank].our.epoch
+
+    def _poster(self, write: Write) -> CtxRank | GenRank:
+        return self.gens[write.gen_rank] if write.pull else self.ctxs[write.ctx_rank]
 
     def finish_chunk(self, key: tuple[ContextTicket, int], *, ok: bool = True) -> None:
         """A posted chunk reports DONE (ok) or ERR; only its own CTX incarnation hears it."""
@@ -611,7 +696,7 @@ class Pair:
         if not self.polled(write):
             return  # the incarnation that posted it is gone: nobody polls it
         ticket, index = key
-        ctx = self.ctxs[write.ctx_rank]
+        ctx = self._poster(write)
         what = f"chunk_{'done' if ok else 'failed'}({ticket.request_id} {ticket.edge} #{index})"
         try:
             if ok:
@@ -623,7 +708,7 @@ class Pair:
                     "S1", what, lambda: ctx.chunk_failed(ticket, index, self.now)
                 )
         except ProtocolError as exc:
-            # The CTX posted this chunk itself: it must hear its completion, or the
+            # The poster posted this chunk itself: it must hear its completion, or the
             # chunk's blocks could be released while the DMA may still run.
             raise AssertionError(
                 f"S1: the CTX refused {what} of a chunk it posted: {exc!r}"
@@ -635,16 +720,20 @@ class Pair:
         its writes still run: the write stays in flight (it may still land)."""
         assert key in self.in_flight, f"harness: chunk {key[1]} of {key[0].edge} was never posted"
         ticket, index = key
-        ctx = self.ctxs[self.in_flight[key].ctx_rank]
+        ctx = self._poster(self.in_flight[key])
         what = f"chunk_failed({ticket.request_id} {ticket.edge} #{index}, descriptors={descriptors})"
         self.perform(
             protocol_call("S1", what, lambda: ctx.chunk_failed(ticket, index, self.now, descriptors)),
             ctx,
         )
-        # The CTX never hears of it again (ERR is terminal for NIXL), but its
-        # writes may still land: a stray, checked by `check_s1` until the
-        # incarnation that posted it is gone (`restart_ctx`).
-        self.strays.append(self.in_flight.pop(key))
+        # The poster never hears of it again (ERR is terminal for NIXL), but
+        # its writes may still land: a stray, checked by `check_s1` until the
+        # incarnation that posted it is gone (`restart_ctx`; in pull
+        # `restart_gen`, or its source's confirmed death: a dead process
+        # serves no bytes).
+        write = self.in_flight.pop(key)
+        if not (write.pull and (write.ctx_rank, write.ctx_epoch) in self.dead_ctxs):
+            self.strays.append(write)
 
     # ---- restarts ------------------------------------------------------
 
@@ -653,6 +742,8 @@ class Pair:
         old = self.gens[rank]
         self.gens[rank] = self._new_gen(old.our.epoch + 1, rank)
         self.gen_followers[rank] = self._rejoin(Role.GEN, rank, old.our.epoch + 1)
+        # Its process is gone: the strays of its READs land nowhere any more.
+        self.strays = [w for w in self.strays if not (w.pull and (w.gen_rank, w.gen_epoch) == (rank, old.our.epoch))]
         if notify:
             for c in [k for i in range(self.ctx_instances) for k in self.ctxs_of(rank, i)]:
                 ctx = self.ctxs[c]
@@ -680,6 +771,10 @@ class Pair:
         tells every CTX rank that wrote it (`peer_dead`). A write toward it
         lands nowhere that matters any more: it only reads the CTX's blocks."""
         self.dead_gens.add((rank, epoch))
+        # Its READs (pull) read nothing any more.
+        self.in_flight = {
+            k: w for k, w in self.in_flight.items() if not (w.pull and (w.gen_rank, w.gen_epoch) == (rank, epoch))
+        }
         dead = Endpoint(ns=self.gens[rank].our.ns, epoch=epoch)
         for c in [k for i in range(self.ctx_instances) for k in self.ctxs_of(rank, i)]:
             ctx = self.ctxs[c]
@@ -691,8 +786,9 @@ class Pair:
         instance, local = divmod(rank, self.n_ctx)
         self.ctxs[rank] = new = self._new_ctx(old.our.epoch + 1, local, instance)
         self.ctx_followers[rank] = self._rejoin(self.ctx_key(instance), local, old.our.epoch + 1)
-        # Its process is gone: its strays land nowhere any more.
-        self.strays = [w for w in self.strays if (w.ctx_rank, w.ctx_epoch) != (rank, old.our.epoch)]
+        # Its process is gone: the strays of its WRITEs land nowhere any more
+        # (the READs of its memory, in pull, end with its confirmed death).
+        self.strays = [w for w in self.strays if w.pull or (w.ctx_rank, w.ctx_epoch) != (rank, old.our.epoch)]
         if notify:
             for g in self.gens_of(local):
                 gen = self.gens[g]
@@ -704,7 +800,13 @@ class Pair:
         """The directory confirmed CTX incarnation (`rank`, `epoch`) dead and
         tells every GEN rank it wrote (`peer_dead`): its writes land nowhere now."""
         self.dead_ctxs.add((rank, epoch))
-        self.in_flight = {k: w for k, w in self.in_flight.items() if (w.ctx_rank, w.ctx_epoch) != (rank, epoch)}
+        # Its WRITEs land nowhere now; READs of its memory (pull) are the
+        # GEN ranks' to poll to an end, and what is left of one that failed
+        # part-way brings nothing more: a dead process serves no bytes.
+        self.in_flight = {
+            k: w for k, w in self.in_flight.items() if w.pull or (w.ctx_rank, w.ctx_epoch) != (rank, epoch)
+        }
+        self.strays = [w for w in self.strays if not (w.pull and (w.ctx_rank, w.ctx_epoch) == (rank, epoch))]
         dead = Endpoint(ns=self.ctxs[rank].our.ns, epoch=epoch)
         for g in self.gens_of(rank % self.n_ctx):
             gen = self.gens[g]
@@ -741,6 +843,8 @@ class Pair:
                 case SendMessage(to=to, message=message):
                     rank = self.flat(to) if to.ns.role is Role.CTX else to.ns.rank
                     self.queue.append(Envelope(to.ns.role, rank, encode_frame(message)))
+                case PostChunk(ticket=ticket, index=index) if self.pull:
+                    self._post_read(ticket, index, by)
                 case PostChunk(ticket=ticket, index=index):
                     # The poster: the rank that returned it (a test may perform it for the ticket's).
                     poster = by if isinstance(by, CtxRank) else self.ctxs[self.flat(ticket.ctx)]
@@ -787,6 +891,28 @@ class Pair:
                     pass
                 case _:
                     pass
+
+    def _post_read(self, ticket: ContextTicket, index: int, by: CtxRank | GenRank | None) -> None:
+        """Pull: a GEN rank posted READ chunk `index`: it reads the CTX
+        blocks its edge names and writes its own lease."""
+        reader = by if isinstance(by, GenRank) else self.gens[ticket.gen.ns.rank]
+        assert reader.pool.holds(ticket.parent), (
+            f"S1: READ {index} of {ticket.edge} for {ticket.parent!r}, whose lease the GEN no"
+            " longer holds: the DMA would write freed blocks"
+        )
+        assert (ticket, index) not in self.in_flight, f"S1: chunk {index} of {ticket.edge} posted again while in flight"
+        cols = block_columns(reader.session_open(ticket).buffer)
+        self.in_flight[(ticket, index)] = Write(
+            ticket=ticket,
+            index=index,
+            ctx_rank=self.flat(ticket.ctx),
+            ctx_epoch=ticket.ctx.epoch,
+            gen_epoch=ticket.gen.epoch,
+            gen_rank=ticket.gen.ns.rank,
+            ctx_refs=tuple(map(BlockRef, cols.blocks.tolist(), cols.generations.tolist())),
+            gen_refs=tuple(reader.pool.lease_of(ticket.parent)),
+            pull=True,
+        )
 
     @staticmethod
     def _open_for(ctx: CtxRank, ticket: ContextTicket) -> Open | None:
@@ -876,6 +1002,12 @@ class Pair:
         """The success path, start to decode-ready."""
         self.admit(parent, blocks=blocks, chunks=chunks)
         self.prefill(parent)
+        if self.pull:
+            self.lend(parent)
+            self.install(parent)
+            self.pump()
+            self.run_rounds()
+            return
         self.install(parent)
         self.deliver_all()
         if self.n_ctx == 1:
@@ -903,6 +1035,8 @@ class Pair:
     def check_s1(self) -> None:
         """No block a chunk may still touch is FREE or re-leased (same incarnation)."""
         for write in [*self.in_flight.values(), *self.strays]:
+            # A WRITE toward a dead GEN incarnation lands nowhere that matters,
+            # and a READ by one reads for nobody: the CTX blocks may be reused.
             target_dead = any(r == write.gen_rank and e >= write.gen_epoch for r, e in self.dead_gens)
             assert 0 <= write.ctx_rank < len(self.ctxs), f"S1: {write} comes from no CTX rank"
             ctx = self.ctxs[write.ctx_rank]

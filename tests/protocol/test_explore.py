@@ -20,6 +20,7 @@ import pytest
 
 from kvhandoff import protocol
 from kvhandoff.protocol import CancelReason, EdgeState, ParentState
+from kvhandoff.protocol import _edge_roles as edge_roles
 from kvhandoff.protocol import _gen_session as gen_session
 from kvhandoff.protocol import _session as session
 from kvhandoff.tools import _flags
@@ -137,6 +138,28 @@ def test_the_direct_path_worlds_hold_every_invariant() -> None:
     assert any(w["config"]["ctx_blocks"] and w["config"]["dups"] for w in worlds)
 
 
+def test_the_pull_worlds_hold_every_invariant() -> None:
+    """Pull (the CTX ranks lend, the GEN ranks READ: the edge roles swap):
+    every invariant holds with cancels on either side at any moment (a
+    FENCE before, during or after the READ), deadlines, deaths of the
+    reader or the lender, duplicated, reordered and lost frames, ERR and
+    part-way failures of a READ, TP 1 -> 1, 1 -> 2, 2 -> 1, 2 -> 2, a pool
+    too small, and two CTX instances (no fault crosses them)."""
+    out = _explore_json("pull")
+    assert out["violations"] == [] and out["states"] >= 80_000
+    worlds = out["configs"]
+    assert all(w["complete"] and w["config"]["pull"] == 1 and w["quiescent_checked"] > 0 for w in worlds)
+    faults = {
+        k
+        for w in worlds
+        for k in ("restarts", "cancels", "dups", "reorders", "drops", "errs", "partials", "expiries")
+        if w["config"][k]
+    }
+    assert faults == {"restarts", "cancels", "dups", "reorders", "drops", "errs", "partials", "expiries"}
+    assert {(w["config"]["ctx_ranks"], w["config"]["gen_ranks"]) for w in worlds} >= {(1, 1), (1, 2), (2, 1), (2, 2)}
+    assert any(w["config"]["ctx_instances"] == 2 for w in worlds)
+
+
 def test_the_default_bounds_cover_every_topology_the_issue_names() -> None:
     """TP 1 -> 1, 1 -> 2, 2 -> 1 and 2 -> 2 (the CTX round deciding what every
     CTX rank reported prepared), each with cancels, deaths, deadlines and
@@ -206,7 +229,7 @@ def test_a_lost_frame_anywhere_ends_every_quarantine(monkeypatch: pytest.MonkeyP
         result = ex.explore(world)
         assert result.violations == [] and result.complete, (world.name, result.violations[:1])
     # Without the asks, the first lost OPEN leaves a quarantine for good.
-    monkeypatch.setattr(gen_session, "UNKNOWN_ASKS", 0)
+    monkeypatch.setattr(edge_roles, "UNKNOWN_ASKS", 0)
     (violation, *_) = ex.explore(worlds[0]).violations
     assert violation["invariant"] == "L2" and any(step.startswith("lost: OPEN") for step in violation["trace"])
 

@@ -475,8 +475,9 @@ def test_receipt_must_acknowledge_exactly_the_bytes_written() -> None:
 
 
 def test_each_role_refuses_the_messages_only_the_other_role_receives() -> None:
-    """READY and TERMINAL go to GEN ranks only, OPEN and RECEIPT to CTX ranks only.
-    Delivered (as frames) to the wrong role for a live session, each is refused
+    """READY and TERMINAL go to GEN ranks only, OPEN and RECEIPT to CTX ranks
+    only (in push; a TERMINAL reaches a CTX rank only for a session it lent,
+    test_pull.py). Delivered (as frames) to the wrong role for a live session, each is refused
     with IllegalTransition naming the receive boundary, and nothing changes on
     any rank, at every phase of a handoff.
 

@@ -46,6 +46,7 @@ from typing import Any
 import pytest
 
 import kvhandoff.protocol._ctx_session as ctx_session_module
+import kvhandoff.protocol._edge_roles as edge_roles_module
 import kvhandoff.protocol._gen_session as gen_session_module
 import kvhandoff.protocol._session as session_module
 from kvhandoff import protocol
@@ -901,7 +902,7 @@ def traced() -> Iterator[list[tuple[str, enum.Enum, enum.Enum]]]:
     """Record every successful table lookup `_fire` makes (machine, state, event)."""
     fired: list[tuple[str, enum.Enum, enum.Enum]] = []
     # Every module that fires a table imports `_fire` by name: spy on each.
-    modules = (session_module, ctx_session_module, gen_session_module)
+    modules = (session_module, ctx_session_module, gen_session_module, edge_roles_module)
     real = session_module._fire
 
     def spy(machine: str, table: Any, state: enum.Enum, event: enum.Enum) -> Any:
