@@ -166,6 +166,10 @@ class EngineConfig(EngineFleetConfig, frozen=True, kw_only=True, forbid_unknown_
     staged_below: Count = 0
     staging_slot_bytes: Count = 0
     staged_min_descriptors: Count = 0
+    #: Between one-rank instances, the GEN rank READs the blocks the CTX
+    #: rank lent it at `publish` (docs/design.md "Pull"); False: the GEN
+    #: rank OPENs and the CTX rank WRITEs (push), as between larger ones.
+    pull: bool = True
 
 
 #: The data-plane fields `LaunchConfig`, `EngineConfig`, `EnginePlan` and

@@ -121,6 +121,9 @@ class BufferGeometry(NamedTuple):
     #: The staging arena (actors/_staged.py), if the rank has one: (base,
     #: slot bytes, slots per peer rank); empty: none (direct mode only).
     staging: tuple[int, ...] = ()
+    #: A CTX rank that lends (pull): the key its lends are sealed with
+    #: (`Lend.seal`), for its readers to check them; empty: it lends nothing.
+    lend_key: bytes = b""
 
     def region_table(self) -> tuple[tuple[int, int], ...]:
         """`(base, block stride)` of every region, region 0 first."""
@@ -701,10 +704,15 @@ class NixlTransport:
         work: Sequence[Region] | ChunkPlan,
         notif: bytes = b"",
         prepared: PreparedEdge | None = None,
+        op: str = "WRITE",
     ) -> Chunk:
         """Build and post one WRITE of `work` (regions, or a chunk plan) to
         `peer`: from the prepared lists by index when `prepared` is given (and
-        `work` is a plan), else from built descriptors."""
+        `work` is a plan), else from built descriptors. ``op="READ"`` reads
+        instead: each region's (local, remote, length) moves from the peer's
+        remote address into our local one (pull)."""
+        if op not in ("WRITE", "READ"):
+            raise DataPlaneError(f"op must be 'WRITE' or 'READ', got {op!r}")
         nbytes = _nbytes(work)
         if peer not in self.peers:
             raise DataPlaneError(f"unknown peer agent {peer!r}")
@@ -713,11 +721,11 @@ class NixlTransport:
                 raise DataPlaneError(f"prepared lists for {prepared.peer!r} used toward {peer!r}")
             try:
                 handle = self.agent.make_prepped_xfer(
-                    "WRITE", prepared.local, work.local, prepared.remote, work.remote, notif
+                    op, prepared.local, work.local, prepared.remote, work.remote, notif
                 )
             except Exception as exc:
                 raise DataPlaneError(
-                    f"NIXL could not make the prepared WRITE to {peer}: {exc}"
+                    f"NIXL could not make the prepared {op} with {peer}: {exc}"
                 ) from exc
         else:
             regions = work.regions if isinstance(work, ChunkPlan) else work
@@ -725,9 +733,9 @@ class NixlTransport:
                 raise DataPlaneError("a chunk needs at least one region")
             local, far = self._descs(regions, remote=True)
             try:
-                handle = self.agent.initialize_xfer("WRITE", local, far, peer, notif)
+                handle = self.agent.initialize_xfer(op, local, far, peer, notif)
             except Exception as exc:
-                raise DataPlaneError(f"NIXL could not build the WRITE to {peer}: {exc}") from exc
+                raise DataPlaneError(f"NIXL could not build the {op} with {peer}: {exc}") from exc
         return self.start(handle, nbytes, notif, _descriptors(work, prepared))
 
     def check(self, chunk: Chunk) -> XferState:

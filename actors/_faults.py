@@ -66,13 +66,14 @@ class FaultPlan:
 
 
 class _WriteOrder(NamedTuple):
-    """One WRITE order: the arguments of `NixlTransport.post` (bound as it
+    """One WRITE (or READ) order: the arguments of `NixlTransport.post` (bound as it
     binds them), kept to post it late."""
 
     peer: str
     work: Sequence[Region] | ChunkPlan
     notif: bytes = b""
     prepared: PreparedEdge | None = None
+    op: str = "WRITE"
 
 
 class _DeferredHandle:

@@ -90,6 +90,8 @@ class EnginePlan(DataPlane, frozen=True, kw_only=True):
     lease_timeout_s: float = 30.0
     consume_timeout_s: float = 30.0
     control_frames: str = "stream"
+    #: Pull between one-rank instances (`EngineConfig.pull`); a fleet pushes.
+    pull: bool = False
     #: An engine fleet's plan (actors/engine_fleet.py): `instance` names the
     #: instance these workers host (its spec is `ctx` or `gen`, the other is
     #: its default peer); the endpoints pair with every instance of the other
@@ -127,6 +129,7 @@ def _config(plan: EnginePlan, role: Role, rank: int, tensors: Sequence[torch.Ten
         restartable=False,
         **staging_of(plan),
         fleet=bool(plan.instance),
+        pull=plan.pull and not plan.instance,
         coordinator=f"{plan.name}.coord.{plan.instance}" if plan.instance else "",
     )
 

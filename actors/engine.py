@@ -90,6 +90,7 @@ from kvhandoff.actors.rank._host import hosted_here
 from kvhandoff.protocol import (
     AdmissionRequest,
     HandoffTicket,
+    Lend,
     MemoryKind,
     ParentKey,
     Role,
@@ -208,6 +209,7 @@ class EngineDeployment(PairCore):
             chunk_bytes=cfg.chunk_bytes,
             lease_timeout_s=cfg.lease_timeout_s,
             control_frames=cfg.control_frames,
+            pull=cfg.pull and ctx_tp == 1 and gen_tp == 1,
             **staging_of(cfg),
         )
         if not ray.is_initialized():
@@ -301,7 +303,7 @@ class EngineDeployment(PairCore):
                 ok = await self._coords[Role.CTX].admit.remote(parent, num_tokens, ids)
             except AdmissionStopped as exc:  # a worker is detached (re-attach it) or a rank restarting
                 raise PublishRefused(request_id, f"the CTX instance admits nothing now: {exc.reason}") from None
-        if not ok:
+        if ok is False:
             raise PublishRefused(request_id, "a CTX rank refused the blocks (see its stats' counters)")
         return HandoffTicket(
             deployment=self.plan.name,
@@ -311,6 +313,7 @@ class EngineDeployment(PairCore):
             ctx_instance=self.plan.ctx.instance_id,
             ctx_digest=self._ctx_digest,
             num_tokens=num_tokens,
+            lend=ok if isinstance(ok, Lend) else None,  # pull: the GEN rank READs the lent blocks
         )
 
     # -- the decode side --------------------------------------------------------------
@@ -335,7 +338,7 @@ class EngineDeployment(PairCore):
         at_rank = self._at_rank
         if at_rank:
             request = AdmissionRequest(parent, ticket.num_tokens, release_when_ready=True, blocks=ids)
-            submission = self._receive_at_rank(request, timeout)
+            submission = self._receive_at_rank(request, timeout, ticket.lend)
         else:
             call = self._coords[Role.GEN].submit.remote(parent, ticket.num_tokens, True, ids)
             submission = asyncio.ensure_future(_ref(call))
@@ -380,7 +383,7 @@ class EngineDeployment(PairCore):
         (`publish_alone`, `receive_alone`), with no coordinator round."""
         return self.plan.gen.tp == 1 and self.plan.ctx.tp == 1
 
-    def _publish_at_rank(self, request: AdmissionRequest) -> asyncio.Future[bool]:
+    def _publish_at_rank(self, request: AdmissionRequest) -> asyncio.Future[bool | Lend]:
         """The CTX rank's `publish_alone` of ``request``, reached as
         `_receive_at_rank` reaches the GEN rank (on its loop when this process
         hosts it, else one Ray call)."""
@@ -397,7 +400,7 @@ class EngineDeployment(PairCore):
             return asyncio.ensure_future(endpoint.publish_alone(request))
         return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(endpoint.publish_alone(request), loop))
 
-    def _receive_at_rank(self, request: AdmissionRequest, timeout: float) -> asyncio.Future[Any]:
+    def _receive_at_rank(self, request: AdmissionRequest, timeout: float, lend: Lend | None) -> asyncio.Future[Any]:
         """The GEN rank's `receive_alone` of ``request``: on its loop when this
         process hosts it (an engine's front end beside its decode worker: no
         Ray hop either way; called on that very loop, not even a thread hop),
@@ -406,14 +409,14 @@ class EngineDeployment(PairCore):
         here = hosted_here(rank)
         if here is None:
             self.calls["receive_at_rank"] += 1
-            return asyncio.ensure_future(_ref(rank.receive_alone.remote(request, timeout)))
+            return asyncio.ensure_future(_ref(rank.receive_alone.remote(request, timeout, lend)))
         endpoint, loop = here
         self.calls["receive_at_rank_here"] += 1
         assert isinstance(endpoint, GenRankCore)
         if loop is asyncio.get_running_loop():  # called on the endpoint's own loop: no hop at all
             self.calls["receive_at_rank_on_its_loop"] += 1
-            return asyncio.ensure_future(endpoint.receive_alone(request, timeout))
-        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(endpoint.receive_alone(request, timeout), loop))
+            return asyncio.ensure_future(endpoint.receive_alone(request, timeout, lend))
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(endpoint.receive_alone(request, timeout, lend), loop))
 
     # -- either side ------------------------------------------------------------------
 
@@ -447,9 +450,15 @@ class EngineDeployment(PairCore):
         return epoch
 
     async def cancel(self, ticket: HandoffTicket | str) -> None:
-        """Cancel at any moment, from either side (module docstring, step 7)."""
+        """Cancel at any moment, from either side (module docstring, step 7).
+        A lent ticket's cancel returns once the CTX rank got its blocks back
+        (its reader answered the FENCE: a receive that comes after it is
+        refused) or a round bound passed."""
         self._check_open()
-        await self._cancel_parent(self._ticket(ticket).parent)
+        ticket = self._ticket(ticket)
+        await self._cancel_parent(ticket.parent)
+        if ticket.lend is not None:
+            await self._returned(ticket.parent, Role.CTX, self._round_timeout_s)
 
     async def returned(self, ticket: HandoffTicket | str, role: Role, timeout: float = 60.0) -> bool:
         """True once every rank of ``role`` holds none of the ticket's blocks

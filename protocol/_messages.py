@@ -123,6 +123,7 @@ class Capability(enum.IntFlag):
     STAGED_WRITE = 1 << 4  # gather/scatter through staging slots
     PACKED_BLOCKS = 1 << 5  # an OPEN's block list may come packed (columns of bytes)
     BLOCK_RUNS = 1 << 6  # an OPEN's block list may come as runs of consecutive blocks
+    PULL = 1 << 7  # the GEN rank READs blocks a CTX rank lent it (no OPEN, no READY)
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="kind"):

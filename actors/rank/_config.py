@@ -136,6 +136,12 @@ class RankConfig(DataPlane, frozen=True, kw_only=True):
     #: "Admission at the OPEN"). The GEN coordinators then ask no peer
     #: admission (`Coordinator(peers_admit_at_open=True)`).
     admit_at_open: bool = False
+    #: Advertise pull (`Capability.PULL`, docs/design.md "Pull"): between
+    #: one-rank instances a CTX rank lends a published parent's blocks to
+    #: its GEN rank, which READs them with no frame on the way; where the
+    #: pair did not agree on it, or an edge would be staged, the handoff is
+    #: pushed. Never with `data_mode="staged"`.
+    pull: bool = False
 
 
 class _Pair:

@@ -16,7 +16,6 @@ from kvhandoff.actors._dataplane import (
     ChunkPlan,
     DataPlaneError,
     Piece,
-    XferState,
     edge_pieces,
     plan_chunks,
     resolve_regions,
@@ -26,12 +25,15 @@ from kvhandoff.actors._stager import StagedWriter, staged_below, staged_min_desc
 from kvhandoff.actors.rank._config import RankConfig, _Pair, log
 from kvhandoff.actors.rank._core import RankCore
 from kvhandoff.protocol import (
+    MAX_LEND_BLOCKS,
     Action,
     AdmissionRefused,
     AdmissionRequest,
     BlockColumns,
+    Capability,
     ContextTicket,
     CtxRank,
+    Lend,
     Message,
     Negotiated,
     NegotiationOutcome,
@@ -90,6 +92,10 @@ class CtxRankCore(RankCore):
         self._writer: StagedWriter | None = None
         # Data phase per parent: [first post, last DONE, bytes] (perf_counter), bounded.
         self._xfer: RecentMemory[ParentKey, list[float]] = RecentMemory(max_bytes=_TIMING_BYTES)
+        # Pull: this incarnation's last lend number, and the parents lent
+        # and not ended (a READ of ours may run while one is: `_stage_polling`).
+        self._lend_seq = 0
+        self._lent: set[ParentKey] = set()
         super().__init__(config, epoch, tensors=tensors)  # last: it registers this rank
         if self.arena is not None:
             below = staged_below(self.buffer.device, config.staged_below)
@@ -103,7 +109,9 @@ class CtxRankCore(RankCore):
         return self.config.spec, self.config.peer_spec
 
     def _stage_polling(self) -> bool:
-        return (self._writer is not None and self._writer.busy()) or super()._stage_polling()
+        # A lent parent's READ progresses in our NIXL worker too (the target
+        # of a one-sided READ over TCP is progressed by its own polls).
+        return bool(self._lent) or (self._writer is not None and self._writer.busy()) or super()._stage_polling()
 
     def _make_side(self, transfer_timeout: float) -> CtxRank:
         return CtxRank(
@@ -123,7 +131,7 @@ class CtxRankCore(RankCore):
             self._prefill(parent)
         self._perform(self.side.prefilled(parent))
 
-    async def publish_alone(self, request: AdmissionRequest) -> bool:
+    async def publish_alone(self, request: AdmissionRequest) -> bool | Lend:
         """An engine's published request, leased on this rank alone with no
         coordinator round: for a CTX instance of one rank whose GEN peer is
         one rank too (its GEN rank receives alone, and its OPEN, bound here,
@@ -132,10 +140,12 @@ class CtxRankCore(RankCore):
         as a vote does, records the admission and pushes the report at once,
         so the coordinator has the parent in flight before anything else of
         it (a cancel it got earlier is kept until that report comes). Returns
-        False when refused (no room or a block still held, the admission
-        stop, a draining instance, a rank not taken into its coordinator's
-        rounds): nothing is held. Raises `RoundError` on a rank of several
-        and `ParentInFlight` for a parent already here."""
+        the `Lend` when the parent was lent to the GEN rank (pull: `_lend`),
+        True when it waits for the GEN rank's OPEN (push), False when refused
+        (no room or a block still held, the admission stop, a draining
+        instance, a rank not taken into its coordinator's rounds): nothing
+        is held. Raises `RoundError` on a rank of several and
+        `ParentInFlight` for a parent already here."""
         parent = request.parent
         if self.trace.every:
             self.trace.record(parent.request_id, "publish_alone", "call", "client")
@@ -156,7 +166,61 @@ class CtxRankCore(RankCore):
         self._nudge()  # the coordinator learns it before any later news of it
         self._admitted(parent, now)
         self._ensure_polling()  # its lease deadline ticks in the poll loop
-        return True
+        lend = self._lend(parent, now) if self.config.pull else None
+        return True if lend is None else lend
+
+    def _lend(self, parent: ParentKey, now: float) -> Lend | None:
+        """Pull: lend the published `parent`'s blocks to the pair's one GEN
+        rank as it is known now (its incarnation), before the ticket leaves
+        (`CtxRank.lend`: DECIDED at once; the blocks come back on the
+        reader's word, its confirmed death, or the answer to our FENCE at
+        the lease's end). None, and the parent waits for an OPEN (push),
+        where the pair did not agree on pull, its GEN instance is not one
+        rank, its GEN rank is not known yet, the lease is longer than a
+        ticket carries, or the edge would be staged (pull READs direct)."""
+        pair = self._pairs.get(self._default_peer)
+        if (
+            pair is None
+            or not self._lend_key
+            or pair.spec.tp != 1
+            or not isinstance(pair.negotiation, Negotiated)
+            or not pair.negotiation.supports(Capability.PULL)
+        ):
+            return None
+        found = self._peer_handles.get((pair.instance, 0))
+        lease = self.pool.lease_of(parent)
+        edge = (self.config.rank, 0)
+        if found is None or len(lease) > MAX_LEND_BLOCKS:
+            self.counters["pushed_not_lent"] += 1
+            return None
+        pieces = self._edge_pieces(edge, None, pair.instance)
+        if self._writer is not None and self._writer.wants_pieces(pieces, len(lease) * len(pieces)):
+            self.counters["pushed_staged"] += 1
+            return None
+        gen = found[0]
+        ticket = ContextTicket(
+            request_id=parent.request_id,
+            ctx_attempt=parent.ctx_attempt,
+            gen_attempt=parent.gen_attempt,
+            ctx=self.our,
+            gen=gen,
+            ctx_digest=self.digest,
+            gen_digest=pair.gen_digest,
+        )
+        self._lend_seq += 1
+        nbytes = pair.shards.edge_bytes_per_block(edge) * len(lease)
+        try:
+            actions = self.side.lend(parent, {ticket: nbytes}, lend_seq=self._lend_seq, now=now)
+        except ProtocolError as exc:  # nothing changed: it waits for an OPEN
+            self.counters[f"lend_refused_{type(exc).__name__}"] += 1
+            return None
+        self.counters["lent"] += 1
+        self._lent.add(parent)
+        self._perform(actions)
+        return Lend.seal(
+            self._lend_key, parent,
+            ctx_epoch=self.our.epoch, gen_epoch=gen.epoch, seq=self._lend_seq, blocks=Lend.pack(lease.blocks),
+        )
 
     def _decided(self, parent: ParentKey, now: float) -> None:
         self._perform(self.side.decided(parent, now))
@@ -333,33 +397,19 @@ class CtxRankCore(RankCore):
 
     def _poll_chunks(self, now: float) -> bool:
         """Poll posted chunks to DONE/ERR and report each to the protocol."""
-        progressed = False
-        for key, chunk in list(self._in_flight.items()):
-            state = chunk.poll()
-            if state is XferState.PROC or state is XferState.PENDING:
-                continue
-            progressed = True
-            del self._in_flight[key]
-            chunk.release()
-            ticket, index = key
-            timing = self._xfer.get(ticket.parent)
-            if timing is not None and state is XferState.DONE:
-                timing[1] = time.perf_counter()
-                timing[2] += chunk.nbytes
-            try:
-                if state is XferState.DONE:
-                    actions = self.side.chunk_done(ticket, index, chunk.nbytes, now)
-                else:
-                    actions = self.side.chunk_failed(ticket, index, now, chunk.descriptors)
-            except ProtocolError as exc:
-                self.counters[f"poll_{type(exc).__name__}"] += 1
-                continue
-            self._perform(actions)
+        progressed = self._poll_posted(self._in_flight, now, self._timed)
         if self._writer is not None and self._writer.poll(now):
             progressed = True
         if progressed and any(p.left for p in self._pairs.values()):
             self._drop_left_pairs()  # a pair kept loaded for a WRITE may go now
         return progressed
+
+    def _timed(self, ticket: ContextTicket, chunk: Chunk) -> None:
+        """A WRITE of `ticket` polled DONE: the parent's data phase (`xfer`)."""
+        timing = self._xfer.get(ticket.parent)
+        if timing is not None:
+            timing[1] = time.perf_counter()
+            timing[2] += chunk.nbytes
 
     def _chunks_in_flight(self) -> int:
         return len(self._in_flight) + (self._writer.in_flight() if self._writer is not None else 0)
@@ -370,6 +420,7 @@ class CtxRankCore(RankCore):
         return self._writer is not None and self._writer.writing_to(instance)
 
     def _forget(self, parent: ParentKey) -> None:
+        self._lent.discard(parent)
         for ticket in [t for t in self._chunks if t.parent == parent]:
             del self._chunks[ticket]
             self._peer_agent.pop(ticket, None)
@@ -377,7 +428,7 @@ class CtxRankCore(RankCore):
                 self._writer.forget(ticket)
 
     def _tracking(self) -> int:
-        return len(self._chunks) + len(self._peer_agent)
+        return len(self._chunks) + len(self._peer_agent) + len(self._lent)
 
     # -- OPENs, chunk plans, prepared ---------------------------------------------------
 

@@ -16,7 +16,7 @@ from kvhandoff.actors._pattern import POISON
 from kvhandoff.actors._stager import StagedReader, staged_below, staged_min_descriptors
 from kvhandoff.actors._trace import SENT
 from kvhandoff.actors.rank._config import RankConfig, _loop_running, _Pair, log
-from kvhandoff.actors.rank._core import RankCore
+from kvhandoff.actors.rank._pull import _PullReader
 from kvhandoff.protocol import (
     ADMISSION_REFUSALS,
     Action,
@@ -31,11 +31,13 @@ from kvhandoff.protocol import (
     Endpoint,
     GenEdgeSpec,
     GenRank,
+    Lend,
     LocalOutcome,
     MemoryKind,
     Message,
     Negotiated,
     ParentKey,
+    PostChunk,
     ProtocolError,
     RankReport,
     Reject,
@@ -57,7 +59,7 @@ from kvhandoff.topology import TopologySpec
 RUNS_FROM_BLOCKS = 1024
 
 
-class GenRankCore(RankCore):
+class GenRankCore(_PullReader):
     """A GEN (decode) rank: it leases with a deadline on admission and, once
     both instances admitted, installs the parent and sends an OPEN on each of
     its edges; it verifies every byte of a settled parent before voting it
@@ -97,11 +99,13 @@ class GenRankCore(RankCore):
         )
 
     def _poll_chunks(self, now: float) -> bool:
-        # GPU scatters that ran are ACKed here (the writer's credits).
-        return self._reader is not None and self._reader.poll()
+        # Our READs (pull) to DONE or ERR; GPU scatters that ran are ACKed
+        # here (the writer's credits).
+        progressed = self._poll_posted(self._read_flight, now)
+        return (self._reader is not None and self._reader.poll()) or progressed
 
     def _chunks_in_flight(self) -> int:
-        return self._reader.pending() if self._reader is not None else 0
+        return len(self._read_flight) + (self._reader.pending() if self._reader is not None else 0)
 
     # -- the role's hooks ---------------------------------------------------------------
 
@@ -163,7 +167,9 @@ class GenRankCore(RankCore):
         self._admitted(request.parent, now)
         return True, self.member.report()
 
-    async def receive_alone(self, request: AdmissionRequest, timeout: float) -> tuple[str, bool]:
+    async def receive_alone(
+        self, request: AdmissionRequest, timeout: float, lend: Lend | None = None
+    ) -> tuple[str, bool]:
         """One handoff into a one-rank GEN instance, driven by this rank from
         its client's call to its end, with no coordinator on the way (docs/
         design.md "Engines": a receive at the rank). For a submission paired
@@ -175,6 +181,14 @@ class GenRankCore(RankCore):
         coordinator has the parent in flight before anything else of it
         (a cancel it got earlier waits for that report), then waits for the
         parent's local outcome and for its blocks to be back in the pool.
+        With ``lend`` (the ticket's: the CTX rank lent its blocks to this
+        rank at publish) it READs them itself instead (docs/design.md
+        "Pull"): no OPEN, no frame before the bytes; the lend is checked
+        first (this incarnation, that CTX incarnation, whole blocks of its
+        registered buffer, never read or fenced here before) and a lend it
+        refuses ends the receive "rejected" and is answered at once, so the
+        lender gets its blocks back.
+
         Returns ``(outcome, returned)``: "completed" as soon as the last
         TERMINAL made it decode-ready with every byte verified; any other
         outcome once the coordinator's decision ended it here (``returned``
@@ -203,6 +217,8 @@ class GenRankCore(RankCore):
             return "rejected", True
         self.counters["received_alone"] += 1
         self._received_here.add(parent)
+        if lend is not None:
+            self._lend_of[parent] = lend
         self.member.follower.record_admitted(parent)
         self._nudge()  # the coordinator learns it before any later news of it
         self._admitted(parent, now)
@@ -251,6 +267,8 @@ class GenRankCore(RankCore):
 
     def _perform_role(self, action: Action, now: float) -> list[Any]:
         match action:
+            case PostChunk(ticket=ticket, index=index):
+                self._post_read(ticket, index, now)
             case DecodeReady(parent=parent):
                 release = parent in self._release_when_ready
                 if self.pool.holds(parent):  # the bytes that landed here (metrics)
@@ -332,11 +350,17 @@ class GenRankCore(RankCore):
     def _forget(self, parent: ParentKey) -> None:
         self._release_when_ready.discard(parent)
         self._received_here.discard(parent)
+        self._lend_of.pop(parent, None)
+        for ticket in [t for t in self._reads if t.parent == parent]:
+            del self._reads[ticket]  # a READ still in flight is polled on (`_read_flight`)
         if self._reader is not None:
             self._reader.forget(parent)
 
     def _tracking(self) -> int:
-        return len(self._release_when_ready) + len(self._verified) + len(self._received_here)
+        return (
+            len(self._release_when_ready) + len(self._verified) + len(self._received_here)
+            + len(self._lend_of) + len(self._reads)
+        )
 
     # -- verification (S2) --------------------------------------------------------------
 
@@ -401,6 +425,10 @@ class GenRankCore(RankCore):
             self.counters["open_no_pair"] += 1
             self.member.record_failure(parent)
             self._nudge()
+            return
+        lend = self._lend_of.pop(parent, None)
+        if lend is not None:
+            self._read_lend(parent, lend, pair, now)
             return
         endpoints = self._ctx_endpoints(pair)
         if endpoints is None:

@@ -49,6 +49,8 @@ class _Peers(_RankState):
         geometry = self.buffer.geometry()
         if self.arena is not None:
             geometry = geometry._replace(staging=(self.arena.base, self.arena.slot_bytes, self.config.staging_window))
+        if self._lend_key:
+            geometry = geometry._replace(lend_key=self._lend_key)
         entry = (self.our, self.transport.name, self.transport.metadata(), geometry)
         context = ray.get_runtime_context()
         where = (context.get_node_id(), os.getpid())  # to confirm this process's death later

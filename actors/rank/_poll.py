@@ -10,17 +10,26 @@ import asyncio
 import collections
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
+from kvhandoff.actors._dataplane import Chunk, XferState
 from kvhandoff.actors._frames import NixlNotifChannel
 from kvhandoff.actors._metrics import failed as metrics_failed
 from kvhandoff.actors._metrics import resident_bytes
 from kvhandoff.actors._pattern import expected_blocks, request_seed
 from kvhandoff.actors.rank._config import log
 from kvhandoff.actors.rank._state import _RankState
-from kvhandoff.protocol import DecodeError, LocalOutcome, ParentKey, decode_stage
+from kvhandoff.protocol import (
+    ContextTicket,
+    DecodeError,
+    LocalOutcome,
+    ParentKey,
+    ProtocolError,
+    decode_stage,
+)
 from kvhandoff.protocol import summary as negotiation_summary
 
 _T = TypeVar("_T")
@@ -134,6 +143,38 @@ class _Polling(_RankState):
                 # unpolled, each request to its watchdog.
                 self._poll_failed()
                 await asyncio.sleep(self.config.poll_interval_s)
+
+    def _poll_posted(
+        self,
+        in_flight: dict[tuple[ContextTicket, int], Chunk],
+        now: float,
+        on_done: Callable[[ContextTicket, Chunk], None] | None = None,
+    ) -> bool:
+        """Poll the chunks this rank posted (`in_flight`: CTX WRITEs, GEN
+        READs) and tell the protocol of each that reached DONE or ERR; only
+        then is its handle released (releasing a running transfer is no
+        abort). `on_done` sees each DONE chunk first. Returns whether any ended."""
+        progressed = False
+        for key, chunk in list(in_flight.items()):
+            state = chunk.poll()
+            if state is XferState.PROC or state is XferState.PENDING:
+                continue
+            progressed = True
+            del in_flight[key]
+            chunk.release()
+            ticket, index = key
+            try:
+                if state is XferState.DONE:
+                    if on_done is not None:
+                        on_done(ticket, chunk)
+                    actions = self.side.chunk_done(ticket, index, chunk.nbytes, now)
+                else:
+                    actions = self.side.chunk_failed(ticket, index, now, chunk.descriptors)
+            except ProtocolError as exc:
+                self.counters[f"poll_{type(exc).__name__}"] += 1
+                continue
+            self._perform(actions)
+        return progressed
 
     def _poll_failed(self) -> None:
         self.counters["poll_loop_errors"] += 1

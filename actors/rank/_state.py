@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import msgspec
 import torch
 
 from kvhandoff.actors._dataplane import BufferGeometry, DataPlaneError, KVMemory, NixlTransport
@@ -31,6 +33,7 @@ from kvhandoff.protocol import (
     Action,
     AdmissionRequest,
     BlockPool,
+    Capability,
     CtxRank,
     Endpoint,
     GenRank,
@@ -106,7 +109,7 @@ class _RankState:
         self.pool = BlockPool(config.pool_blocks)
         name = agent_name(config.deployment, self.ns, epoch)
         plan = config.fault_plan
-        if plan is not None and plan.chunk_faults and spec.role is Role.CTX:
+        if plan is not None and plan.chunk_faults:  # the poster's chunks: CTX WRITEs, GEN READs
             self.transport: NixlTransport = FaultyTransport(name, self.buffer, plan)
         else:
             self.transport = NixlTransport(name, self.buffer)
@@ -201,7 +204,14 @@ class _RankState:
         self.metrics = RankMetrics(config.deployment, spec.instance_id, spec.role.value, config.rank)
         self.violations: list[str] = []
         # Negotiation: nothing agreed until connect() (or a frame) gathered every descriptor.
-        self._descriptor = descriptor_frame(config.descriptor or local_descriptor())
+        descriptor = config.descriptor or local_descriptor()
+        if config.descriptor is None and (not config.pull or config.data_mode == "staged"):
+            descriptor = msgspec.structs.replace(descriptor, capabilities=descriptor.capabilities & ~Capability.PULL)
+        self._descriptor = descriptor_frame(descriptor)
+        # A CTX rank that may lend (pull) seals its lends with a key of this
+        # incarnation, which its peers read from its directory entry.
+        pulls = bool(descriptor.capabilities & Capability.PULL)
+        self._lend_key = os.urandom(16) if pulls and self.role is Role.CTX else b""
         self._frame_gate = asyncio.Lock()  # frames waiting for an answer, in arrival order
         self._gate_waiting = 0
         self._register()

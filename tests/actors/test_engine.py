@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import ray
 import torch
@@ -366,7 +367,8 @@ async def test_one_rank_instances_publish_at_the_ctx_rank(ray_cluster: Any) -> N
         await eng.close()
 
 
-async def test_one_rank_instances_receive_at_the_gen_rank(ray_cluster: Any) -> None:
+@pytest.mark.parametrize("pull", [False, True], ids=["push", "pull"])
+async def test_one_rank_instances_receive_at_the_gen_rank(ray_cluster: Any, pull: bool) -> None:
     """CTX and GEN instances of one rank each: the CTX rank binds a published
     ticket to the first GEN OPEN and decides it alone, and the GEN rank is
     its instance's whole intersection, so a receive is one call to the GEN
@@ -375,8 +377,10 @@ async def test_one_rank_instances_receive_at_the_gen_rank(ray_cluster: Any) -> N
     coordinator learns of each from the rank's report and its rounds end
     it there. The bytes are the request's own; a ticket already received,
     or cancelled before, is refused with nothing held; a cancel mid-transfer
-    ends in both instances; every block comes back."""
-    eng = await _engine(1, 1, "paged", "split")
+    ends in both instances; every block comes back. In pull (the GEN rank
+    READs what the CTX rank lent it at publish) the same holds, and no frame
+    goes from the CTX rank to the GEN rank unless a cancel FENCEs."""
+    eng = await _engine(1, 1, "paged", "split", pull=pull)
     try:
         gen_coord, ctx_coord = eng.dep._coords[Role.GEN], eng.dep._coords[Role.CTX]
 
@@ -393,6 +397,9 @@ async def test_one_rank_instances_receive_at_the_gen_rank(ray_cluster: Any) -> N
         gen_stats = [s for s in (await eng.dep.stats())["ranks"] if s["role"] == "gen"]
         assert gen_stats[0]["counters"]["received_alone"] >= 3, gen_stats
         assert gen_stats[0]["counters"]["completed_alone"] >= 3, gen_stats
+        ctx_stats = [s for s in (await eng.dep.stats())["ranks"] if s["role"] == "ctx"]
+        assert gen_stats[0]["counters"].get("pulled", 0) == (3 if pull else 0), gen_stats
+        assert ctx_stats[0]["counters"].get("lent", 0) == (3 if pull else 0), ctx_stats
         # The coordinator took each in flight from the report and ended it.
         deadline = asyncio.get_running_loop().time() + 60  # a bound (L1), not a guess
         while True:
@@ -438,17 +445,21 @@ async def test_one_rank_instances_receive_at_the_gen_rank(ray_cluster: Any) -> N
         assert await eng.dep.returned(cancelled, Role.CTX)
         eng.give(Role.GEN, gen_blocks)
         eng.give(Role.CTX, ctx_blocks + more)
-        # A cancel while the CTX's frames to the GEN are held (decided,
-        # posted, the GEN not told).
+        # A cancel while the poster's frames are held: push, the CTX's to
+        # the GEN (decided, posted, the GEN not told); pull, the reader's
+        # TERMINAL to the lender (read, the lender not told: it must hold).
         held, ctx_blocks = await eng.prefill_and_publish("held", seed=42, tokens=16)
-        await hold_frames(eng.ctx[0], "held", Role.GEN, 0)
+        poster, waiter = (eng.gen[0], Role.CTX) if pull else (eng.ctx[0], Role.GEN)
+        await hold_frames(poster, "held", waiter, 0)
         gen_blocks = eng.take(Role.GEN, len(ctx_blocks))
         receiving = asyncio.ensure_future(eng.dep.receive(held, gen_blocks, timeout=60))
-        while not await held_frames(eng.ctx[0], "held", Role.GEN, 0):
+        while not await held_frames(poster, "held", waiter, 0):
             assert asyncio.get_running_loop().time() < deadline + 60, "the transfer never started"
             await asyncio.sleep(0.01)
+        if pull:  # the READ ended, the lender was not told: its blocks are still held
+            assert not await eng.dep.returned(held, Role.CTX, timeout=0.2)
         await eng.dep.cancel(held)
-        await release_frames(eng.ctx[0], "held", Role.GEN, 0)
+        await release_frames(poster, "held", waiter, 0)
         result = await receiving
         assert result.outcome in ("cancelled", "completed") and result.blocks_returned, result
         await eng.give_back(held, gen_blocks, ctx_blocks)
@@ -475,8 +486,9 @@ async def test_a_cancel_before_the_gen_coordinator_knew_the_receive_still_ends_i
     and the cancel sent before the receive: the GEN round cancels the
     parent, the CTX's frames to the GEN were held meanwhile, and the
     receive ends "cancelled" (else its TERMINAL would complete it), with
-    nothing held."""
-    eng = await _engine(1, 1, "paged", "split")
+    nothing held. (Push: in pull the READ is the GEN rank's own and may
+    complete before its report reaches the coordinator.)"""
+    eng = await _engine(1, 1, "paged", "split", pull=False)
     try:
         assert await _handoff(eng, "warm", seed=60, tokens=9) == "completed"
         ticket, ctx_blocks = await eng.prefill_and_publish("early", seed=61, tokens=16)
@@ -505,28 +517,32 @@ async def test_a_cancel_before_the_gen_coordinator_knew_the_receive_still_ends_i
         await eng.close()
 
 
+@pytest.mark.parametrize("pull", [False, True], ids=["push", "pull"])
 @pytest.mark.parametrize("role", [Role.GEN, Role.CTX], ids=["gen", "ctx"])
-async def test_a_one_rank_instance_completes_alone(ray_cluster: Any, role: Role) -> None:
+async def test_a_one_rank_instance_completes_alone(ray_cluster: Any, role: Role, pull: bool) -> None:
     """The rank of a one-rank instance is its completion round's whole
     intersection: once the last TERMINAL lands (GEN: and the bytes are
     there) it completes the request with no decision of its coordinator. A
     GEN rank makes it decode-ready, returns the blocks to the engine and
     answers the receive; a CTX rank, every edge terminal COMPLETED (no
     WRITE of its reads the blocks any more), gives its blocks back.
-    Shown with that role's coordinator gone while the CTX's frames were
-    held: the receive ends "completed" with the request's own bytes and
+    Shown with that role's coordinator gone while the poster's frames were
+    held (push: the CTX's; pull: the reader's TERMINAL, the lender's one
+    word): the receive ends "completed" with the request's own bytes and
     the rank's blocks come back; before, they waited for a completion
     round that never came."""
-    eng = await _engine(1, 1, "paged", "split")
+    eng = await _engine(1, 1, "paged", "split", pull=pull)
     rid = f"solo-{role.value}"
+    poster, waiter = (eng.gen[0], Role.CTX) if pull else (eng.ctx[0], Role.GEN)
     try:
         assert await _handoff(eng, "warm", seed=50, tokens=9) == "completed"
         ticket, ctx_blocks = await eng.prefill_and_publish(rid, seed=51, tokens=16)
-        await hold_frames(eng.ctx[0], rid, Role.GEN, 0)
+        assert (ticket.lend is not None) is pull
+        await hold_frames(poster, rid, waiter, 0)
         gen_blocks = eng.take(Role.GEN, len(ctx_blocks))
         receiving = asyncio.ensure_future(eng.dep.receive(ticket, gen_blocks, timeout=60))
         deadline = asyncio.get_running_loop().time() + 60  # a bound (L1), not a guess
-        while not await held_frames(eng.ctx[0], rid, Role.GEN, 0):
+        while not await held_frames(poster, rid, waiter, 0):
             assert asyncio.get_running_loop().time() < deadline, "the transfer never started"
             await asyncio.sleep(0.01)
         coordinator = eng.dep._coords[role]
@@ -534,7 +550,7 @@ async def test_a_one_rank_instance_completes_alone(ray_cluster: Any, role: Role)
         ray.kill(coordinator, no_restart=True)
         with pytest.raises(ray.exceptions.RayActorError):
             await watching
-        await release_frames(eng.ctx[0], rid, Role.GEN, 0)
+        await release_frames(poster, rid, waiter, 0)
         result = await receiving
         assert result.outcome == "completed" and result.blocks_returned, result
         assert await eng.gen[0].matches.remote(51, gen_blocks)
@@ -640,8 +656,9 @@ async def test_unproven_gen_blocks_are_not_returned_until_the_proof_comes(ray_cl
     """The CTX's READY and TERMINAL never reach the GEN (held): the GEN's
     transfer deadline cancels, its edge cannot be proven quiescent and is
     quarantined, so `receive` must say the blocks are NOT back. The late
-    TERMINAL is the proof: then, and only then, they are returned."""
-    eng = await _engine(1, 1, "paged", "split", transfer_timeout_s=1.0)
+    TERMINAL is the proof: then, and only then, they are returned. (Push;
+    `test_a_lender_holds_its_blocks_until_the_readers_word` is pull's.)"""
+    eng = await _engine(1, 1, "paged", "split", transfer_timeout_s=1.0, pull=False)
     try:
         ticket, ctx_blocks = await eng.prefill_and_publish("unproven", seed=21, tokens=12)
         await hold_frames(eng.ctx[0], "unproven", Role.GEN, 0)
@@ -655,6 +672,78 @@ async def test_unproven_gen_blocks_are_not_returned_until_the_proof_comes(ray_cl
         assert await eng.dep.returned(ticket, Role.GEN, timeout=60)
         assert await eng.dep.returned(ticket, Role.CTX, timeout=60)
         eng.give(Role.GEN, gen_blocks)
+        eng.give(Role.CTX, ctx_blocks)
+        await eng.check_clean()
+    finally:
+        await eng.close()
+
+
+async def test_a_garbled_or_forged_lend_reads_nothing(ray_cluster: Any) -> None:
+    """Pull between one-rank instances: a ticket's lend names the lender's
+    block ids, and a proxy may garble them. A lend whose seal does not match
+    (another ticket's blocks, or another ticket's whole lend) is refused at
+    the reader before any READ: the receive is "rejected" with its blocks
+    back and not a byte of the other request read. Nothing of it is
+    believed or answered: the true lends stay as they were (held, as an
+    unclaimed ticket is, until a receive, a cancel or the lease), and the
+    request whose blocks were named is received exactly afterwards."""
+    eng = await _engine(1, 1, "paged", "paged")
+    try:
+        one, one_blocks = await eng.prefill_and_publish("forged-1", seed=71, tokens=9)
+        two, two_blocks = await eng.prefill_and_publish("forged-2", seed=72, tokens=9)
+        three, three_blocks = await eng.prefill_and_publish("forged-3", seed=73, tokens=9)
+        assert one.lend is not None and two.lend is not None and three.lend is not None
+        gen_blocks = eng.take(Role.GEN, len(one_blocks))
+        for forged in (
+            msgspec.structs.replace(one, lend=msgspec.structs.replace(one.lend, blocks=two.lend.blocks)),
+            msgspec.structs.replace(three, lend=two.lend),
+        ):
+            result = await eng.dep.receive(forged.encode(), gen_blocks, timeout=30)
+            assert result.outcome == "rejected" and result.blocks_returned, result
+            assert not await eng.gen[0].matches.remote(72, gen_blocks)  # not a byte of "forged-2" read
+        stats = await eng.gen[0].stats.remote()
+        assert stats["counters"]["lend_unsealed"] == 2 and not stats["counters"].get("pulled"), stats
+        for ticket in (one, two, three):  # every true lend still held by its lender
+            assert not await eng.dep.returned(ticket, Role.CTX, timeout=0.1)
+        result = await eng.dep.receive(two, gen_blocks, timeout=30)
+        assert result.outcome == "completed" and result.blocks_returned, result
+        assert await eng.gen[0].matches.remote(72, gen_blocks)
+        await eng.give_back(two, gen_blocks, two_blocks)
+        for ticket, blocks in ((one, one_blocks), (three, three_blocks)):
+            await eng.dep.cancel(ticket)  # the caller ends what it will not receive
+            assert await eng.dep.returned(ticket, Role.CTX, timeout=60)
+            eng.give(Role.CTX, blocks)
+        await eng.check_clean()
+    finally:
+        await eng.close()
+
+
+async def test_a_lender_holds_its_blocks_until_the_readers_word(ray_cluster: Any) -> None:
+    """Pull: the reader's frames to the lender are held (its TERMINAL, then
+    its answers to the lender's FENCE). The receive completes with the
+    request's own bytes (the READ is the reader's own), but the lender never
+    gives its blocks back on a guess: past its lease it FENCEs, hears
+    nothing, and quarantines them (its blocks are not returned). The held
+    frames, let go, are the proof: then, and only then, they come back."""
+    eng = await _engine(1, 1, "paged", "split", lease_timeout_s=1.0, transfer_timeout_s=1.0)
+    try:
+        ticket, ctx_blocks = await eng.prefill_and_publish("unheard", seed=22, tokens=12)
+        assert ticket.lend is not None
+        await hold_frames(eng.gen[0], "unheard", Role.CTX, 0)
+        gen_blocks = eng.take(Role.GEN, len(ctx_blocks))
+        result = await eng.dep.receive(ticket, gen_blocks, timeout=30)
+        assert result.outcome == "completed" and result.blocks_returned, result
+        assert await eng.gen[0].matches.remote(22, gen_blocks)
+        eng.give(Role.GEN, gen_blocks)
+        deadline = asyncio.get_running_loop().time() + 60  # a bound (L1), not a guess
+        while (await eng.ctx[0].stats.remote())["quarantined"] == 0:
+            assert asyncio.get_running_loop().time() < deadline, "the lender never quarantined"
+            await asyncio.sleep(0.05)
+        assert not await eng.dep.returned(ticket, Role.CTX, timeout=0.2)
+        await release_frames(eng.gen[0], "unheard", Role.CTX, 0)
+        assert await eng.dep.returned(ticket, Role.CTX, timeout=60)
+        stats = await eng.ctx[0].stats.remote()
+        assert stats["counters"]["reclaimed"] >= 1 and stats["quarantined"] == 0, stats
         eng.give(Role.CTX, ctx_blocks)
         await eng.check_clean()
     finally:

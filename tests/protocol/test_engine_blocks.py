@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvhandoff.protocol import (
+    MAX_LEND_BLOCKS,
     MAX_TICKET_CHARS,
     AdmissionRequest,
     BlockPool,
@@ -21,6 +22,7 @@ from kvhandoff.protocol import (
     GenRank,
     HandoffTicket,
     LeaseError,
+    Lend,
     ParentKey,
     PoolError,
     RankNamespace,
@@ -201,3 +203,73 @@ def test_ticket_decode_checks_the_length_first() -> None:
     extra = msgspec.msgpack.encode({**msgspec.structs.asdict(good), "admin": True})
     with pytest.raises(TicketError):
         HandoffTicket.decode("kvh1." + base64.urlsafe_b64encode(extra).decode())
+
+
+_PARENT = ParentKey(request_id="r", ctx_attempt=1, gen_attempt=0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=MAX_LEND_BLOCKS), st.integers(1, 2**63 - 1))
+def test_a_lent_ticket_round_trips_with_its_blocks_and_seal(ids: list[int], seq: int) -> None:
+    """A pull ticket carries its lend (block ids, incarnations, number,
+    seal) through the string form, within `MAX_TICKET_CHARS` for the most
+    blocks a lend names; the seal verifies with the lender's key only."""
+    key = b"k" * 16
+    lend = Lend.seal(key, _PARENT, ctx_epoch=7, gen_epoch=9, seq=seq, blocks=Lend.pack(ids))
+    ticket = HandoffTicket(
+        deployment="d", request_id="r", ctx_attempt=1, gen_attempt=0, ctx_instance="d-ctx",
+        ctx_digest=b"x" * 32, num_tokens=5, lend=lend,
+    )
+    text = ticket.encode()
+    assert len(text) <= MAX_TICKET_CHARS
+    back = HandoffTicket.decode(text)
+    assert back == ticket and back.lend is not None and back.lend.block_ids() == ids
+    assert back.lend.verify(key, _PARENT)
+    assert not back.lend.verify(b"j" * 16, _PARENT)
+
+
+def test_a_lend_seal_binds_every_field_and_the_parent() -> None:
+    """Changing any field of a sealed lend (its blocks, number, either
+    incarnation) or reading it for another parent breaks the seal: a proxy
+    cannot point a reader at another request's blocks. No key, no seal."""
+    key = b"k" * 16
+    lend = Lend.seal(key, _PARENT, ctx_epoch=7, gen_epoch=9, seq=3, blocks=Lend.pack([4, 5, 6]))
+    assert lend.verify(key, _PARENT)
+    for changed in (
+        msgspec.structs.replace(lend, blocks=Lend.pack([4, 5, 7])),
+        msgspec.structs.replace(lend, seq=4),
+        msgspec.structs.replace(lend, ctx_epoch=8),
+        msgspec.structs.replace(lend, gen_epoch=10),
+    ):
+        assert not changed.verify(key, _PARENT)
+    for other in (
+        ParentKey(request_id="r2", ctx_attempt=1, gen_attempt=0),
+        ParentKey(request_id="r", ctx_attempt=2, gen_attempt=0),
+        ParentKey(request_id="r", ctx_attempt=1, gen_attempt=1),
+    ):
+        assert not lend.verify(key, other)
+    assert not lend.verify(b"", _PARENT)
+
+
+def test_a_lend_beyond_its_bounds_is_a_ticket_error() -> None:
+    """A lend of more blocks than `MAX_LEND_BLOCKS`, of a partial block id,
+    of lend number 0, or with a short seal does not decode (`TicketError`)."""
+    good = HandoffTicket(
+        deployment="d", request_id="r", ctx_attempt=1, gen_attempt=0, ctx_instance="d-ctx",
+        ctx_digest=b"x" * 32, num_tokens=5,
+        lend=Lend.seal(b"k" * 16, _PARENT, ctx_epoch=7, gen_epoch=9, seq=3, blocks=Lend.pack([1])),
+    )
+    raw = msgspec.structs.asdict(good)
+    lend = msgspec.structs.asdict(good.lend)
+    for bad in (
+        {"blocks": b"\0" * (4 * MAX_LEND_BLOCKS + 4)},
+        {"seq": 0},
+        {"mac": b"m" * 8},
+        {"blocks": b""},
+    ):
+        wire = msgspec.msgpack.encode({**raw, "lend": {**lend, **bad}})
+        with pytest.raises(TicketError):
+            HandoffTicket.decode("kvh1." + base64.urlsafe_b64encode(wire).decode().rstrip("="))
+    odd = msgspec.structs.replace(good.lend, blocks=b"\1\2\3\4\5")
+    with pytest.raises(TicketError, match="uint32"):
+        odd.block_ids()
