@@ -150,7 +150,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         # One prefill and one decode instance: an EngineDeployment.
         dep: Any = await EngineDeployment.create(
             ctx_tp=1, gen_tp=1, layout=layout, ctx_memory="paged_interleaved", gen_memory="paged_interleaved",
-            lease_timeout_s=args.lease_timeout_s, control_frames=args.control_frames,
+            lease_timeout_s=args.lease_timeout_s, control_frames=args.control_frames, pull=args.pull,
         )
         prefills = [VllmEngine.options(**env).remote(dep.plan, "ctx", model, ENGINE_ARGS)]
         decodes = [VllmEngine.options(**env).remote(dep.plan, "gen", model, ENGINE_ARGS)]
@@ -305,6 +305,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "prompts": len(prompts),
         "engines": {"prefill": len(prefills), "decode": len(decodes)},
         "control_frames": args.control_frames,
+        # How the KV moved: "pull" handoffs the decode engine READ from a
+        # lend, "push" ones the prefill engine WROTE (a fleet pushes).
+        "handoffs_by_mode": {
+            "pull": sum((r.get("counters") or {}).get("pulled", 0) for r in stats.get("ranks", [])),
+            "lent": sum((r.get("counters") or {}).get("lent", 0) for r in stats.get("ranks", [])),
+        },
         "completed_by_engine": {
             "prefill": [sum(r.get("prefill") == i for r in completed) for i in range(len(prefills))],
             "decode": [sum(r.get("decode") == i for r in completed) for i in range(len(decodes))],
@@ -383,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         "--control-frames", choices=("stream", "nixl", "ray", "auto"), default="stream",
         help="how frames travel between the engines' ranks: a TCP stream per peer rank (the runtime's "
         "default), NIXL notifications, Ray calls, or measured at launch (docs/vllm.md)",
+    )
+    ap.add_argument(
+        "--push", dest="pull", action="store_false",
+        help="the prefill engine's rank WRITEs (push) instead of the decode engine's READing what it lent (pull)",
     )
     ap.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the NixlConnector run")
     ap.add_argument("--json", action="store_true")

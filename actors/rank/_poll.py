@@ -34,6 +34,12 @@ from kvhandoff.protocol import summary as negotiation_summary
 
 _T = TypeVar("_T")
 
+#: How long after a READ is posted the poll loop only yields instead of
+#: sleeping `poll_interval_s`: a READ of host memory ends in tens of µs (of
+#: 1 MiB, ~0.2 ms), and a whole interval's wait sat on every pulled
+#: handoff's path (docs/vllm.md).
+HOT_AFTER_POST_S = 0.001
+
 
 async def _answer(
     waiters: dict[ParentKey, list[asyncio.Future[_T]]], parent: ParentKey, timeout: float, shield: bool = False
@@ -126,7 +132,7 @@ class _Polling(_RankState):
                     # progress the loop only yields (a burst), then backs off.
                     if progressed:
                         last_progress = now
-                    hot = self._hot and now - last_progress < 0.002
+                    hot = (self._hot and now - last_progress < 0.002) or now - self._posted_at < HOT_AFTER_POST_S
                     await asyncio.sleep(0 if hot else self.config.poll_interval_s)
                 elif self._chunks_in_flight():
                     # Stuck chunks (e.g. of a quarantined lease) are kept and polled, never

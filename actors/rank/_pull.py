@@ -66,6 +66,7 @@ class _PullReader(RankCore):
         self._reads: dict[ContextTicket, tuple[list[ChunkPlan], str, tuple[Piece, ...], BufferGeometry]] = {}
         self._read_flight: dict[tuple[ContextTicket, int], Chunk] = {}
         self._geometry: dict[str, BufferGeometry] = {}
+        self._read_pieces: dict[str, tuple[Piece, ...]] = {}  # per CTX instance (one-rank pairs: one edge)
         super().__init__(config, epoch, tensors=tensors)
 
     # -- pull: READs of the blocks a CTX rank lent us ------------------------------------
@@ -120,8 +121,11 @@ class _PullReader(RankCore):
             source = np.asarray(lend.block_ids(), dtype=np.int64)
             # The pieces of a CTX -> GEN edge, seen from us: (our region,
             # offset, their region, offset, length), for a READ's (local, remote).
-            segments = memory_pieces(pair.shards, edge, pair.peer_kind, self.config.memory_kind)
-            pieces = tuple((dr, do, sr, so, n) for sr, so, dr, do, n in edge_pieces(segments, self.config.chunk_bytes))
+            pieces = self._read_pieces.get(pair.instance)
+            if pieces is None:
+                segments = memory_pieces(pair.shards, edge, pair.peer_kind, self.config.memory_kind)
+                pieces = tuple((dr, do, sr, so, n) for sr, so, dr, do, n in edge_pieces(segments, self.config.chunk_bytes))
+                self._read_pieces[pair.instance] = pieces
             n = min(len(source), len(lease))  # unequal: `install_pull` refuses it right after
             pairs = np.stack([lease.blocks[:n].astype(np.int64), source[:n]], axis=1)
             plans = plan_chunks(pieces, pairs, self.config.chunk_bytes)
@@ -218,5 +222,6 @@ class _PullReader(RankCore):
             self._perform(self.side.chunk_failed(ticket, index, now))
             return
         self._read_flight[(ticket, index)] = chunk
+        self._posted_at = time.monotonic()  # the poll loop yields a moment (`HOT_AFTER_POST_S`)
         self._ensure_polling()
 

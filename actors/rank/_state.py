@@ -141,6 +141,10 @@ class _RankState:
         self._channel = NixlNotifChannel(self.transport)
         # GPU memory: poll without sleeping during a burst of progress.
         self._hot = self.buffer.mem_kind == "VRAM"
+        # When this rank last posted a chunk (its loop's clock): a small
+        # chunk ends within tens of µs, so the loop only yields for
+        # `HOT_AFTER_POST_S` after a post, then backs off (`_poll_loop`).
+        self._posted_at = float("-inf")
         self._notif = self._channel if config.frames == "nixl" else None
         if self.arena is not None:
             self._channel.stage_sink = []

@@ -64,6 +64,9 @@ def test_example_100_requests_with_aborts_is_token_exact_and_leaks_nothing() -> 
     assert out["handoff_ms_p50"] is not None and out["handoff_ms_p50"] > 0
     assert out["publish_ms_p50"] is not None and out["publish_ms_p50"] > 0
     assert out["invalid_params"] == {"garbage": "InvalidTransferParams"}
+    # Between one prefill and one decode engine the decode engine READs
+    # what the prefill engine lent it (pull): every completed request was.
+    assert out["handoffs_by_mode"]["pull"] >= out["completed"], out["handoffs_by_mode"]
     # Every publish and receive but the engine's first (which made the
     # client's handle) ran on its rank's own loop: no round, no thread hop,
     # no Ray call to reach it.
@@ -98,6 +101,7 @@ def test_a_proxy_over_a_fleet_of_two_prefill_and_two_decode_engines() -> None:
     assert set(out["leaked_blocks"]) == {"prefill0", "prefill1", "decode0", "decode1"}
     assert not any(out["leaked_blocks"].values()), out["leaked_blocks"]
     assert len(out["coordinators"]) == 4 and all(not c["timeouts"] for c in out["coordinators"].values())
+    assert out["handoffs_by_mode"] == {"pull": 0, "lent": 0}  # a fleet pushes
     assert out["ok"] is True
 
 
