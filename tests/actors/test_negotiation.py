@@ -64,7 +64,9 @@ POOL = 24
 TOKENS = 100
 TIMEOUT = 30.0
 ROUND_TIMEOUT = 20.0
-ALL = int(ALL_CAPABILITIES)
+# Everything a rank of a `Deployment` advertises: pull (`Capability.PULL`)
+# is advertised by engine pairs' ranks only (`RankConfig.pull`).
+ALL = int(ALL_CAPABILITIES & ~Capability.PULL)
 
 
 def v2(versions: list[int], caps: int = ALL) -> RankDescriptorV2:
