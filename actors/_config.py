@@ -170,6 +170,9 @@ class EngineConfig(EngineFleetConfig, frozen=True, kw_only=True, forbid_unknown_
     #: rank lent it at `publish` (docs/design.md "Pull"); False: the GEN
     #: rank OPENs and the CTX rank WRITEs (push), as between larger ones.
     pull: bool = True
+    #: Pull: how long a receive polls its READs right after posting them,
+    #: before it leaves them to the rank's poll loop (`RankConfig.read_spin_s`).
+    read_spin_s: Annotated[float, Meta(ge=0)] = 0.0005
 
 
 #: The data-plane fields `LaunchConfig`, `EngineConfig`, `EnginePlan` and

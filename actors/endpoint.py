@@ -92,6 +92,7 @@ class EnginePlan(DataPlane, frozen=True, kw_only=True):
     control_frames: str = "stream"
     #: Pull between one-rank instances (`EngineConfig.pull`); a fleet pushes.
     pull: bool = False
+    read_spin_s: float = 0.0005  # `EngineConfig.read_spin_s`
     #: An engine fleet's plan (actors/engine_fleet.py): `instance` names the
     #: instance these workers host (its spec is `ctx` or `gen`, the other is
     #: its default peer); the endpoints pair with every instance of the other
@@ -130,6 +131,7 @@ def _config(plan: EnginePlan, role: Role, rank: int, tensors: Sequence[torch.Ten
         **staging_of(plan),
         fleet=bool(plan.instance),
         pull=plan.pull and not plan.instance,
+        read_spin_s=plan.read_spin_s,
         coordinator=f"{plan.name}.coord.{plan.instance}" if plan.instance else "",
     )
 

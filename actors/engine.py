@@ -40,6 +40,9 @@ table per instance: the same block ids on every TP rank) and its compute
    `failed`, `timeout`) means the engine must not decode from the blocks;
    they are back only when `blocks_returned` is True (quarantined blocks are
    not: `returned(ticket, Role.GEN)` waits for their reclaim).
+   `start_receive` is the same receive for a caller on the GEN rank's own
+   loop (an engine's decode worker hosts it): a pulled receive whose READ
+   ends at once ends within that call, with no turn of the loop.
 6. **Reuse (prefill side).** The prefill server reuses the published blocks
    only after `returned(ticket, Role.CTX)` answered True: every CTX rank
    released them, which happens once S1 is proven (the transfer completed,
@@ -210,6 +213,7 @@ class EngineDeployment(PairCore):
             lease_timeout_s=cfg.lease_timeout_s,
             control_frames=cfg.control_frames,
             pull=cfg.pull and ctx_tp == 1 and gen_tp == 1,
+            read_spin_s=cfg.read_spin_s,
             **staging_of(cfg),
         )
         if not ray.is_initialized():
@@ -326,6 +330,18 @@ class EngineDeployment(PairCore):
         string form. Raises only `InvalidRequest` / `TicketError` /
         `StaleTicket` (nothing was sent) and `DeploymentClosed`; every other
         ending is an outcome."""
+        started = self.start_receive(ticket, blocks, timeout=timeout)
+        return started if isinstance(started, EngineResult) else await started
+
+    def start_receive(
+        self, ticket: HandoffTicket | str, blocks: Sequence[int], *, timeout: float = 60.0
+    ) -> EngineResult | asyncio.Future[EngineResult]:
+        """`receive`, started within this call (on a running event loop): its
+        result if the receive ended here, else a future of it. Only a receive
+        at a GEN rank hosted by this very loop can end here (a pulled one
+        whose READ ended at once: `GenRankCore.receive_at_once`); an engine
+        thread waiting for the answer then waits for no turn of the loop.
+        Raises as `receive` does, before anything was sent."""
         self._check_open()
         ticket = self._ticket(ticket)
         ids = checks.check_blocks(ticket.num_tokens, blocks, self.plan.layout)
@@ -336,12 +352,35 @@ class EngineDeployment(PairCore):
         # receive and answers it (`receive_alone`: no coordinator on the
         # way); else the GEN coordinator claims and admits it in a round.
         at_rank = self._at_rank
+        submission: asyncio.Future[Any]
         if at_rank:
             request = AdmissionRequest(parent, ticket.num_tokens, release_when_ready=True, blocks=ids)
-            submission = self._receive_at_rank(request, timeout, ticket.lend)
+            submission = asyncio.get_running_loop().create_future()
+            try:
+                started = self._receive_at_rank(request, timeout, ticket.lend)
+            except Exception as exc:  # raised on this loop: the rest handles it as if awaited
+                submission.set_exception(exc)
+            else:
+                if isinstance(started, tuple):
+                    decided, back = started
+                    if decided in ("completed", "rejected") and back:
+                        return self._received(parent, decided, back, start)
+                    submission.set_result(started)
+                else:
+                    submission = started
         else:
             call = self._coords[Role.GEN].submit.remote(parent, ticket.num_tokens, True, ids)
             submission = asyncio.ensure_future(_ref(call))
+        return asyncio.ensure_future(self._receive_rest(parent, submission, at_rank, start, timeout))
+
+    def _received(self, parent: ParentKey, decided: str, back: bool, start: float) -> EngineResult:
+        latency = time.perf_counter() - start
+        record_handoff(self.plan.name, decided, latency)
+        return EngineResult(request_id=parent.request_id, outcome=decided, blocks_returned=back, latency_s=latency)
+
+    async def _receive_rest(
+        self, parent: ParentKey, submission: asyncio.Future[Any], at_rank: bool, start: float, timeout: float
+    ) -> EngineResult:
         back = None
         try:
             # The rank answers "timeout" itself: wait a round bound longer.
@@ -368,14 +407,7 @@ class EngineDeployment(PairCore):
             back = await self._returned(parent, Role.GEN, left)
         if decided == "completed" and not back:
             decided = "failed"  # not given back within the bound: never decode from it
-        latency = time.perf_counter() - start
-        record_handoff(self.plan.name, str(decided), latency)
-        return EngineResult(
-            request_id=parent.request_id,
-            outcome=str(decided),
-            blocks_returned=back,
-            latency_s=latency,
-        )
+        return self._received(parent, str(decided), back, start)
 
     @property
     def _at_rank(self) -> bool:
@@ -400,11 +432,13 @@ class EngineDeployment(PairCore):
             return asyncio.ensure_future(endpoint.publish_alone(request))
         return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(endpoint.publish_alone(request), loop))
 
-    def _receive_at_rank(self, request: AdmissionRequest, timeout: float, lend: Lend | None) -> asyncio.Future[Any]:
+    def _receive_at_rank(
+        self, request: AdmissionRequest, timeout: float, lend: Lend | None
+    ) -> asyncio.Future[Any] | tuple[str, bool]:
         """The GEN rank's `receive_alone` of ``request``: on its loop when this
         process hosts it (an engine's front end beside its decode worker: no
-        Ray hop either way; called on that very loop, not even a thread hop),
-        else one Ray call."""
+        Ray hop either way; called on that very loop, not even a thread hop,
+        and its answer if it ended at once: `receive_at_once`), else one Ray call."""
         rank = self._ranks[Role.GEN][0]
         here = hosted_here(rank)
         if here is None:
@@ -415,7 +449,8 @@ class EngineDeployment(PairCore):
         assert isinstance(endpoint, GenRankCore)
         if loop is asyncio.get_running_loop():  # called on the endpoint's own loop: no hop at all
             self.calls["receive_at_rank_on_its_loop"] += 1
-            return asyncio.ensure_future(endpoint.receive_alone(request, timeout, lend))
+            started = endpoint.receive_at_once(request, timeout, lend)
+            return started if isinstance(started, tuple) else asyncio.ensure_future(started)
         return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(endpoint.receive_alone(request, timeout, lend), loop))
 
     # -- either side ------------------------------------------------------------------

@@ -137,9 +137,11 @@ class NixlEngine:
         # (vLLM's default, 5600, for both would clash on one host).
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
-        # As in kvhandoff's VllmEngine: the handshake listener and handshake
-        # threads share the GIL with the engine's steps.
-        sys.setswitchinterval(0.001)
+        # As in kvhandoff's VllmEngine (the same interval): the handshake
+        # listener and handshake threads share the GIL with the engine's steps.
+        from kvhandoff.integrations.vllm_connector import SWITCH_INTERVAL_S
+
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         from vllm import LLM
         from vllm.config import KVTransferConfig
 

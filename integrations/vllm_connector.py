@@ -68,7 +68,7 @@ from kvhandoff.actors.endpoint import (
     endpoint_loop,
     gen_endpoint,
 )
-from kvhandoff.actors.engine import EngineDeployment
+from kvhandoff.actors.engine import EngineDeployment, EngineResult
 from kvhandoff.actors.engine_fleet import FleetInstance
 from kvhandoff.protocol import HandoffTicket, Role, TicketError
 
@@ -79,6 +79,26 @@ TICKET_KEY = "kvhandoff_ticket"
 TOKENS_KEY = "kvhandoff_tokens"
 
 _MODULE = "kvhandoff.integrations.vllm_connector"
+
+#: The GIL switch interval of an engine's process (Python's default: 5 ms).
+#: The endpoint's thread shares the GIL with the engine's steps, and each
+#: time it gives the GIL up inside a receive (a NIXL call, a socket write)
+#: it waits up to this long to get it back while the engine computes: a
+#: pulled receive does so a handful of times. Measured with 8 requests at
+#: once (docs/vllm.md): the handoff and the serving time both shorter at
+#: 0.1 ms than at 1 ms. The NixlConnector baseline runs with the same.
+SWITCH_INTERVAL_S = 0.0001
+
+#: The longest the engine's step waits, where it learns which transfers
+#: ended (`get_transfer_results`), for receives its scheduler handed the GEN
+#: rank's loop earlier in that step and whose start (`start_receive`: the
+#: lease, the READ, its poll, the completion) is still running there. Such
+#: a start takes about a millisecond of the rank's thread and the READ's
+#: tens of µs; a pulled receive that ends there is then reported in the
+#: step it began in, not one step later (docs/vllm.md). Only a start in
+#: progress is waited for, never a transfer: a start that does not end
+#: within this bound is reported when it does.
+START_WAIT_S = 0.002
 
 #: The engine host of this process (one vLLM engine per `VllmEngine` actor).
 _HOST: _EngineHost | None = None
@@ -106,6 +126,10 @@ class _EngineHost:
         self._thread.start()
         self._dep: EngineDeployment | FleetInstance | None = None
         self._lock = threading.Lock()
+        #: Receives handed to the GEN rank's loop whose start has not returned
+        #: (`START_WAIT_S`), and the condition their starts' ends notify.
+        self._starting = 0
+        self._started = threading.Condition(self._lock)
         self.sent: set[str] = set()  # prefill: blocks released on every CTX rank
         self.received: set[str] = set()  # decode: load over (either way), blocks back
         self.failed: set[str] = set()  # decode: load over without the KV
@@ -185,16 +209,54 @@ class _EngineHost:
         # (the first call makes it, on the control loop). The receive reaches
         # the rank, and its end reaches the engine thread, with no hop
         # through the control loop: two thread hops fewer, each a wait for
-        # the GIL while the engine steps. `EngineDeployment.receive` keeps no
-        # state of its own between awaits (Ray calls, tasks it owns), so it
-        # runs on either loop.
+        # the GIL while the engine steps. There `start_receive` runs in the
+        # one turn of the loop this call wakes, and a pulled receive whose
+        # READ ends at once ends in that turn: every further turn would wait
+        # for the GIL again (docs/vllm.md). `EngineDeployment.receive` keeps
+        # no state of its own between awaits (Ray calls, tasks it owns), so
+        # it runs on either loop.
         loop = endpoint_loop(self.owner) if isinstance(self._dep, EngineDeployment) else None
-        asyncio.run_coroutine_threadsafe(self._receive(request_id, ticket, list(blocks)), loop or self._loop)
+        if loop is not None:
+            with self._lock:
+                self._starting += 1
+            try:
+                loop.call_soon_threadsafe(self._start_receive, request_id, ticket, list(blocks))
+            except BaseException:
+                self._started_one()
+                raise
+        else:
+            asyncio.run_coroutine_threadsafe(self._receive(request_id, ticket, list(blocks)), self._loop)
 
-    async def _receive(self, request_id: str, ticket: str, blocks: list[int]) -> None:
+    def _start_receive(self, request_id: str, ticket: str, blocks: list[int]) -> None:
+        assert isinstance(self._dep, EngineDeployment)
+        try:
+            try:
+                started = self._dep.start_receive(ticket, blocks)
+            except Exception as exc:  # a ticket refused before anything was sent
+                self._end_receive(request_id, f"refused: {type(exc).__name__}: {exc}")
+                return
+            if isinstance(started, EngineResult) and started.blocks_returned:
+                self._end_receive(request_id, started.outcome)
+            else:
+                asyncio.ensure_future(self._receive(request_id, ticket, blocks, started))
+        finally:
+            self._started_one()
+
+    def _started_one(self) -> None:
+        with self._lock:
+            self._starting -= 1
+            self._started.notify_all()
+
+    async def _receive(
+        self, request_id: str, ticket: str, blocks: list[int],
+        started: EngineResult | asyncio.Future[EngineResult] | None = None,
+    ) -> None:
         outcome = "failed"
         try:
-            result = await (await self.dep()).receive(ticket, blocks)
+            if started is None:
+                result = await (await self.dep()).receive(ticket, blocks)
+            else:
+                result = started if isinstance(started, EngineResult) else await started
             outcome = result.outcome if result.blocks_returned or result.outcome != "completed" else "failed"
             if not result.blocks_returned:
                 # Quarantined: vLLM must not get them back before a reclaim.
@@ -203,6 +265,10 @@ class _EngineHost:
                     pass
         except Exception as exc:  # a ticket refused before anything was sent
             outcome = f"refused: {type(exc).__name__}: {exc}"
+        self._end_receive(request_id, outcome)
+
+    def _end_receive(self, request_id: str, outcome: str) -> None:
+        """The load of `request_id` is over and its blocks are vLLM's again."""
         with self._lock:
             self.outcomes[request_id] = outcome
             self.tickets.pop(request_id, None)
@@ -237,8 +303,10 @@ class _EngineHost:
             return bool(self.pending or self.sent or self.received)
 
     def take_finished(self) -> tuple[set[str], set[str], set[str]]:
-        now = time.perf_counter()
         with self._lock:
+            if self._starting:  # started in this step, and running now: `START_WAIT_S`
+                self._started.wait_for(lambda: not self._starting, START_WAIT_S)
+            now = time.perf_counter()
             sent, received, failed = self.sent, self.received, self.failed
             self.sent, self.received, self.failed = set(), set(), set()
             for request_id in received:
@@ -475,10 +543,7 @@ class VllmEngine(EndpointHost):
 
     def __init__(self, plan: EnginePlan, role: str, model: str, engine_args: dict[str, Any] | None = None) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
-        # The endpoint's thread shares the GIL with the engine's steps: hand
-        # it over every 1 ms rather than Python's default 5 ms, so a round
-        # or a frame waits for a step's Python for at most that long.
-        sys.setswitchinterval(0.001)
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         from vllm import LLM
         from vllm.config import KVTransferConfig
 

@@ -68,6 +68,13 @@ class RankConfig(DataPlane, frozen=True, kw_only=True):
     chunk_bytes: int = 1 << 20
     lease_timeout_s: float = 30.0
     poll_interval_s: float = 0.0005
+    #: GEN, pull: how long a receive at the rank polls its own READs right
+    #: after posting them, in the same turn of the event loop, before it
+    #: leaves them to the poll loop (`GenRankCore.receive_at_once`). A READ
+    #: of a request's KV in host memory ends in tens of µs; every turn of
+    #: the loop it would otherwise take costs a wait for the GIL in an
+    #: engine's process (docs/vllm.md). 0: never.
+    read_spin_s: float = 0.0005
     #: The longest a frame or report that nothing waits for is held back to
     #: ride with the next one to the same actor (`RankCore._send`): READY and
     #: RECEIPT frames over Ray calls, a CTX rank's completion news. It delays

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import numpy as np
@@ -197,6 +197,20 @@ class GenRankCore(_PullReader):
         "rejected" (no room, the admission stop, draining, or a parent this
         rank already ended); `ParentInFlight` for a parent under way here;
         `RoundError` for a rank of several, or one not joined."""
+        started = self.receive_at_once(request, timeout, lend)
+        return started if isinstance(started, tuple) else await started
+
+    def receive_at_once(
+        self, request: AdmissionRequest, timeout: float, lend: Lend | None = None
+    ) -> tuple[str, bool] | Coroutine[Any, Any, tuple[str, bool]]:
+        """`receive_alone` as far as it goes within this call, on this rank's
+        loop (an engine's front end beside its decode worker calls it there):
+        its answer if the receive ended (refused, or a pull whose READs ended
+        within `RankConfig.read_spin_s`, its blocks back), else the coroutine
+        that waits for the rest (await it). An engine's thread waits for this
+        answer between its steps, and every turn of the loop on the way is a
+        wait for the GIL while the engine computes (docs/vllm.md): a pulled
+        receive that ends here takes none."""
         parent = request.parent
         if self.trace.every:
             self.trace.record(parent.request_id, "receive_alone", "call", "client")
@@ -225,6 +239,15 @@ class GenRankCore(_PullReader):
         # take this loop's time while the READ runs (measured: docs/vllm.md).
         self._nudge(lazy=lend is not None)
         self._admitted(parent, now)
+        if lend is not None and self._spin_reads(parent):
+            self._run_deferred()  # a completion's return of the blocks (`_free_unconsumed`)
+            if parent in self._outcome and self.side.at_rest(parent) and not self.pool.holds(parent):
+                self.counters["received_at_once"] += 1
+                self._answering(parent)
+                return str(self._outcome[parent]), True
+        return self._end_alone(parent, timeout)
+
+    async def _end_alone(self, parent: ParentKey, timeout: float) -> tuple[str, bool]:
         start = time.monotonic()
         outcome = await self.wait(parent, timeout)
         if self.pool.is_quarantined(parent):

@@ -200,6 +200,18 @@ class _PullReader(RankCore):
         self.member.record_failure(parent)
         self._nudge()
 
+    def _spin_reads(self, parent: ParentKey) -> bool:
+        """Poll our READs of `parent` here and now, without yielding, until
+        none is in flight or `RankConfig.read_spin_s` passed; whether none is."""
+        until = time.monotonic() + self.config.read_spin_s
+        while True:
+            if not any(ticket.parent == parent for ticket, _ in self._read_flight):
+                return True
+            now = time.monotonic()
+            if now > until:
+                return False
+            self._poll_posted(self._read_flight, now)
+
     def _post_read(self, ticket: ContextTicket, index: int, now: float) -> None:
         """Post READ chunk `index` of `ticket`'s edge (as the CTX rank posts a
         WRITE: from prepared descriptor lists where it can)."""

@@ -28,7 +28,7 @@ from kvhandoff.actors import (
     RoundTimeout,
 )
 from kvhandoff.actors.endpoint import EnginePlan, ctx_endpoint, endpoint_loop, gen_endpoint
-from kvhandoff.actors.engine import EngineDeployment, PublishRefused, StaleTicket
+from kvhandoff.actors.engine import EngineDeployment, EngineResult, PublishRefused, StaleTicket
 from kvhandoff.actors.rank import EndpointHost, endpoint_actor
 from kvhandoff.cli.harness import held_frames, hold_frames, release_frames
 from kvhandoff.protocol import HandoffTicket, Role, TicketError
@@ -85,19 +85,32 @@ class Worker(EndpointHost):
         """The engine's front end in this worker's process (as vLLM's
         scheduler is beside its decode worker): a receive through a
         deployment handle connected here, on the actor's default loop, not
-        the endpoint's, or (``on_its_loop``) run on the endpoint's own loop
-        (`endpoint_loop`), as the vLLM connector does. Returns its outcome,
-        whether the blocks came back, and the handle's call counts."""
+        the endpoint's, or (``on_its_loop``) started on the endpoint's own
+        loop (`endpoint_loop`) by `start_receive`, as the vLLM connector
+        does. Returns its outcome, whether the blocks came back, and the
+        handle's call counts, with "ended_at_once": 1 where `start_receive`
+        returned the result itself (no turn of the loop), and "leased_then":
+        the blocks the rank still leased when it did (0: they were back, as
+        the result said)."""
         if self.front_end is None:
             self.front_end = await EngineDeployment.connect(self.plan)
-        receive = self.front_end.receive(ticket, blocks, timeout=60)
+        front_end = self.front_end
+        at_once, leased_then = 0, -1
         if on_its_loop:
             loop = endpoint_loop(self)
             assert loop is not None and loop is not asyncio.get_running_loop()
-            result = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(receive, loop))
+
+            async def start() -> EngineResult:
+                nonlocal at_once, leased_then
+                started = front_end.start_receive(ticket, blocks, timeout=60)
+                at_once = int(isinstance(started, EngineResult))
+                leased_then = self.kvhandoff.pool.counts().leased
+                return started if isinstance(started, EngineResult) else await started
+
+            result = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(start(), loop))
         else:
-            result = await receive
-        return result.outcome, result.blocks_returned, dict(self.front_end.calls)
+            result = await front_end.receive(ticket, blocks, timeout=60)
+        return result.outcome, result.blocks_returned, dict(front_end.calls) | {"ended_at_once": at_once, "leased_then": leased_then}
 
     def _shard(self, seed: int, blocks: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """For each (layer, kv): request `seed`'s KV of our head shard over
@@ -380,7 +393,10 @@ async def test_one_rank_instances_receive_at_the_gen_rank(ray_cluster: Any, pull
     ends in both instances; every block comes back. In pull (the GEN rank
     READs what the CTX rank lent it at publish) the same holds, and no frame
     goes from the CTX rank to the GEN rank unless a cancel FENCEs."""
-    eng = await _engine(1, 1, "paged", "split", pull=pull)
+    # A READ here ends in well under a second however busy the box: polled
+    # at once until it does (`read_spin_s`), a pulled receive on the rank's
+    # loop always ends within its call.
+    eng = await _engine(1, 1, "paged", "split", pull=pull, read_spin_s=5.0)
     try:
         gen_coord, ctx_coord = eng.dep._coords[Role.GEN], eng.dep._coords[Role.CTX]
 
@@ -420,12 +436,21 @@ async def test_one_rank_instances_receive_at_the_gen_rank(ray_cluster: Any, pull
         assert await eng.gen[0].matches.remote(39, gen_blocks)
         await eng.give_back(here, gen_blocks, ctx_blocks)
         # Run on the endpoint's own loop (the vLLM connector's receive): the
-        # rank's receive is awaited there, with no thread hop either way.
+        # rank's receive is called there, with no thread hop either way; a
+        # pulled one ends within that call (its READ polled at once), the
+        # blocks back and the bytes the request's: no turn of the loop.
         here, ctx_blocks = await eng.prefill_and_publish("on-its-loop", seed=38, tokens=17)
         gen_blocks = eng.take(Role.GEN, len(ctx_blocks))
         outcome, back, client_calls = await eng.gen[0].receive_here.remote(here.encode(), gen_blocks, True)
         assert (outcome, back) == ("completed", True), (outcome, client_calls)
         assert client_calls.get("receive_at_rank_on_its_loop") == 1, client_calls
+        assert client_calls["ended_at_once"] == int(pull), client_calls
+        if pull:  # ended with its blocks back to the engine, truly
+            assert client_calls["leased_then"] == 0, client_calls
+        gen_stats = [s for s in (await eng.dep.stats())["ranks"] if s["role"] == "gen"]
+        # Every pulled receive ended within its call at the rank (the ones by
+        # Ray call and from another loop too: the rank's part took no turn).
+        assert gen_stats[0]["counters"].get("received_at_once", 0) == (5 if pull else 0), gen_stats
         assert client_calls.get("receive_at_rank_here") == 2 and not client_calls.get("receive_at_rank"), client_calls
         assert await eng.gen[0].matches.remote(38, gen_blocks)
         await eng.give_back(here, gen_blocks, ctx_blocks)
