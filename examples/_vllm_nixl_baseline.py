@@ -103,6 +103,14 @@ class TimedNixlConnector(NixlConnector):
         return results
 
 
+#: An engine's start (the model and NIXL), bounded: vLLM's NixlConnector
+#: waits without a bound for its side-channel listener, whose thread dies
+#: if its port was taken meanwhile (`_free_port` only finds a free one).
+#: Seen once in about twenty runs; a new pair of engines gets new ports.
+START_S = 300.0
+START_ATTEMPTS = 2
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -192,6 +200,10 @@ class NixlEngine:
         self._ensure_stepping()
         return future is not None
 
+    async def ready(self) -> bool:
+        """Answers once the engine is up (a call waits for the constructor)."""
+        return True
+
     async def free_blocks(self) -> int:
         """Free blocks in vLLM's block pool."""
         return int(self._scheduler().kv_cache_manager.block_pool.get_num_free_blocks())
@@ -268,9 +280,18 @@ async def run_baseline(
     rng = random.Random(seed)
     path = os.pathsep.join(p for p in (_HERE, os.environ.get("PYTHONPATH")) if p)
     env = {"runtime_env": {"env_vars": {**ENGINE_ENV, "PYTHONPATH": path}}}
-    prefill = NixlEngine.options(**env).remote("prefill", model_dir, ENGINE_ARGS, kv_lease_s)
-    decode = NixlEngine.options(**env).remote("decode", model_dir, ENGINE_ARGS, kv_lease_s)
-    engines = {"prefill": prefill, "decode": decode}
+    for attempt in range(START_ATTEMPTS):
+        prefill = NixlEngine.options(**env).remote("prefill", model_dir, ENGINE_ARGS, kv_lease_s)
+        decode = NixlEngine.options(**env).remote("decode", model_dir, ENGINE_ARGS, kv_lease_s)
+        engines = {"prefill": prefill, "decode": decode}
+        try:
+            await asyncio.wait_for(asyncio.gather(prefill.ready.remote(), decode.ready.remote()), START_S)
+            break
+        except (TimeoutError, ray.exceptions.RayActorError) as exc:
+            for engine in engines.values():
+                ray.kill(engine)
+            if attempt + 1 == START_ATTEMPTS:
+                return {"error": f"the NixlConnector engines did not start ({START_ATTEMPTS} tries): {exc!r}"[:2000]}
     try:
         return await _run(engines, prompts, reference, abort_plan, rng, max_tokens, concurrency, request_timeout_s, settle_s, started)
     except ray.exceptions.RayActorError as exc:
