@@ -68,6 +68,8 @@ _HERE = str(Path(__file__).resolve().parent)
 #: and the worker's connector both live in it, the engine running in-process).
 _load_started: dict[str, float] = {}  # request id -> perf_counter at update_state_after_alloc
 _handoff_s: list[float] = []  # completed loads, in seconds
+_first_started: dict[str, float] = {}  # the caller's request id -> perf_counter at update_state_after_alloc
+_first_token_s: list[float] = []  # from the allocation to the request's first output token
 _external_tokens: dict[str, int] = {}  # the caller's request id -> tokens loaded from outside
 
 
@@ -91,6 +93,7 @@ class TimedNixlConnector(NixlConnector):
             _load_started[request.request_id] = time.perf_counter()
             # vLLM's request id is the caller's plus a random suffix.
             _external_tokens[get_base_request_id(request.request_id)] = num_external_tokens
+            _first_started[get_base_request_id(request.request_id)] = _load_started[request.request_id]
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
@@ -218,7 +221,13 @@ class NixlEngine:
         out = [s * 1e3 for s in self._connector_state._handoff_s]
         if reset:
             self._connector_state._handoff_s.clear()
+            self._connector_state._first_token_s.clear()
         return out
+
+    async def first_token_ms(self) -> list[float]:
+        """Per request that loaded its KV (decode engine), from the
+        allocation of its blocks to its first output token (ms)."""
+        return [s * 1e3 for s in self._connector_state._first_token_s]
 
     def _scheduler(self) -> Any:
         core = self._engine.engine_core
@@ -235,6 +244,14 @@ class NixlEngine:
         # vLLM's own engine loop (``scheduler.has_requests()``).
         while self._futures or self._engine.has_unfinished_requests() or self._scheduler().has_requests():
             outputs = self._engine.step()
+            state = self._connector_state
+            if state._first_started:
+                now = time.perf_counter()
+                for out in outputs:
+                    started = state._first_started.pop(out.request_id, None)
+                    first = out.outputs[0] if out.outputs else None
+                    if started is not None and first is not None and first.token_ids and first.finish_reason in (None, "length", "stop"):
+                        state._first_token_s.append(now - started)
             for out in outputs:
                 if not out.finished:
                     continue
@@ -381,6 +398,7 @@ async def _run(
     settled_s = await settle()  # a "between" abort's blocks wait out the lease
     free_at_end = dict(zip(engines, await asyncio.gather(*(e.free_blocks.remote() for e in engines.values()))))
     handoff_ms = await decode.handoff_ms.remote()
+    first_ms = await decode.first_token_ms.remote()
 
     completed = [r for r in results if r["outcome"] == "completed"]
     failures = [r for r in results if r["outcome"] not in ("completed", "aborted")]
@@ -394,6 +412,7 @@ async def _run(
         "leaked_blocks": {n: free_at_start[n] - free_at_end[n] for n in engines},
         "handoffs": len(handoff_ms),
         "handoff_ms_p50": statistics.median(handoff_ms) if handoff_ms else None,
+        "first_token_ms_p50": statistics.median(first_ms) if first_ms else None,
         "requests_s": round(requests_s, 1),
         "settle_s": round(settled_s, 1),
         "wall_s": round(time.perf_counter() - started, 1),

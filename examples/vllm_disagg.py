@@ -26,7 +26,13 @@ skips it). It needs the ``nixl`` package beside ours, without its
 dependencies: ``pip install --no-deps nixl==1.5.1``. ``handoff_ms_p50`` is
 measured the same way on both: on the decode engine, from the scheduler's
 allocation of the blocks for the load to vLLM being told the KV is there;
-``handoff_vs_baseline`` is their ratio. ``settle_s`` is how long the engines
+``handoff_vs_baseline`` is their ratio. kvhandoff's connector loads a
+small pulled ticket synchronously (the KV is there before the forward of
+the step that allocated the blocks; ``loads`` counts the loads by kind),
+so ``first_token_ms_p50``, from the same allocation to the decode engine's
+first output token of the request, measured the same way on both, shows
+what the handoff's end is worth to the request (``first_token_vs_baseline``).
+``settle_s`` is how long the engines
 took, after the last request, to give every block back. ``publish_ms_p50``
 is the prefill engine's wait, inside vLLM's ``request_finished``, for each
 ticket (kvhandoff only; its first publish left out); ``request_ms_p50`` a
@@ -177,6 +183,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             warm = await p_engine.generate.remote(f"warm{pi}.{di}", list(range(3, 40)), 1)
             await d_engine.generate.remote(f"warm{pi}.{di}", list(range(3, 40)), 2, warm["kv_transfer_params"])
     warm_loads = [len(await d.handoff_ms.remote()) for d in decodes]
+    warm_firsts = [len((await d.first_tokens.remote())["ms"]) for d in decodes]
     free_at_start = dict(zip(engines, await asyncio.gather(*(e.free_blocks.remote() for e in engines.values()))))
 
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(8, 200))] for _ in range(args.prompts)]
@@ -269,6 +276,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     settle_s = time.monotonic() - settle_from
     free_at_end = dict(zip(engines, await asyncio.gather(*(e.free_blocks.remote() for e in engines.values()))))
     handoff_ms = [ms for d, warm in zip(decodes, warm_loads) for ms in (await d.handoff_ms.remote())[warm:]]
+    first_ms = [ms for d, warm in zip(decodes, warm_firsts) for ms in (await d.first_tokens.remote())["ms"][warm:]]
+    loads: dict[str, int] = {}
+    for counts in await asyncio.gather(*(d.loads.remote() for d in decodes)):
+        for name, n in counts.items():
+            loads[name] = loads.get(name, 0) + n
     # The prefill side's share: the engine thread's wait for each ticket
     # (the first publish of each engine, which makes its handle, left out).
     publish_ms = [ms for p in prefills for ms in (await p.publish_ms.remote())[1:]]
@@ -323,6 +335,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "external_tokens_min": min((r.get("external_tokens", 0) for r in completed), default=0),
         "leaked_blocks": leaked,
         "handoff_ms_p50": statistics.median(handoff_ms) if handoff_ms else None,
+        "first_token_ms_p50": statistics.median(first_ms) if first_ms else None,
+        "loads": loads,
         "publish_ms_p50": statistics.median(publish_ms) if publish_ms else None,
         "request_ms_p50": statistics.median(r["request_ms"] for r in completed) if completed else None,
         "serving_s": round(serving_s, 2),
@@ -334,6 +348,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "handoff_vs_baseline": (
             round(statistics.median(handoff_ms) / baseline["handoff_ms_p50"], 2)
             if handoff_ms and baseline.get("handoff_ms_p50") else None
+        ),
+        "first_token_vs_baseline": (
+            round(statistics.median(first_ms) / baseline["first_token_ms_p50"], 2)
+            if first_ms and baseline.get("first_token_ms_p50") else None
         ),
         "wall_s": round(wall_s, 1),
         "endpoints": [
@@ -359,6 +377,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
          "met": not any(leaked.values())},
         {"target": "handoff p50 / NixlConnector's (same run, same probe)", "value": ratio, "op": "<=", "bound": 1.0,
          "met": ratio is not None and ratio <= 1.0},
+        {"target": "decode first token p50 / NixlConnector's (same run, same probe)",
+         "value": out["first_token_vs_baseline"], "op": "info", "bound": None,
+         "met": out["first_token_vs_baseline"] is not None},
         {"target": "leaked blocks where the baseline leaks (baseline's count)", "value": base_leaked, "op": "info",
          "bound": None, "met": base_leaked is not None},
     ]

@@ -21,12 +21,19 @@ under the cancellation protocol. Three pieces:
   ``kv_transfer_params``; vLLM keeps the blocks until the connector reports
   them sent, which is when every CTX rank released them (S1 proven).
   Decode engine: a request whose ``kv_transfer_params`` carry the ticket
-  loads its prompt's KV asynchronously (`get_num_new_matched_tokens`), into
-  the blocks vLLM allocated (`update_state_after_alloc`); the endpoint's
-  `receive` drives the handoff, and the request is reported received only
-  once the blocks are back in vLLM's hands; any other outcome is a failed
-  load (vLLM fails the request, or recomputes it under its
-  ``kv_load_failure_policy``).
+  loads its prompt's KV into the blocks vLLM allocated
+  (`update_state_after_alloc`), where the endpoint's `receive` drives the
+  handoff. A pulled ticket of a pair that has pulled before, small enough
+  (``sync_load_max_bytes``), loads *synchronously*: the step that allocated
+  the blocks waits in `start_load_kv`, before its forward, for the receive
+  to end (at most ``sync_load_wait_s``), and the request decodes in that
+  step. Any other ticket loads asynchronously, and the request is reported
+  received only once the blocks are back in vLLM's hands. Any outcome but
+  "completed" is a failed load (vLLM fails the request under its
+  ``kv_load_failure_policy``). A synchronous load that did not end within
+  its wait fails its request too, and the connector holds a reference to
+  its blocks in vLLM's block pool until the GEN rank gave them back: vLLM
+  reuses none of them while a READ may still land (docs/vllm.md).
 * Aborts: a vLLM abort of a loading request on the decode engine cancels the
   handoff; vLLM itself keeps the blocks of a request aborted while waiting for
   remote KV until the load is reported finished, which the connector does
@@ -72,7 +79,10 @@ from kvhandoff.actors.engine import EngineDeployment, EngineResult
 from kvhandoff.actors.engine_fleet import FleetInstance
 from kvhandoff.protocol import HandoffTicket, Role, TicketError
 
-__all__ = ["KVHandoffConnector", "VllmEngine", "InvalidTransferParams", "TICKET_KEY", "TOKENS_KEY"]
+__all__ = [
+    "KVHandoffConnector", "VllmEngine", "InvalidTransferParams", "TICKET_KEY", "TOKENS_KEY",
+    "SYNC_LOAD_MAX_BYTES", "SYNC_LOAD_WAIT_S",
+]
 
 #: The keys kvhandoff adds to vLLM's ``kv_transfer_params``.
 TICKET_KEY = "kvhandoff_ticket"
@@ -99,6 +109,20 @@ SWITCH_INTERVAL_S = 0.0001
 #: progress is waited for, never a transfer: a start that does not end
 #: within this bound is reported when it does.
 START_WAIT_S = 0.002
+
+#: The largest load (bytes on the GEN rank) that loads synchronously
+#: (``kv_connector_extra_config["sync_load_max_bytes"]``; 0: never). A
+#: synchronous load stalls the decode engine's step, every request in it,
+#: until the READ ended: worth it for a load that takes less than the step
+#: it saves, not for a long prompt's.
+SYNC_LOAD_MAX_BYTES = 8 << 20
+
+#: The longest a step waits in `start_load_kv` for its synchronous loads
+#: (``kv_connector_extra_config["sync_load_wait_s"]``). A load not over by
+#: then fails its request, and its blocks stay out of vLLM's pool until the
+#: receive ended: never a wait without a bound, never a block reused under
+#: a READ.
+SYNC_LOAD_WAIT_S = 0.05
 
 #: The engine host of this process (one vLLM engine per `VllmEngine` actor).
 _HOST: _EngineHost | None = None
@@ -130,6 +154,17 @@ class _EngineHost:
         #: (`START_WAIT_S`), and the condition their starts' ends notify.
         self._starting = 0
         self._started = threading.Condition(self._lock)
+        #: Synchronous loads not waited for yet, or given up and still held
+        #: (`wait_loaded`), and the condition their ends notify.
+        self._sync: dict[str, _SyncLoad] = {}
+        self._ended = threading.Condition(self._lock)
+        self._pulls: set[str] = set()  # requests whose ticket is pulled
+        #: A pulled receive completed: the GEN rank holds the lender's agent,
+        #: so a pulled load takes a READ and no connection's set-up.
+        self.connected = False
+        self.sync_load_wait_s = SYNC_LOAD_WAIT_S
+        self.loads = {"sync": 0, "async": 0, "sync_given_up": 0}
+        self.held_blocks = 0  # blocks of given-up loads held in vLLM's pool
         self.sent: set[str] = set()  # prefill: blocks released on every CTX rank
         self.received: set[str] = set()  # decode: load over (either way), blocks back
         self.failed: set[str] = set()  # decode: load over without the KV
@@ -143,6 +178,13 @@ class _EngineHost:
         #: for the ticket (the prefill side's share of the handoff).
         self.publish_s: list[float] = []
         self._load_started: dict[str, float] = {}
+        #: Per request whose KV came from outside: from the allocation to the
+        #: engine's first output token of it, in seconds and in steps (1: the
+        #: step that allocated the blocks decoded it).
+        self.first_token_s: list[float] = []
+        self.first_token_steps: list[int] = []
+        self._first_started: dict[str, tuple[float, int]] = {}
+        self.steps = 0  # engine steps over (the engine's thread)
         self.wake = threading.Event()  # set when vLLM has something to learn (a transfer ended)
         self.kv: list[torch.Tensor] = []  # vLLM's KV tensors, as the endpoint sees them
 
@@ -199,11 +241,18 @@ class _EngineHost:
 
     # -- decode ------------------------------------------------------------------------
 
-    def receive(self, request_id: str, ticket: str, blocks: Sequence[int]) -> None:
+    def receive(self, request_id: str, ticket: str, blocks: Sequence[int], *, sync: bool = False, pulled: bool = False) -> None:
         with self._lock:
-            self._load_started[request_id] = time.perf_counter()
+            now = time.perf_counter()
+            self._load_started[request_id] = now
+            self._first_started[_caller_id(request_id)] = (now, self.steps)  # outputs carry the caller's id
             self.tickets[request_id] = ticket
             self.pending += 1
+            self.loads["sync" if sync else "async"] += 1
+            if sync:
+                self._sync[request_id] = _SyncLoad(list(blocks))
+            if pulled:
+                self._pulls.add(request_id)
         # A pair's receive goes to the GEN rank, which lives in this process:
         # run it on the rank's own loop once the deployment handle exists
         # (the first call makes it, on the control loop). The receive reaches
@@ -270,13 +319,85 @@ class _EngineHost:
     def _end_receive(self, request_id: str, outcome: str) -> None:
         """The load of `request_id` is over and its blocks are vLLM's again."""
         with self._lock:
-            self.outcomes[request_id] = outcome
             self.tickets.pop(request_id, None)
-            self.received.add(request_id)
-            if outcome != "completed":
-                self.failed.add(request_id)
             self.pending -= 1
+            if request_id in self._pulls:
+                self._pulls.discard(request_id)
+                self.connected = self.connected or outcome == "completed"
+            load = self._sync.get(request_id)
+            if load is None:  # asynchronous: vLLM learns of it in `take_finished`
+                self.outcomes[request_id] = outcome
+                self.received.add(request_id)
+                if outcome != "completed":
+                    self.failed.add(request_id)
+            elif load.held:  # given up by its step: vLLM may have its blocks back now
+                del self._sync[request_id]
+                self.owner._stepper.submit(lambda: self._release(load.blocks))
+            else:  # its step waits for it (`wait_loaded`)
+                load.outcome = outcome
+                self.outcomes[request_id] = outcome
+                self._ended.notify_all()
         self.wake.set()
+
+    def wait_loaded(self, request_ids: Sequence[str]) -> set[int]:
+        """In the step that scheduled them, before its forward (the engine's
+        thread): wait up to `sync_load_wait_s` for these synchronous loads
+        to end. Returns the blocks of those that did not complete (vLLM fails
+        their requests). A load still under way is given up: its blocks
+        get a reference in vLLM's block pool, dropped once the receive
+        ended and the GEN rank gave them back, so vLLM reuses none of them
+        while a READ may still write it."""
+        invalid: set[int] = set()
+        hold: list[int] = []
+        with self._lock:
+            loads = [(r, self._sync[r]) for r in request_ids if r in self._sync]
+            self._ended.wait_for(lambda: all(load.outcome is not None for _, load in loads), self.sync_load_wait_s)
+            now = time.perf_counter()
+            for request_id, load in loads:
+                started = self._load_started.pop(request_id, None)
+                if load.outcome is None:
+                    load.held = True
+                    self.outcomes[request_id] = f"not over within sync_load_wait_s ({self.sync_load_wait_s} s)"
+                    self.loads["sync_given_up"] += 1
+                    self.held_blocks += len(load.blocks)
+                    hold += load.blocks
+                    invalid.update(load.blocks)
+                    continue
+                del self._sync[request_id]
+                if load.outcome == "completed":
+                    if started is not None:
+                        self.handoff_s.append(now - started)
+                else:
+                    invalid.update(load.blocks)
+        if hold:
+            pool = self._pool()
+            pool.touch([pool.blocks[b] for b in hold])
+        return invalid
+
+    def _release(self, blocks: list[int]) -> None:
+        """A given-up load's blocks back to vLLM (the engine's thread)."""
+        pool = self._pool()
+        pool.free_blocks([pool.blocks[b] for b in blocks])
+        with self._lock:
+            self.held_blocks -= len(blocks)
+
+    def _pool(self) -> Any:
+        return self.owner._scheduler().kv_cache_manager.block_pool
+
+    def first_tokens(self, outputs: Sequence[Any]) -> None:
+        """After a step (the engine's thread): the first output token of a
+        request that took its KV from outside."""
+        now = time.perf_counter()
+        with self._lock:
+            self.steps += 1
+            for out in outputs:
+                started = self._first_started.pop(out.request_id, None) if self._first_started else None
+                if started is None:
+                    continue
+                first = out.outputs[0] if out.outputs else None
+                if first is not None and first.token_ids and first.finish_reason in (None, "length", "stop"):
+                    self.first_token_s.append(now - started[0])
+                    self.first_token_steps.append(self.steps - started[1])
 
     def cancel(self, request_id: str) -> None:
         """Cancel the transfer of a request, named by vLLM's internal id or the
@@ -298,9 +419,10 @@ class _EngineHost:
         await (await self.dep()).cancel(ticket)
 
     def busy(self) -> bool:
-        """Transfers in flight, or ends vLLM has not been told (the engine must step)."""
+        """Transfers in flight, ends vLLM has not been told, or blocks held
+        for a given-up load (the engine must step)."""
         with self._lock:
-            return bool(self.pending or self.sent or self.received)
+            return bool(self.pending or self.sent or self.received or self.held_blocks)
 
     def take_finished(self) -> tuple[set[str], set[str], set[str]]:
         with self._lock:
@@ -314,6 +436,34 @@ class _EngineHost:
                 if started is not None and request_id not in failed:
                     self.handoff_s.append(now - started)
         return sent, received, failed
+
+
+class _SyncLoad:
+    """A synchronous load: its GEN blocks, its outcome once the receive
+    ended (blocks back), and whether its step gave it up (`wait_loaded`)."""
+
+    __slots__ = ("blocks", "outcome", "held")
+
+    def __init__(self, blocks: list[int]) -> None:
+        self.blocks = blocks
+        self.outcome: str | None = None
+        self.held = False
+
+
+def connector_options(extra: Any) -> tuple[int, float]:
+    """``(sync_load_max_bytes, sync_load_wait_s)`` from a
+    ``kv_connector_extra_config``; ``ValueError`` for an unknown key or a
+    value that is not a number >= 0."""
+    extra = dict(extra or {})
+    unknown = set(extra) - {"sync_load_max_bytes", "sync_load_wait_s"}
+    if unknown:
+        raise ValueError(f"kvhandoff connector: unknown options {sorted(unknown)}")
+    max_bytes = extra.get("sync_load_max_bytes", SYNC_LOAD_MAX_BYTES)
+    wait_s = extra.get("sync_load_wait_s", SYNC_LOAD_WAIT_S)
+    for name, value in (("sync_load_max_bytes", max_bytes), ("sync_load_wait_s", wait_s)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 or value == float("inf"):
+            raise ValueError(f"kvhandoff connector: {name} must be a finite number >= 0, got {value!r}")
+    return int(max_bytes), float(wait_s)
 
 
 #: vLLM 0.32 runs a request under the caller's id plus a random "-<8 hex>".
@@ -344,7 +494,12 @@ def check_transfer_params(params: Any, plan: EnginePlan) -> None:
 
 
 class _Meta(KVConnectorMetadata):
-    """Nothing crosses from scheduler to worker: both sides share the process's host."""
+    """From the scheduler to the worker, per step: the requests whose load
+    is synchronous (`KVHandoffConnector.start_load_kv` waits for them).
+    Everything else both sides share through the process's host."""
+
+    def __init__(self, sync: list[str]) -> None:
+        self.sync = sync
 
 
 class KVHandoffConnector(KVConnectorBase_V1):
@@ -357,7 +512,12 @@ class KVHandoffConnector(KVConnectorBase_V1):
             raise RuntimeError("KVHandoffConnector runs inside a kvhandoff VllmEngine actor")
         self._host = _HOST
         self._block_size = int(vllm_config.cache_config.block_size)
-        self._loading: dict[str, tuple[str, int]] = {}  # request id -> (ticket, tokens), waiting for blocks
+        self._sync_max_bytes, wait_s = connector_options(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        self._host.sync_load_wait_s = wait_s
+        #: request id -> (ticket, tokens, synchronous, pulled), waiting for blocks
+        self._loading: dict[str, tuple[str, int, bool, bool]] = {}
+        self._sync_step: list[str] = []  # this step's synchronous loads (scheduler side)
+        self._invalid: set[int] = set()  # blocks of this step's failed synchronous loads (worker side)
 
     # -- worker side ---------------------------------------------------------------
 
@@ -375,7 +535,15 @@ class KVHandoffConnector(KVConnectorBase_V1):
         host.kv = tensors
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        return None  # loads start from the scheduler side (update_state_after_alloc)
+        # Loads start from the scheduler side (update_state_after_alloc);
+        # this step's synchronous ones must be over before its forward.
+        meta = self._get_connector_metadata()
+        if isinstance(meta, _Meta) and meta.sync:
+            self._invalid |= self._host.wait_loaded(meta.sync)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -402,25 +570,45 @@ class KVHandoffConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params or {}
         if TICKET_KEY not in params or params.get("_kvhandoff_taken"):
             return 0, False
-        count = int(params[TOKENS_KEY]) - num_computed_tokens
+        tokens = int(params[TOKENS_KEY])
+        count = tokens - num_computed_tokens
         if count <= 0:
             return 0, False
-        self._loading[request.request_id] = (params[TICKET_KEY], int(params[TOKENS_KEY]))
-        return count, True
+        pulled = self._pulled(params[TICKET_KEY])
+        # Synchronous: the full prompt's KV leaves its last token to compute,
+        # so the step has one to schedule (vLLM's async path does the same).
+        sync_count = min(tokens, request.num_tokens - 1) - num_computed_tokens
+        sync = pulled and sync_count > 0 and self._host.connected and self._load_bytes(tokens) <= self._sync_max_bytes
+        self._loading[request.request_id] = (params[TICKET_KEY], tokens, sync, pulled)
+        return (sync_count, False) if sync else (count, True)
+
+    def _pulled(self, text: str) -> bool:
+        try:
+            return HandoffTicket.decode(text).lend is not None
+        except TicketError:
+            return False  # refused when its receive starts
+
+    def _load_bytes(self, tokens: int) -> int:
+        layout = self._host.plan.layout
+        heads = layout.num_kv_heads // self._host.plan.spec(self._host.role).tp
+        return -(-tokens // self._block_size) * layout.num_layers * 2 * heads * layout.head_bytes
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         load = self._loading.pop(request.request_id, None)
         if load is None or num_external_tokens <= 0:
             return
-        ticket, tokens = load
+        ticket, tokens, sync, pulled = load
         params = request.kv_transfer_params
         params["_kvhandoff_taken"] = True  # one transfer per request
         need = -(-tokens // self._block_size)
         ids = list(blocks.get_block_ids()[0])[:need]
-        self._host.receive(request.request_id, ticket, ids)
+        self._host.receive(request.request_id, ticket, ids, sync=sync, pulled=pulled)
+        if sync:
+            self._sync_step.append(request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return _Meta()
+        meta, self._sync_step = _Meta(self._sync_step), []
+        return meta
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
@@ -505,6 +693,7 @@ class _EngineThread:
                 host.wake.clear()
                 continue
             outputs = engine.step()
+            host.first_tokens(outputs)
             for out in outputs:
                 if out.finished:
                     self._finish(out)
@@ -539,9 +728,17 @@ class VllmEngine(EndpointHost):
     """One vLLM engine in a Ray actor, with kvhandoff's connector and its rank
     endpoint (module docstring). ``role`` is "ctx" (prefill) or "gen"
     (decode); ``engine_args`` go to ``vllm.LLM``. The engine steps on its own
-    thread (`_EngineThread`); the actor's methods never block its loop."""
+    thread (`_EngineThread`); the actor's methods never block its loop.
+    ``connector_config`` is the connector's ``kv_connector_extra_config``:
+    ``sync_load_max_bytes`` (`SYNC_LOAD_MAX_BYTES`; 0: every load
+    asynchronous) and ``sync_load_wait_s`` (`SYNC_LOAD_WAIT_S`); anything
+    else is a ``ValueError``."""
 
-    def __init__(self, plan: EnginePlan, role: str, model: str, engine_args: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, plan: EnginePlan, role: str, model: str, engine_args: dict[str, Any] | None = None,
+        connector_config: dict[str, Any] | None = None,
+    ) -> None:
+        connector_options(connector_config)  # a bad option fails here, before the engine starts
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         from vllm import LLM
@@ -558,6 +755,7 @@ class VllmEngine(EndpointHost):
             kv_connector_module_path=_MODULE,
             kv_role="kv_producer" if self._role is Role.CTX else "kv_consumer",
             kv_load_failure_policy="fail",
+            kv_connector_extra_config=dict(connector_config or {}),
         )
         args = {
             "skip_tokenizer_init": True,
@@ -653,7 +851,28 @@ class VllmEngine(EndpointHost):
         return [s * 1e3 for s in self._host.publish_s]
 
     async def handoff_ms(self) -> list[float]:
+        """Per completed load (decode engine), from the allocation of its
+        blocks to vLLM being told its KV is there: for an asynchronous load
+        the step's end that reports it, for a synchronous one the end of
+        `start_load_kv`, before the forward that uses it (ms)."""
         return [s * 1e3 for s in self._host.handoff_s]
+
+    async def first_tokens(self) -> dict[str, list[Any]]:
+        """Per request that took its KV from outside (decode engine), from
+        the allocation of its blocks to its first output token: ``ms``, and
+        ``steps`` (1: decoded in the step that allocated them)."""
+        host = self._host
+        with host._lock:
+            return {"ms": [s * 1e3 for s in host.first_token_s], "steps": list(host.first_token_steps)}
+
+    async def loads(self) -> dict[str, int]:
+        """How this decode engine's loads went: ``sync`` and ``async`` (by
+        kind, since the start), ``sync_given_up`` (not over within
+        ``sync_load_wait_s``), ``held_blocks`` (blocks of given-up loads
+        still kept out of vLLM's pool)."""
+        host = self._host
+        with host._lock:
+            return {**host.loads, "held_blocks": host.held_blocks}
 
     def _scheduler(self) -> Any:
         core = self._engine.engine_core

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -233,6 +234,79 @@ async def test_bad_transfer_params_get_a_clear_error_and_the_engine_keeps_servin
     stale = await engines.decode.generate.remote("stale", prompt, 8, good)
     assert stale["outcome"].startswith("handoff "), stale  # the ticket's handoff is over: no KV, a clear error
     after = await engines.decode.generate.remote("after", prompt, 8, await engines.ticket("after", prompt))
+    assert after["outcome"] == "completed" and after["token_ids"] == reference
+    await engines.settle()
+    assert await engines.free() == before
+
+
+async def test_a_pulled_load_of_a_connected_pair_is_decoded_in_the_step_that_allocated_its_blocks(engines: Engines) -> None:
+    """Once the pair has pulled a handoff, a small pulled load is
+    synchronous: the step that allocated its blocks waits, before its
+    forward, for the READ to end, and decodes the request's first token
+    itself (one step from allocation to token; an asynchronous load takes
+    two or more). The tokens are the plain engine's: the forward ran on the
+    KV the READ put there, not on what the blocks held before."""
+    reference = await engines.plain.generate.remote(PROMPTS, 8)
+    await engines.settle()
+    before = await engines.decode.loads.remote()
+    seen = len((await engines.decode.first_tokens.remote())["steps"])
+    for k, prompt in enumerate(PROMPTS):
+        out = await engines.decode.generate.remote(f"sync{k}", prompt, 8, await engines.ticket(f"sync{k}", prompt))
+        assert out["outcome"] == "completed" and out["num_cached_tokens"] > 0, out
+        assert out["token_ids"] == reference[k], k
+    after = await engines.decode.loads.remote()
+    assert after["sync"] - before["sync"] == len(PROMPTS), (before, after)
+    assert after["async"] == before["async"] and after["sync_given_up"] == before["sync_given_up"], (before, after)
+    steps = (await engines.decode.first_tokens.remote())["steps"][seen:]
+    assert steps == [1] * len(PROMPTS), steps
+    await engines.settle()
+
+
+def _close_gate(engine: Any) -> None:
+    """Hold the decode engine's GEN rank loop (run in its actor): nothing
+    runs on it, a receive's start included, until `_open_gate`."""
+    from kvhandoff.actors.endpoint import endpoint_loop
+
+    engine.test_gate = threading.Event()
+    endpoint_loop(engine).call_soon_threadsafe(engine.test_gate.wait)
+
+
+def _open_gate(engine: Any) -> None:
+    engine.test_gate.set()
+
+
+async def test_a_synchronous_load_not_over_in_time_fails_its_request_and_vllm_reuses_none_of_its_blocks(
+    engines: Engines,
+) -> None:
+    """A synchronous load whose receive cannot even start (the GEN rank's
+    loop held) is given up after `sync_load_wait_s`: its request ends with
+    a handoff error, not a hang and not a decode from unwritten KV, and its
+    blocks stay out of vLLM's free pool while the receive may still READ
+    into them; once the receive ends they are vLLM's again, nothing is
+    lost, and the engine goes on decoding token-exact."""
+    prompt = PROMPTS[2]
+    reference = (await engines.plain.generate.remote([prompt], 8))[0]
+    await engines.settle()
+    before, loads = await engines.free(), await engines.decode.loads.remote()
+    params = await engines.ticket("late", prompt)
+    need = -(-len(prompt) // vllm_disagg.BLOCK)
+    await engines.decode.__ray_call__.remote(_close_gate)
+    try:
+        late = await engines.decode.generate.remote("late", prompt, 8, params)
+        held = await engines.decode.loads.remote()
+        free_while_held = await engines.decode.free_blocks.remote()
+    finally:
+        await engines.decode.__ray_call__.remote(_open_gate)
+    assert late["outcome"].startswith("handoff not over within sync_load_wait_s"), late
+    assert late["token_ids"] == [], late
+    assert held["sync_given_up"] == loads["sync_given_up"] + 1 and held["held_blocks"] == need, held
+    # The failed request's blocks were freed by vLLM, yet none is free: the
+    # connector's reference keeps them out of the pool.
+    assert free_while_held == before["decode"] - need, (free_while_held, before)
+    await engines.settle()
+    assert (await engines.decode.loads.remote())["held_blocks"] == 0
+    assert await engines.free() == before
+    after = await engines.decode.generate.remote("after-late", prompt, 8, await engines.ticket("after-late", prompt))
     assert after["outcome"] == "completed" and after["token_ids"] == reference
     await engines.settle()
     assert await engines.free() == before
