@@ -141,6 +141,13 @@ class Engines:
             "decode": await self.decode.free_blocks.remote(),
         }
 
+    async def connect(self) -> None:
+        """One pulled handoff (the first of the pair connects the GEN rank to
+        the lender; later pulled loads are synchronous)."""
+        out = await self.decode.generate.remote("connect", PROMPTS[0], 2, await self.ticket("connect", PROMPTS[0]))
+        assert out["outcome"] == "completed", out
+        await self.settle()
+
     async def settle(self) -> None:
         """Until both engines are idle (every transfer over, every block back)."""
         while not all([await self.prefill.idle.remote(), await self.decode.idle.remote()]):
@@ -247,7 +254,7 @@ async def test_a_pulled_load_of_a_connected_pair_is_decoded_in_the_step_that_all
     two or more). The tokens are the plain engine's: the forward ran on the
     KV the READ put there, not on what the blocks held before."""
     reference = await engines.plain.generate.remote(PROMPTS, 8)
-    await engines.settle()
+    await engines.connect()
     before = await engines.decode.loads.remote()
     seen = len((await engines.decode.first_tokens.remote())["steps"])
     for k, prompt in enumerate(PROMPTS):
@@ -286,7 +293,7 @@ async def test_a_synchronous_load_not_over_in_time_fails_its_request_and_vllm_re
     lost, and the engine goes on decoding token-exact."""
     prompt = PROMPTS[2]
     reference = (await engines.plain.generate.remote([prompt], 8))[0]
-    await engines.settle()
+    await engines.connect()
     before, loads = await engines.free(), await engines.decode.loads.remote()
     params = await engines.ticket("late", prompt)
     need = -(-len(prompt) // vllm_disagg.BLOCK)
