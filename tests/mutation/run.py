@@ -53,9 +53,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 MUTANTS = pathlib.Path(__file__).with_name("mutants.toml")
 DEFAULT_TESTS = "tests/protocol"
 # What the scratch copy needs: the layer folders, the tests and what they read.
-COPY = ("pkg", "protocol", "topology", "actors", "cli", "tools", "tests", "docs", "examples", "pyproject.toml")
+COPY = ("pkg", "protocol", "topology", "actors", "cli", "tools", "integrations", "tests", "docs", "examples", "pyproject.toml")
 # The import package `kvhandoff` as the editable install maps it (pyproject package-dir).
-PACKAGE_DIRS = {"protocol": "protocol", "topology": "topology", "actors": "actors", "cli": "cli", "tools": "tools"}
+PACKAGE_DIRS = {
+    "protocol": "protocol", "topology": "topology", "actors": "actors", "cli": "cli", "tools": "tools",
+    "integrations": "integrations",
+}
 
 
 @dataclasses.dataclass(frozen=True)
