@@ -88,8 +88,9 @@ class RankConfig(DataPlane, frozen=True, kw_only=True):
     #: a fraction of a millisecond of each other, each in its own turn of the
     #: event loop, and would report (and its coordinator run a round) once per
     #: peer. A rank that reported longer ago than the gap reports at once: a
-    #: lone handoff waits for nothing.
-    report_gap_s: float = 0.001
+    #: lone handoff waits for nothing. Off by default: on the 16-core GPU host
+    #: a 1 ms gap lowered every fleet ratio (docs/design.md, "Messages").
+    report_gap_s: float = 0.0
     device: str = "cpu"
     fault_plan: FaultPlan | None = None
     #: Outside the qualified scope (topology/_gate.py): a cancel never
