@@ -869,10 +869,10 @@ class VllmEngine(EndpointHost):
         """How this decode engine's loads went: ``sync`` and ``async`` (by
         kind, since the start), ``sync_given_up`` (not over within
         ``sync_load_wait_s``), ``held_blocks`` (blocks of given-up loads
-        still kept out of vLLM's pool)."""
+        still kept out of vLLM's pool), ``in_flight`` (transfers not over)."""
         host = self._host
         with host._lock:
-            return {**host.loads, "held_blocks": host.held_blocks}
+            return {**host.loads, "held_blocks": host.held_blocks, "in_flight": host.pending}
 
     def _scheduler(self) -> Any:
         core = self._engine.engine_core

@@ -310,8 +310,14 @@ async def test_a_synchronous_load_not_over_in_time_fails_its_request_and_vllm_re
     # The failed request's blocks were freed by vLLM, yet none is free: the
     # connector's reference keeps them out of the pool.
     assert free_while_held == before["decode"] - need, (free_while_held, before)
-    await engines.settle()
+    # Once the receive ended (the gate open, it runs), the blocks go back:
+    # their release is queued on the engine's thread before the receive
+    # counts as over, and `free_blocks` runs on that thread after it.
+    while (await engines.decode.loads.remote())["in_flight"]:
+        await asyncio.sleep(0.05)
+    assert await engines.decode.free_blocks.remote() == before["decode"]
     assert (await engines.decode.loads.remote())["held_blocks"] == 0
+    await engines.settle()
     assert await engines.free() == before
     after = await engines.decode.generate.remote("after-late", prompt, 8, await engines.ticket("after-late", prompt))
     assert after["outcome"] == "completed" and after["token_ids"] == reference
