@@ -33,6 +33,7 @@ from kvhandoff.actors import (
     InvalidRequest,
     LaunchFailed,
 )
+from kvhandoff.actors._directory import _pid_alive
 from kvhandoff.cli.harness import (
     defer_opens,
     deferred_opens,
@@ -599,12 +600,15 @@ def test_dead_coordinator_fails_handoffs_cleanly_and_stats_still_work(ray_cluste
                 assert [r.outcome for r in warm] == ["completed"] * 2, warm
             coordinator = dep.coordinator(Role.CTX)
             ctx_ranks = await dep.ranks(Role.CTX)
+            pids = [await inside(r, lambda self: os.getpid()) for r in ctx_ranks]
             ray.kill(coordinator)
             # Dead before the handoffs start, not in the middle of one: the
             # coordinator and, with it, the ranks it owns (Ray ends an owner's
             # actors some time after the owner; a rank still up would serve an
             # OPEN that reaches it over its stream, and that handoff would
-            # complete, correctly, with its bytes verified).
+            # complete, correctly, with its bytes verified). Ray's DEAD mark
+            # can precede the rank process's exit, and the process serves its
+            # stream until it exits: wait for both.
             deadline = time.monotonic() + IDLE_BOUND
             for actor, call in [(coordinator, "stats"), *((r, "ping") for r in ctx_ranks)]:
                 while True:
@@ -613,6 +617,10 @@ def test_dead_coordinator_fails_handoffs_cleanly_and_stats_still_work(ray_cluste
                     except ray.exceptions.RayActorError:
                         break
                     assert time.monotonic() < deadline, actor
+                    await asyncio.sleep(0.05)
+            for pid in pids:
+                while _pid_alive(pid):
+                    assert time.monotonic() < deadline, pid
                     await asyncio.sleep(0.05)
             results = await asyncio.gather(
                 *(dep.handoff(f"orphaned-{i}", TOKENS, timeout=TIMEOUT) for i in range(8)), return_exceptions=True
