@@ -62,6 +62,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
+import msgspec
 import ray
 
 from kvhandoff.actors._stager import STAGED_BELOW, staged_min_descriptors
@@ -349,13 +350,7 @@ class _Bench:
                     f"paged: {kib} KiB is not a multiple of {token_bytes} B per token"
                 )
                 continue
-            layout = KVLayout(
-                num_layers=PAGE_LAYOUT.num_layers,
-                num_kv_heads=PAGE_LAYOUT.num_kv_heads,
-                head_dim=PAGE_LAYOUT.head_dim,
-                dtype=PAGE_LAYOUT.dtype,
-                tokens_per_block=tokens,
-            )
+            layout = msgspec.structs.replace(PAGE_LAYOUT, tokens_per_block=tokens)
             dep = await self.launch(layout, 2 * self.args.paged_mib * MiB // (kib * KiB), tp1=True)
             try:
                 ctx = (await dep.ranks(Role.CTX))[0]

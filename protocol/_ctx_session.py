@@ -257,8 +257,7 @@ class CtxRank(_BothRoles):
             peer=peer,
         )
         edge = _Edge(ticket=ticket, state=_ES.PREPARED, open=message, num_chunks=num_chunks)
-        self._sessions.install(ticket, edge)
-        record.edges[ticket] = edge
+        self._install_edge(record, edge)
         actions = self._fire_parent(record.key, _PE.EDGE_PREPARED)
         if self.is_prepared(record.key):
             actions += self._fire_parent(record.key, _PE.ALL_PREPARED)
@@ -356,24 +355,16 @@ class CtxRank(_BothRoles):
             raise LeaseError(f"a lend is numbered from 1, got {lend_seq}")
         if len(readers) != self._edges_of(record):
             raise LeaseError(f"{len(readers)} reader(s) for a parent of {self._edges_of(record)} edge(s) here")
+        seen: set[ContextTicket] = set()
         for ticket, nbytes in readers.items():
-            if ticket.parent != parent:
-                raise StaleError("parent", ticket.parent, parent)
-            _check_endpoint("ctx", ticket.ctx, self.our)
-            if ticket.ctx_digest != self.digest:
-                raise StaleError("ctx topology digest", ticket.ctx_digest.hex(), self.digest.hex())
-            if ticket.gen.ns.role is not Role.GEN:
-                raise StaleError("gen namespace role", ticket.gen.ns.role, Role.GEN)
-            if ticket in self._sessions or self._sessions.closed_how(ticket) is not None:
-                raise DuplicateSessionError(ticket)
+            self._check_edge_ticket(parent, ticket, seen)
             if nbytes < 0:
                 raise LeaseError(f"negative bytes {nbytes} for a reader")
         for ticket, nbytes in readers.items():
             edge = _Edge(
                 ticket=ticket, state=_ES.OPEN_PROPOSED, open=None, expected_bytes=nbytes, pull=True, lend_seq=lend_seq
             )
-            self._sessions.install(ticket, edge)
-            record.edges[ticket] = edge
+            self._install_edge(record, edge)
         actions = self._fire_parent(parent, _PE.DECIDED)
         record.deadline = record.lease_deadline
         if self._dead_peers:  # a reader already confirmed dead reads nothing

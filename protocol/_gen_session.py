@@ -33,11 +33,12 @@ from ._messages import (
     block_columns,
 )
 from ._pool import BlockRef, BlockRefs
-from ._registry import DuplicateSessionError, check_descriptors
+from ._registry import check_descriptors
 from ._session import (
     _check_endpoint,
     _check_open_buffer,
     _Edge,
+    _Parent,
 )
 from ._tables import (
     _EE,
@@ -103,10 +104,7 @@ class GenRank(_BothRoles):
         block descriptor must be a current block of this parent's lease. All
         checks run before anything is recorded.
         """
-        record = self._require(parent)
-        _fire(self._machine("parent"), self._parent_table, record.state, _PE.INSTALLED)  # validate
-        if not edges:
-            raise PoolError("a session needs at least one edge")
+        record = self._installing(parent, edges)
         seen: set[ContextTicket] = set()
         for spec in edges:
             ticket = spec.ticket
@@ -135,8 +133,7 @@ class GenRank(_BothRoles):
                 open=open_msg,
                 expected_bytes=spec.expected_bytes,
             )
-            self._sessions.install(spec.ticket, edge)
-            record.edges[spec.ticket] = edge
+            self._install_edge(record, edge)
         actions = self._fire_parent(parent, _PE.INSTALLED)
         if self._dead_peers:  # an edge toward a writer already confirmed dead
             actions += self._dead_proof(record, now)
@@ -157,10 +154,7 @@ class GenRank(_BothRoles):
         block of our lease, each `block_bytes` long. Raises `StaleError`,
         `LeaseError`, `PoolError` or `DuplicateSessionError`; nothing changes.
         """
-        record = self._require(parent)
-        _fire(self._machine("parent"), self._parent_table, record.state, _PE.INSTALLED)  # validate
-        if not edges:
-            raise PoolError("a session needs at least one edge")
+        record = self._installing(parent, edges)
         seen: set[ContextTicket] = set()
         for spec in edges:
             ticket = spec.ticket
@@ -192,8 +186,7 @@ class GenRank(_BothRoles):
                 pull=True,
                 lend_seq=spec.lend_seq,
             )
-            self._sessions.install(spec.ticket, edge)
-            record.edges[spec.ticket] = edge
+            self._install_edge(record, edge)
         actions = self._fire_parent(parent, _PE.INSTALLED)
         for edge in list(record.edges.values()):
             actions += self._fire_edge(edge, _EE.DECIDED)
@@ -222,22 +215,14 @@ class GenRank(_BothRoles):
         kind = TerminalKind.DRAINED if read else TerminalKind.NOT_STARTED
         return [SendMessage(ticket.ctx, Terminal(ticket=ticket, evidence=kind))]
 
-    def _check_edge_ticket(
-        self, parent: ParentKey, ticket: ContextTicket, seen: set[ContextTicket], *, closed_too: bool = True
-    ) -> None:
-        """What every edge ticket installed here must say: this parent, our
-        endpoint and digest, a CTX peer, once (`closed_too`: never installed
-        before either). Raises; changes nothing."""
-        if ticket.parent != parent:
-            raise StaleError("parent", ticket.parent, parent)
-        _check_endpoint("gen", ticket.gen, self.our)
-        if ticket.gen_digest != self.digest:
-            raise StaleError("gen topology digest", ticket.gen_digest.hex(), self.digest.hex())
-        if ticket.ctx.ns.role is not Role.CTX:
-            raise StaleError("ctx namespace role", ticket.ctx.ns.role, Role.CTX)
-        if ticket in seen or ticket in self._sessions or (closed_too and self._sessions.closed_how(ticket) is not None):
-            raise DuplicateSessionError(ticket)
-        seen.add(ticket)
+    def _installing(self, parent: ParentKey, edges: Sequence[object]) -> _Parent:
+        """The record of `parent`, whose edges (`edges`, at least one) may be
+        installed now: raises, changing nothing, where they may not."""
+        record = self._require(parent)
+        _fire(self._machine("parent"), self._parent_table, record.state, _PE.INSTALLED)  # validate
+        if not edges:
+            raise PoolError("a session needs at least one edge")
+        return record
 
     def snapshot(self) -> tuple[object, ...]:
         """What `_Rank.snapshot` pictures, and the lends this rank used."""

@@ -161,7 +161,7 @@ from ._messages import (
     block_columns,
 )
 from ._pool import BlockPool, BlockRefs
-from ._registry import SessionRegistry
+from ._registry import DuplicateSessionError, SessionRegistry
 from ._tables import (
     _AT_REST,
     _EE,
@@ -675,6 +675,32 @@ class _Rank:
     def _peer_of(self, edge: _Edge) -> Endpoint:
         """The other rank of `edge`."""
         return edge.ticket.gen if self._role is Role.CTX else edge.ticket.ctx
+
+    def _install_edge(self, record: _Parent, edge: _Edge) -> None:
+        """Record `edge` of `record` in the session registry and the parent."""
+        self._sessions.install(edge.ticket, edge)
+        record.edges[edge.ticket] = edge
+
+    def _check_edge_ticket(
+        self, parent: ParentKey, ticket: ContextTicket, seen: set[ContextTicket], *, closed_too: bool = True
+    ) -> None:
+        """What every edge ticket installed here must say: this parent, our
+        endpoint and digest, a peer of the other role, once (`closed_too`:
+        never installed before either). Raises; changes nothing but `seen`."""
+        if ticket.parent != parent:
+            raise StaleError("parent", ticket.parent, parent)
+        if self._role is Role.CTX:
+            ours, digest, peer, peer_role = ticket.ctx, ticket.ctx_digest, ticket.gen, Role.GEN
+        else:
+            ours, digest, peer, peer_role = ticket.gen, ticket.gen_digest, ticket.ctx, Role.CTX
+        _check_endpoint(self._role.value, ours, self.our)
+        if digest != self.digest:
+            raise StaleError(f"{self._role.value} topology digest", digest.hex(), self.digest.hex())
+        if peer.ns.role is not peer_role:
+            raise StaleError(f"{peer_role.value} namespace role", peer.ns.role, peer_role)
+        if ticket in seen or ticket in self._sessions or (closed_too and self._sessions.closed_how(ticket) is not None):
+            raise DuplicateSessionError(ticket)
+        seen.add(ticket)
 
     def _older_incarnation(self, edge: _Edge, their: Endpoint) -> bool:
         """Whether `edge`'s peer is an incarnation of `their` rank older than `their`."""

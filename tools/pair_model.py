@@ -860,15 +860,8 @@ class Pair:
                     if edge_open is not None:
                         cols = block_columns(edge_open.buffer)  # any form of the block list
                         gen_refs = tuple(map(BlockRef, cols.blocks.tolist(), cols.generations.tolist()))
-                    self.in_flight[(ticket, index)] = Write(
-                        ticket=ticket,
-                        index=index,
-                        ctx_rank=self.flat(ticket.ctx),
-                        ctx_epoch=ticket.ctx.epoch,
-                        gen_epoch=ticket.gen.epoch,
-                        gen_rank=ticket.gen.ns.rank,
-                        ctx_refs=tuple(poster.pool.lease_of(ticket.parent)),
-                        gen_refs=gen_refs,
+                    self.in_flight[(ticket, index)] = self._write(
+                        ticket, index, tuple(poster.pool.lease_of(ticket.parent)), gen_refs
                     )
                 case AdmissionStop():
                     self.admission_stopped = True
@@ -902,16 +895,35 @@ class Pair:
         )
         assert (ticket, index) not in self.in_flight, f"S1: chunk {index} of {ticket.edge} posted again while in flight"
         cols = block_columns(reader.session_open(ticket).buffer)
-        self.in_flight[(ticket, index)] = Write(
+        self.in_flight[(ticket, index)] = self._write(
+            ticket,
+            index,
+            tuple(map(BlockRef, cols.blocks.tolist(), cols.generations.tolist())),
+            tuple(reader.pool.lease_of(ticket.parent)),
+            pull=True,
+        )
+
+    def _write(
+        self,
+        ticket: ContextTicket,
+        index: int,
+        ctx_refs: tuple[BlockRef, ...],
+        gen_refs: tuple[BlockRef, ...],
+        *,
+        pull: bool = False,
+    ) -> Write:
+        """The in-flight DMA of chunk `index` of `ticket`'s edge: which blocks
+        of which incarnations it reads and writes."""
+        return Write(
             ticket=ticket,
             index=index,
             ctx_rank=self.flat(ticket.ctx),
             ctx_epoch=ticket.ctx.epoch,
             gen_epoch=ticket.gen.epoch,
             gen_rank=ticket.gen.ns.rank,
-            ctx_refs=tuple(map(BlockRef, cols.blocks.tolist(), cols.generations.tolist())),
-            gen_refs=tuple(reader.pool.lease_of(ticket.parent)),
-            pull=True,
+            ctx_refs=ctx_refs,
+            gen_refs=gen_refs,
+            pull=pull,
         )
 
     @staticmethod

@@ -225,12 +225,12 @@ def test_an_instance_that_joins_a_fleet_takes_the_fleets_carrier(ray_cluster: An
 # ---- Ray calls: frames nothing waits for ride with the next one ----------------------------
 
 
-def _lazy_window(seconds: float) -> Any:
-    """A function for `inside`: set a rank's lazy flush window, return the old one."""
+def _configured(field: str, value: float) -> Any:
+    """A function for `inside`: set one field of a rank's config, return its old value."""
 
     def apply(rank: Any) -> float:
-        before = rank.config.lazy_flush_s
-        rank.config = msgspec.structs.replace(rank.config, lazy_flush_s=seconds)
+        before = getattr(rank.config, field)
+        rank.config = msgspec.structs.replace(rank.config, **{field: value})
         return before
 
     return apply
@@ -266,7 +266,7 @@ def test_ready_rides_with_the_terminal_and_a_lone_receipt_still_goes(ray_cluster
         try:
             ranks = await dep.ranks(Role.CTX) + await dep.ranks(Role.GEN)
             for h in ranks:  # wide enough that only a frame's own flush can send it
-                await inside(h, _lazy_window(2.0))
+                await inside(h, _configured("lazy_flush_s", 2.0))
             before = await settled_stats(dep, BOUND_S)
             result = await dep.handoff("lazy-0", 60, timeout=BOUND_S)
             after = await wait_stats(dep, lambda s: _all_ended(s) and _receipts_after_release(s) == 1, BOUND_S)
@@ -283,17 +283,6 @@ def test_ready_rides_with_the_terminal_and_a_lone_receipt_still_goes(ray_cluster
     sent = {rank: {k: a[rank][k] - b[rank][k] for k in a[rank]} for rank in a}
     assert sent["ctx0"] == {"frame_calls": 1, "frames_ready": 1, "frames_terminal": 1, "frames_open": 0, "frames_receipt": 0}, sent
     assert sent["gen0"] == {"frame_calls": 2, "frames_ready": 0, "frames_terminal": 0, "frames_open": 1, "frames_receipt": 1}, sent
-
-
-def _report_gap(seconds: float) -> Any:
-    """A function for `inside`: set a rank's gap between reports (`report_gap_s`)."""
-
-    def apply(rank: Any) -> float:
-        before = rank.config.report_gap_s
-        rank.config = msgspec.structs.replace(rank.config, report_gap_s=seconds)
-        return before
-
-    return apply
 
 
 def test_news_that_comes_within_the_gap_rides_in_the_next_report_and_is_never_lost(ray_cluster: Any) -> None:
@@ -313,7 +302,7 @@ def test_news_that_comes_within_the_gap_rides_in_the_next_report_and_is_never_lo
             (gen,) = await fleet.instance_ranks("gen0")
             # Wide, so that the completions of a pair of handoffs fall within
             # it; short next to the bound, so held reports do not slow the test.
-            await inside(gen, _report_gap(0.25))
+            await inside(gen, _configured("report_gap_s", 0.25))
             results: list[Any] = []
             for i in range(rounds):
                 results += await asyncio.gather(
