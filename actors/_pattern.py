@@ -14,8 +14,10 @@ row is `row_hash + byte_index * 157` mod 256, cheap to broadcast.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
+import numpy as np
 import torch
 
 __all__ = ["request_seed", "expected_blocks", "POISON"]
@@ -30,12 +32,23 @@ def request_seed(request_id: str, ctx_attempt: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    mask = 0xFFFFFFFF
-    x = (x * 0x45D9F3B) & mask
-    x = x ^ (x >> 16)
-    x = (x * 0x45D9F3B) & mask
-    return x ^ (x >> 16)
+#: The 32-bit mask of the row hash's arithmetic.
+_MASK = np.uint64(0xFFFFFFFF)
+_MULT = np.uint64(0x45D9F3B)
+_SHIFT = np.uint64(16)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    x = (x * _MULT) & _MASK
+    x ^= x >> _SHIFT
+    x = (x * _MULT) & _MASK
+    return x ^ (x >> _SHIFT)
+
+
+@functools.lru_cache(maxsize=16)
+def _byte_ramp(row_bytes: int) -> torch.Tensor:
+    """Byte `i` of every row before its hash is added: `i * 157` mod 256."""
+    return ((torch.arange(row_bytes, dtype=torch.int64) * 157) & 0xFF).to(torch.uint8)
 
 
 def expected_blocks(
@@ -55,21 +68,20 @@ def expected_blocks(
     num_layers * 2 * local_heads * tokens_per_block * row_bytes. Block j holds
     tokens [(first_block + j) * tokens_per_block, ...) and heads
     [head_offset, head_offset + local_heads).
+
+    The row hashes (one per row: few) are computed in NumPy, whose calls cost
+    a fraction of torch's on small arrays; the rows themselves (every byte)
+    in torch.
     """
-    blk = torch.arange(first_block, first_block + num_blocks, dtype=torch.int64).view(
-        -1, 1, 1, 1, 1
-    )
-    layer = torch.arange(num_layers, dtype=torch.int64).view(1, -1, 1, 1, 1)
-    kv = torch.arange(2, dtype=torch.int64).view(1, 1, -1, 1, 1)
-    head = torch.arange(head_offset, head_offset + local_heads, dtype=torch.int64).view(
-        1, 1, 1, -1, 1
-    )
-    tok = torch.arange(tokens_per_block, dtype=torch.int64).view(1, 1, 1, 1, -1)
+    blk = np.arange(first_block, first_block + num_blocks, dtype=np.int64).reshape(-1, 1, 1, 1, 1)
+    layer = np.arange(num_layers, dtype=np.int64).reshape(1, -1, 1, 1, 1)
+    kv = np.arange(2, dtype=np.int64).reshape(1, 1, -1, 1, 1)
+    head = np.arange(head_offset, head_offset + local_heads, dtype=np.int64).reshape(1, 1, 1, -1, 1)
+    tok = np.arange(tokens_per_block, dtype=np.int64).reshape(1, 1, 1, 1, -1)
     token = blk * tokens_per_block + tok
     # Distinct strides per coordinate; the 32-bit mix spreads them.
-    row_id = (((layer * 2 + kv) * 4099 + head) * 1_000_003 + token) & 0xFFFFFFFF
-    row_hash = (_mix(row_id ^ seed) & 0xFF).to(torch.uint8)
+    row_id = ((((layer * 2 + kv) * 4099 + head) * 1_000_003 + token) & 0xFFFFFFFF).astype(np.uint64)
+    row_hash = torch.from_numpy((_mix(row_id ^ np.uint64(seed & 0xFFFFFFFF)) & np.uint64(0xFF)).astype(np.uint8))
     # uint8 addition wraps mod 256: the full-size tensor is built in bytes, not int64.
-    byte = ((torch.arange(row_bytes, dtype=torch.int64) * 157) & 0xFF).to(torch.uint8)
-    rows = row_hash.unsqueeze(-1) + byte
+    rows = row_hash.unsqueeze(-1) + _byte_ramp(row_bytes)
     return rows.reshape(num_blocks, -1)

@@ -394,10 +394,12 @@ class GenRankCore(_PullReader):
         lease = self.pool.lease_of(parent)
         expected = self._pattern(parent, self.config.rank, len(lease)).to(self.buffer.tensor.device)
         got = self.buffer.read_blocks(lease.block_list())
-        for j, ref in enumerate(lease):
-            if not torch.equal(got[j], expected[j]):
-                self.violations.append(f"S2: {parent} block {ref.block} holds foreign bytes")
-                return False
+        if not torch.equal(got, expected):  # one comparison; which block, only on a mismatch
+            for j, ref in enumerate(lease):
+                if not torch.equal(got[j], expected[j]):
+                    self.violations.append(f"S2: {parent} block {ref.block} holds foreign bytes")
+                    break
+            return False
         self._verified[parent] = len(lease) * self.block_bytes
         self.counters["bytes_verified"] += len(lease) * self.block_bytes
         return True
