@@ -131,3 +131,31 @@ def assert_reused_clean(outcomes: list[tuple[str, str, int]], stats: dict, fresh
         assert cancelled == "cancelled"
         assert fresh == "completed" and verified == fresh_bytes
     assert_clean(stats)
+
+
+async def carried_handoffs(
+    control_frames: str, prefix: str, then: Callable[[Deployment], Awaitable[Any]] | None = None
+) -> tuple[list[Any], Any, Any, dict]:
+    """A CTX tp=2 -> GEN tp=1 deployment whose control frames take
+    `control_frames`: three handoffs, one cancelled mid-DMA, then `then(dep)`
+    (its answer returned), and the stats once the ranks settled."""
+    from kvhandoff.actors._faults import FaultPlan
+    from kvhandoff.cli.harness import handoff_cancel_at
+
+    dep = await Deployment.launch(
+        ctx_tp=2, gen_tp=1, pool_blocks=32, chunk_bytes=64 << 10, round_timeout_s=20.0,
+        fault_plan=FaultPlan(defer_s=0.05), control_frames=control_frames,
+    )
+    try:
+        done = [await dep.handoff(f"{prefix}-{i}", 100 + 40 * i, timeout=BOUND_S) for i in range(3)]
+        cancelled = await handoff_cancel_at(dep, f"{prefix}-cancel", 100, "mid_dma", timeout=BOUND_S)
+        after = await then(dep) if then is not None else None
+        return done, cancelled, after, await settled_stats(dep, BOUND_S)
+    finally:
+        await dep.shutdown()
+
+
+def assert_carried(done: list[Any], cancelled: Any) -> None:
+    """`carried_handoffs`' three completed with every byte verified; the cancel cancelled."""
+    assert_completed(done, [gen_bytes(100 + 40 * i, 1) for i in range(3)])
+    assert cancelled.outcome == "cancelled", cancelled

@@ -390,28 +390,10 @@ def test_rank_actors_carry_every_frame_on_notifications(ray_cluster) -> None:
     actors travels as a NIXL notification (no frame rides a Ray call), the
     handoffs complete with every byte verified, a cancel mid-DMA drains and
     releases, and every pool comes back whole."""
-    from kvhandoff.actors._faults import FaultPlan
-    from kvhandoff.actors.deployment import Deployment
-    from kvhandoff.cli.harness import handoff_cancel_at
+    from .helpers import assert_carried, assert_clean, carried_handoffs
 
-    from .helpers import assert_clean, gen_bytes, settled_stats
-
-    async def scenario():
-        dep = await Deployment.launch(
-            ctx_tp=2, gen_tp=1, pool_blocks=32, chunk_bytes=64 << 10, round_timeout_s=20.0,
-            fault_plan=FaultPlan(defer_s=0.05), control_frames="nixl",
-        )
-        try:
-            done = [await dep.handoff(f"nx-{i}", 100 + 40 * i, timeout=BOUND_S) for i in range(3)]
-            cancelled = await handoff_cancel_at(dep, "nx-cancel", 100, "mid_dma", timeout=BOUND_S)
-            return done, cancelled, await settled_stats(dep, BOUND_S)
-        finally:
-            await dep.shutdown()
-
-    done, cancelled, stats = asyncio.run(scenario())
-    for i, r in enumerate(done):
-        assert r.outcome == "completed" and r.bytes_verified == gen_bytes(100 + 40 * i, 1), r
-    assert cancelled.outcome == "cancelled", cancelled
+    done, cancelled, _, stats = asyncio.run(carried_handoffs("nixl", "nx"))
+    assert_carried(done, cancelled)
     assert_clean(stats)
     for s in stats["ranks"]:
         counters = s["counters"]

@@ -208,12 +208,9 @@ def test_rank_actors_carry_every_frame_on_streams(ray_cluster: Any) -> None:
     releases, every pool comes back whole. Stray connections to a rank (no
     token; the token and garbage; the token and an oversize length) change
     nothing: a handoff after them completes."""
-    from kvhandoff.actors._faults import FaultPlan
-    from kvhandoff.actors.deployment import Deployment
-    from kvhandoff.cli.harness import handoff_cancel_at
     from kvhandoff.protocol import Role
 
-    from .helpers import assert_clean, gen_bytes, settled_stats
+    from .helpers import assert_carried, assert_clean, carried_handoffs, gen_bytes
 
     async def strays(rank: Any) -> None:
         host, port, token = await rank.stream_address.remote()
@@ -227,24 +224,12 @@ def test_rank_actors_carry_every_frame_on_streams(ray_cluster: Any) -> None:
             await writer.drain()
             writer.close()
 
-    async def scenario() -> tuple[list[Any], Any, Any, dict]:
-        dep = await Deployment.launch(
-            ctx_tp=2, gen_tp=1, pool_blocks=32, chunk_bytes=64 << 10, round_timeout_s=20.0,
-            fault_plan=FaultPlan(defer_s=0.05), control_frames="stream",
-        )
-        try:
-            done = [await dep.handoff(f"st-{i}", 100 + 40 * i, timeout=BOUND_S) for i in range(3)]
-            cancelled = await handoff_cancel_at(dep, "st-cancel", 100, "mid_dma", timeout=BOUND_S)
-            await strays((await dep.ranks(Role.GEN))[0])
-            after = await dep.handoff("st-after", 100, timeout=BOUND_S)
-            return done, cancelled, after, await settled_stats(dep, BOUND_S)
-        finally:
-            await dep.shutdown()
+    async def then(dep: Any) -> Any:
+        await strays((await dep.ranks(Role.GEN))[0])
+        return await dep.handoff("st-after", 100, timeout=BOUND_S)
 
-    done, cancelled, after, stats = asyncio.run(scenario())
-    for i, r in enumerate(done):
-        assert r.outcome == "completed" and r.bytes_verified == gen_bytes(100 + 40 * i, 1), r
-    assert cancelled.outcome == "cancelled", cancelled
+    done, cancelled, after, stats = asyncio.run(carried_handoffs("stream", "st", then))
+    assert_carried(done, cancelled)
     assert after.outcome == "completed" and after.bytes_verified == gen_bytes(100, 1), after
     assert_clean(stats)
     sent = sum(s["counters"]["frames_sent"] for s in stats["ranks"])
