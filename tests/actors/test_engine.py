@@ -462,12 +462,15 @@ async def test_one_rank_instances_receive_at_the_gen_rank(ray_cluster: Any, pull
         assert again.outcome == "rejected" and again.blocks_returned, again
         assert await eng.dep.returned(ticket, Role.CTX)
         # Cancelled before any receive: the CTX rank refuses its OPEN (the
-        # claim), which the GEN rank takes as "rejected": nothing held.
+        # claim), which the GEN rank takes as "rejected": nothing held. A
+        # pushed ticket's cancel returns once decided, before the CTX rank
+        # may have applied it (a lent one's waits for it): the receive
+        # starts once the CTX rank gave the blocks back, i.e. applied it.
         cancelled, more = await eng.prefill_and_publish("gone", seed=41, tokens=5)
         await eng.dep.cancel(cancelled)
+        assert await eng.dep.returned(cancelled, Role.CTX)
         late = await eng.dep.receive(cancelled, gen_blocks)
         assert late.outcome == "rejected" and late.blocks_returned, late
-        assert await eng.dep.returned(cancelled, Role.CTX)
         eng.give(Role.GEN, gen_blocks)
         eng.give(Role.CTX, ctx_blocks + more)
         # A cancel while the poster's frames are held: push, the CTX's to
