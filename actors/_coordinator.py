@@ -84,10 +84,11 @@ import collections
 import contextlib
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import ray
+from msgspec import Meta
 
 from kvhandoff.actors import _coordinator_errors as _errors
 from kvhandoff.actors._coordinator_errors import (
@@ -116,7 +117,7 @@ from kvhandoff.protocol import (
     StaleEpochError,
 )
 
-__all__ = ["Coordinator", "CoordinatorCore", *_errors.__all__]  # the errors re-exported
+__all__ = ["Coordinator", "CoordinatorConfig", "CoordinatorCore", *_errors.__all__]  # the errors re-exported
 
 
 #: The byte budget of the recent round decisions a coordinator keeps (`decision_log`).
@@ -125,6 +126,61 @@ _DECISION_LOG_BYTES = 2 << 20
 #: How long the apply of a decision that only settles completions nobody
 #: waits on may wait for the next vote round to ride with (`lazy_apply_s`).
 LAZY_APPLY_S = 0.005
+
+
+class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """A coordinator's settings, checked when built (`ValueError` naming the
+    setting): a bad one fails in the caller, before any actor starts."""
+
+    # -- rounds -----------------------------------------------------------------------
+    #: Seconds each phase of a round may take.
+    round_timeout: Annotated[float, Meta(gt=0)] = 2.0
+    #: Extra seconds a round waits to gather a batch (0: it starts at once).
+    batch_window: float = 0.0
+    #: Admissions one round takes.
+    max_batch: Annotated[int, Meta(ge=1, le=MAX_ROUND_ITEMS)] = 1024
+    #: How long the apply of a decision that only settles completions nobody
+    #: waits on may wait for the next vote round to ride with (0: every
+    #: apply goes at once unless a vote round takes it); below `round_timeout`.
+    lazy_apply_s: Annotated[float, Meta(ge=0)] = LAZY_APPLY_S
+    # -- restarts ---------------------------------------------------------------------
+    #: Rank restarts, topology-wide, before the instance fails.
+    max_restarts: int = 3
+    #: Bound on restarting one rank actor (the first start waits on progress
+    #: instead, `_identities`), and on the back-off between tries.
+    restart_timeout: float = 30.0
+    #: Incarnations tried for one restart before the instance fails.
+    restart_attempts: Annotated[int, Meta(ge=1)] = 3
+    #: The first back-off between failed tries (seconds, doubling).
+    restart_backoff: Annotated[float, Meta(ge=0)] = 0.1
+    #: The first rank incarnation's epoch.
+    first_epoch: int = 1
+    # -- peers and admission ----------------------------------------------------------
+    #: The peer instance's coordinator actor (one pair) ...
+    peer: str | None = None
+    #: ... or the fleet whose `<fleet>.coord.<instance>` actors are the peers.
+    fleet: str | None = None
+    #: Admissions are claimed at the peer coordinator (an engine's GEN).
+    peer_claims: bool = False
+    #: The directory of an engine whose failed workers are detached until
+    #: re-attached, not restarted.
+    reattach: str | None = None
+    #: A one-rank instance's rank admits at the peer's OPEN, with no round.
+    admits_at_open: bool = False
+    #: A one-rank instance's rank admits at its own receive, with no round.
+    admits_alone: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.round_timeout > 0:
+            raise ValueError(f"round_timeout must be positive, got {self.round_timeout!r}")
+        if not 1 <= self.max_batch <= MAX_ROUND_ITEMS:
+            raise ValueError(f"max_batch must be in [1, {MAX_ROUND_ITEMS}], got {self.max_batch!r}")
+        if type(self.restart_attempts) is not int or self.restart_attempts < 1:
+            raise ValueError(f"restart_attempts must be an int >= 1, got {self.restart_attempts!r}")
+        if not self.restart_backoff >= 0:
+            raise ValueError(f"restart_backoff must be >= 0, got {self.restart_backoff!r}")
+        if not 0 <= self.lazy_apply_s < self.round_timeout:
+            raise ValueError(f"lazy_apply_s must be in [0, round_timeout), got {self.lazy_apply_s!r}")
 
 
 
@@ -136,17 +192,8 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
     rank actor handles, rank i at index i) and/or ``rank_factory`` (a
     picklable ``(rank, epoch) -> ActorHandle`` used to create the ranks when
     ``ranks`` is None, with ``tp`` ranks, and to restart them);
-    ``round_timeout`` (seconds, per phase); ``max_restarts`` (topology-wide);
-    ``batch_window`` (extra seconds to gather a batch); ``max_batch``
-    (admissions per round); ``restart_timeout`` (bound on restarting one
-    rank actor; the first start waits on progress instead, see
-    `_identities`); ``restart_attempts`` (incarnations tried for one
-    restart before the topology fails; failed tries back off from
-    ``restart_backoff`` seconds, doubling, capped at ``restart_timeout``);
-    ``topology_digest`` (checked by the followers if set);
-    ``lazy_apply_s`` (how long the apply of a decision that only settles
-    completions nobody waits on may wait for the next vote round to ride
-    with; 0 sends every apply at once unless a vote round takes it).
+    ``topology_digest`` (checked by the followers if set); ``config`` (a
+    `CoordinatorConfig`: rounds, restarts, peers, admission).
     """
 
     def __init__(
@@ -156,66 +203,43 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         *,
         rank_factory: RankFactory | None = None,
         tp: int | None = None,
-        round_timeout: float = 2.0,
-        max_restarts: int = 3,
-        batch_window: float = 0.0,
-        max_batch: int = 1024,
-        restart_timeout: float = 30.0,
-        restart_attempts: int = 3,
-        restart_backoff: float = 0.1,
         topology_digest: bytes | None = None,
-        first_epoch: int = 1,
-        peer: str | None = None,
-        peer_claims: bool = False,
-        fleet: str | None = None,
-        reattach: str | None = None,
-        lazy_apply_s: float = LAZY_APPLY_S,
-        admits_at_open: bool = False,
-        admits_alone: bool = False,
+        config: CoordinatorConfig | None = None,
     ) -> None:
         if ranks is None and (rank_factory is None or not tp):
             raise ValueError("give the rank handles, or a rank_factory and tp")
-        if not round_timeout > 0:
-            raise ValueError("round_timeout must be positive")
-        if not 1 <= max_batch <= MAX_ROUND_ITEMS:
-            raise ValueError(f"max_batch must be in [1, {MAX_ROUND_ITEMS}]")
-        if type(restart_attempts) is not int or restart_attempts < 1:
-            raise ValueError(f"restart_attempts must be an int >= 1, got {restart_attempts!r}")
-        if not restart_backoff >= 0:
-            raise ValueError(f"restart_backoff must be >= 0, got {restart_backoff!r}")
-        if not 0 <= lazy_apply_s < round_timeout:
-            raise ValueError(f"lazy_apply_s must be in [0, round_timeout), got {lazy_apply_s!r}")
-        self._lazy_apply_s = float(lazy_apply_s)
+        cfg = config or CoordinatorConfig()
+        self._lazy_apply_s = float(cfg.lazy_apply_s)
         self.topology = topology
         self._handles: list[Any] = list(ranks) if ranks is not None else []
         self._tp = len(self._handles) if ranks is not None else int(tp or 0)
-        if admits_at_open and self._tp != 1:
+        if cfg.admits_at_open and self._tp != 1:
             raise ValueError(f"admits_at_open is for an instance of one rank, got tp={self._tp}")
-        if admits_alone and self._tp != 1:
+        if cfg.admits_alone and self._tp != 1:
             raise ValueError(f"admits_alone is for an instance of one rank, got tp={self._tp}")
         self._owns_ranks = ranks is None
         self._rank_factory = rank_factory
-        self._round_timeout = float(round_timeout)
-        self._max_restarts = max_restarts
-        self._batch_window = batch_window
-        self._max_batch = max_batch
-        self._restart_timeout = restart_timeout
-        self._restart_attempts = restart_attempts
-        self._restart_backoff = float(restart_backoff)
+        self._round_timeout = float(cfg.round_timeout)
+        self._max_restarts = cfg.max_restarts
+        self._batch_window = cfg.batch_window
+        self._max_batch = cfg.max_batch
+        self._restart_timeout = cfg.restart_timeout
+        self._restart_attempts = cfg.restart_attempts
+        self._restart_backoff = float(cfg.restart_backoff)
         self._restart_failures = 0  # incarnations that failed to start (stats)
         self._digest = topology_digest
-        self._peer_name = peer
+        self._peer_name = cfg.peer
         self._peer: Any = None
         # A fleet: the coordinator of peer instance I is the actor
         # `<fleet>.coord.<I>`; a submission names its peer instance ("": `peer`).
-        self._fleet = fleet
+        self._fleet = cfg.fleet
         self._peers: dict[str, Any] = {}
         self._draining = False  # `drain()`: admit nothing new, ever again
         # Ranks we cannot restart (an engine's workers: `reattach` names the
         # deployment's directory): a failed one is detached until the engine
         # re-attaches a new incarnation (`replace_rank`); admission stays
         # stopped and no round runs meanwhile.
-        self._reattach_directory = reattach
+        self._reattach_directory = cfg.reattach
         self._detached: set[int] = set()
         self._reattached = 0
         self._stopped: asyncio.Event | None = None  # set by shutdown (`watch` returns)
@@ -229,7 +253,7 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         # we learn of it from its report, which a cancel may overtake. Kept
         # `RETAIN_S`; a report that brings one in flight has it cancelled.
         self._cancelled_early: RecentMemory[ParentKey, bool] = RecentMemory()
-        self._next_epoch = first_epoch
+        self._next_epoch = cfg.first_epoch
         self._epochs: list[int] = []
         self._leader: RoundLeader | None = None
         # Exported through Ray (actors/_metrics.py): rounds, restarts, admission.
@@ -245,7 +269,7 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         # GEN instance whose OPEN reaches its rank (`binds_at_first_open`):
         # toward it a GEN instance of one rank admits alone, and its claim
         # only names the claimer (for cancels), off the handoff's path.
-        self._peer_claims = peer_claims
+        self._peer_claims = cfg.peer_claims
         # Admission at the OPEN (docs/design.md "Admission at the OPEN").
         # CTX of one rank: that rank admits a parent at its first OPEN and
         # reports it (`admits_at_open`; this coordinator joins the rank
@@ -255,11 +279,11 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         # with one asks no peer admission: the OPEN is it, and a refusal
         # comes back as a REJECT (NOT_STARTED) that fails the handoff. An
         # engine's GEN asks instead whether the peer binds at the first OPEN.
-        self._admits_at_open = admits_at_open
+        self._admits_at_open = cfg.admits_at_open
         # A GEN instance of one rank hands a submission paired with such a
         # peer to its rank (`_admit_alone`): no admission round at all. Its
         # calls still out, per parent (a cancel of it waits for its answer).
-        self._admits_alone = admits_alone
+        self._admits_alone = cfg.admits_alone
         self._alone_calls: dict[ParentKey, asyncio.Future[None]] = {}
         self._direct: dict[str, bool] = {}
         self._asking_direct: set[str] = set()

@@ -24,7 +24,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvhandoff.actors._coordinator import Coordinator
+from kvhandoff.actors._coordinator import Coordinator, CoordinatorConfig
 from kvhandoff.actors._errors import LaunchFailed
 from kvhandoff.topology import TopologySpec, topology_digest
 
@@ -43,13 +43,12 @@ def start_coordinator(
     `hosts`: a sequence of handles (an engine's workers, rank r at index r)
     or a rank factory (kvhandoff's rank actors, started by the coordinator).
     `options` are Ray actor options (placement); `settings` the
-    coordinator's own (round bound, restarts, peer, admission mode)."""
-    if isinstance(hosts, Sequence):
-        settings["ranks"] = list(hosts)
-    else:
-        settings.update(rank_factory=hosts, tp=spec.tp)
+    coordinator's own (`CoordinatorConfig`: round bound, restarts, peer,
+    admission mode), checked here before the actor starts."""
+    config = CoordinatorConfig(**settings)
+    place = {"ranks": list(hosts)} if isinstance(hosts, Sequence) else {"rank_factory": hosts, "tp": spec.tp}
     return Coordinator.options(name=name, **(options or {})).remote(
-        spec.instance_id, topology_digest=topology_digest(spec), **settings
+        spec.instance_id, topology_digest=topology_digest(spec), config=config, **place
     )
 
 

@@ -37,7 +37,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -76,11 +76,14 @@ from kvhandoff.protocol import (
     StagingSlots,
     encode_stage,
 )
-from kvhandoff.topology import ShardMap, TopologySpec, memory_pieces
+from kvhandoff.topology import ShardMap, memory_pieces
+
+if TYPE_CHECKING:  # a type only: the rank package imports this module
+    from kvhandoff.actors.rank._config import RankConfig
 
 log = logging.getLogger("kvhandoff.staged")
 
-__all__ = ["DATA_MODES", "StagedWriter", "StagedReader", "StagerHost", "WriterHost", "ReaderHost", "StagingConfig", "staged_below", "STAGED_BELOW", "STAGING_SLOT_BYTES", "staging_slot_bytes", "STAGED_MIN_DESCRIPTORS", "staged_min_descriptors"]
+__all__ = ["DATA_MODES", "StagedWriter", "StagedReader", "StagerHost", "WriterHost", "ReaderHost", "staged_below", "STAGED_BELOW", "STAGING_SLOT_BYTES", "staging_slot_bytes", "STAGED_MIN_DESCRIPTORS", "staged_min_descriptors"]
 
 #: How a CTX rank moves an edge's chunks (`RankConfig.data_mode`).
 DATA_MODES = ("auto", "direct", "staged")
@@ -175,33 +178,14 @@ class _Peer:
 
 # -- what the stager needs of the rank core that hosts it ------------------------------
 #
-# The stager is typed against these protocols, never against the rank
-# package, which depends on this module and not the other way round. The rank
+# The stager is typed against these protocols and never imports the rank
+# package at run time: that package depends on this module. The rank
 # cores satisfy them structurally: `CtxRankCore` is a `WriterHost`,
 # `GenRankCore` a `ReaderHost` (actors/rank/). Their methods are bound once,
 # when a writer or reader is built: a staged chunk calls them without a
 # lookup through the core. What a core holds as a plain attribute is declared
-# as one; read-only properties declare what a core computes, and its config
-# (a frozen `RankConfig`, read through a narrower type).
-
-
-class StagingConfig(Protocol):
-    """What the stager reads of its rank's config (`RankConfig`)."""
-
-    @property
-    def deployment(self) -> str: ...
-    @property
-    def peer_spec(self) -> TopologySpec: ...
-    @property
-    def rank(self) -> int: ...
-    @property
-    def chunk_bytes(self) -> int: ...
-    @property
-    def data_mode(self) -> str: ...
-    @property
-    def memory_kind(self) -> str: ...
-    @property
-    def peer_memory_kind(self) -> str | None: ...
+# as one; read-only properties declare what a core computes and its config
+# (the frozen `RankConfig`, named for type checking only).
 
 
 class StagerHost(Protocol):
@@ -211,7 +195,7 @@ class StagerHost(Protocol):
     buffer: KVMemory
 
     @property
-    def config(self) -> StagingConfig: ...
+    def config(self) -> RankConfig: ...
 
 
 class WriterHost(StagerHost, Protocol):

@@ -30,7 +30,7 @@ from typing import Any
 
 import ray
 
-from kvhandoff.actors._coordinator import Coordinator
+from kvhandoff.actors._coordinator import Coordinator, CoordinatorConfig
 from kvhandoff.actors._member import RoundMember, RoundParticipant, VoteNews
 from kvhandoff.protocol import ParentKey, RoundDecision, RoundProposal
 
@@ -57,7 +57,7 @@ def make_rank(rank: int, epoch: int) -> Any:
 
 def bench_one(ranks: int, batch: int, seconds: float, many: bool) -> dict[str, float]:
     coordinator = Coordinator.remote(
-        f"bench{ranks}", rank_factory=make_rank, tp=ranks, round_timeout=30.0, max_batch=4096
+        f"bench{ranks}", rank_factory=make_rank, tp=ranks, config=CoordinatorConfig(round_timeout=30.0, max_batch=4096)
     )
     serial = 0
 

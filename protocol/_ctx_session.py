@@ -37,7 +37,6 @@ from ._session import (
     DEFAULT_CHUNK_WINDOW,
     DEFAULT_QUARANTINE_LIMIT,
     DEFAULT_TRANSFER_TIMEOUT,
-    _check_endpoint,
     _check_open_buffer,
     _Edge,
     _Parent,
@@ -268,11 +267,7 @@ class CtxRank(_BothRoles):
         our topology, from a GEN rank, its buffer of the ticket's GEN
         incarnation, at least one chunk. Raises; changes nothing."""
         ticket = message.ticket
-        _check_endpoint("ctx", ticket.ctx, self.our)
-        if ticket.ctx_digest != self.digest:
-            raise StaleError("ctx topology digest", ticket.ctx_digest.hex(), self.digest.hex())
-        if ticket.gen.ns.role is not Role.GEN:
-            raise StaleError("gen namespace role", ticket.gen.ns.role, Role.GEN)
+        self._check_addressed(ticket)
         if message.buffer.endpoint_epoch != ticket.gen.epoch:
             raise StaleError(
                 "gen epoch in buffer info", message.buffer.endpoint_epoch, ticket.gen.epoch

@@ -94,9 +94,7 @@ class StaleError(ProtocolError):
 
     def __init__(self, what: str, got: object, expected: object) -> None:
         super().__init__(f"stale {what}: got {got!r}, installed {expected!r}")
-        self.what = what
-        self.got = got
-        self.expected = expected
+        self.what, self.got, self.expected = what, got, expected
 
 
 class UnknownSessionError(ProtocolError):
@@ -108,9 +106,7 @@ class IllegalTransition(ProtocolError):
 
     def __init__(self, machine: str, state: object, event: object) -> None:
         super().__init__(f"{machine}: event {event!r} is illegal in state {state!r}")
-        self.machine = machine
-        self.state = state
-        self.event = event
+        self.machine, self.state, self.event = machine, state, event
 
 
 class PoolError(ProtocolError):

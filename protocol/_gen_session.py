@@ -8,20 +8,12 @@ from typing import Any
 
 import numpy as np
 
-from ._actions import (
-    Action,
-    GenEdgeSpec,
-    PullEdgeSpec,
-    SendMessage,
-)
+from ._actions import Action, GenEdgeSpec, PullEdgeSpec, SendMessage
 from ._edge_roles import UNKNOWN_ASKS, _BothRoles
-from ._errors import (
-    IllegalTransition,
-    PoolError,
-    StaleError,
-)
+from ._errors import IllegalTransition, PoolError, StaleError
 from ._lends import LendMemory
 from ._messages import (
+    BufferInfo,
     Cancel,
     CancelReason,
     Open,
@@ -34,12 +26,7 @@ from ._messages import (
 )
 from ._pool import BlockRef, BlockRefs
 from ._registry import check_descriptors
-from ._session import (
-    _check_endpoint,
-    _check_open_buffer,
-    _Edge,
-    _Parent,
-)
+from ._session import _check_open_buffer, _Edge, _Parent
 from ._tables import (
     _EE,
     _ES,
@@ -49,6 +36,7 @@ from ._tables import (
     CTX_EDGE_TRANSITIONS,
     GEN_EDGE_TRANSITIONS,
     GEN_PARENT_TRANSITIONS,
+    EdgeState,
     _fire,
 )
 from ._ticket import ContextTicket, ParentKey, Role
@@ -63,6 +51,18 @@ __all__ = [
 # ---------------------------------------------------------------------------
 # GEN side
 # ---------------------------------------------------------------------------
+
+
+def _new_edge(spec: GenEdgeSpec | PullEdgeSpec, state: EdgeState, buffer: BufferInfo, **more: Any) -> _Edge:
+    """A GEN edge of `spec` in `state`: its OPEN names `buffer` (ours for
+    push, the CTX blocks it READs for pull)."""
+    return _Edge(
+        ticket=spec.ticket,
+        state=state,
+        open=Open(ticket=spec.ticket, buffer=buffer, num_tokens=spec.num_tokens),
+        expected_bytes=spec.expected_bytes,
+        **more,
+    )
 
 
 class GenRank(_BothRoles):
@@ -125,16 +125,7 @@ class GenRank(_BothRoles):
                     f"belong to the lease of {parent.request_id!r}"
                 )
         record.deadline = now + self.transfer_timeout
-        for spec in edges:
-            open_msg = Open(ticket=spec.ticket, buffer=spec.buffer, num_tokens=spec.num_tokens)
-            edge = _Edge(
-                ticket=spec.ticket,
-                state=_ES.OPEN_PROPOSED,
-                open=open_msg,
-                expected_bytes=spec.expected_bytes,
-            )
-            self._install_edge(record, edge)
-        actions = self._fire_parent(parent, _PE.INSTALLED)
+        actions = self._install_edges(record, [_new_edge(spec, _ES.OPEN_PROPOSED, spec.buffer) for spec in edges])
         if self._dead_peers:  # an edge toward a writer already confirmed dead
             actions += self._dead_proof(record, now)
         return actions
@@ -177,17 +168,10 @@ class GenRank(_BothRoles):
         record.deadline = now + self.transfer_timeout
         for spec in edges:
             self._lends.mark(spec.ticket.ctx, spec.lend_seq)
-            edge = _Edge(
-                ticket=spec.ticket,
-                state=_ES.PREPARED,
-                open=Open(ticket=spec.ticket, buffer=spec.source, num_tokens=spec.num_tokens),
-                num_chunks=spec.num_chunks,
-                expected_bytes=spec.expected_bytes,
-                pull=True,
-                lend_seq=spec.lend_seq,
-            )
-            self._install_edge(record, edge)
-        actions = self._fire_parent(parent, _PE.INSTALLED)
+        actions = self._install_edges(record, [
+            _new_edge(spec, _ES.PREPARED, spec.source, num_chunks=spec.num_chunks, pull=True, lend_seq=spec.lend_seq)
+            for spec in edges
+        ])
         for edge in list(record.edges.values()):
             actions += self._fire_edge(edge, _EE.DECIDED)
         return actions + self._settle(record, now)
@@ -201,11 +185,7 @@ class GenRank(_BothRoles):
         FENCE not addressed to this incarnation raises `StaleError`;
         nothing changes."""
         ticket = message.ticket
-        _check_endpoint("gen", ticket.gen, self.our)
-        if ticket.gen_digest != self.digest:
-            raise StaleError("gen topology digest", ticket.gen_digest.hex(), self.digest.hex())
-        if ticket.ctx.ns.role is not Role.CTX:
-            raise StaleError("ctx namespace role", ticket.ctx.ns.role, Role.CTX)
+        self._check_addressed(ticket)
         if message.lend_seq < 1:
             raise PoolError(f"a FENCE names a lend numbered from 1, got {message.lend_seq}")
         if ticket in self._sessions:

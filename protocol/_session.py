@@ -681,6 +681,13 @@ class _Rank:
         self._sessions.install(edge.ticket, edge)
         record.edges[edge.ticket] = edge
 
+    def _install_edges(self, record: _Parent, edges: list[_Edge]) -> list[Action]:
+        """Record every edge of `record` (checked already), then fire the
+        parent's INSTALLED."""
+        for edge in edges:
+            self._install_edge(record, edge)
+        return self._fire_parent(record.key, _PE.INSTALLED)
+
     def _check_edge_ticket(
         self, parent: ParentKey, ticket: ContextTicket, seen: set[ContextTicket], *, closed_too: bool = True
     ) -> None:
@@ -689,6 +696,15 @@ class _Rank:
         never installed before either). Raises; changes nothing but `seen`."""
         if ticket.parent != parent:
             raise StaleError("parent", ticket.parent, parent)
+        self._check_addressed(ticket)
+        if ticket in seen or ticket in self._sessions or (closed_too and self._sessions.closed_how(ticket) is not None):
+            raise DuplicateSessionError(ticket)
+        seen.add(ticket)
+
+    def _check_addressed(self, ticket: ContextTicket) -> None:
+        """What a ticket must say to be this rank's: our endpoint (this
+        incarnation), our topology digest, a peer of the other role. Raises
+        `StaleError`; changes nothing."""
         if self._role is Role.CTX:
             ours, digest, peer, peer_role = ticket.ctx, ticket.ctx_digest, ticket.gen, Role.GEN
         else:
@@ -698,9 +714,6 @@ class _Rank:
             raise StaleError(f"{self._role.value} topology digest", digest.hex(), self.digest.hex())
         if peer.ns.role is not peer_role:
             raise StaleError(f"{peer_role.value} namespace role", peer.ns.role, peer_role)
-        if ticket in seen or ticket in self._sessions or (closed_too and self._sessions.closed_how(ticket) is not None):
-            raise DuplicateSessionError(ticket)
-        seen.add(ticket)
 
     def _older_incarnation(self, edge: _Edge, their: Endpoint) -> bool:
         """Whether `edge`'s peer is an incarnation of `their` rank older than `their`."""

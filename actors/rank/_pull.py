@@ -11,16 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvhandoff.actors._dataplane import (
-    BufferGeometry,
-    Chunk,
-    ChunkPlan,
-    DataPlaneError,
-    Piece,
-    edge_pieces,
-    plan_chunks,
-    resolve_regions,
-)
+from kvhandoff.actors import _dataplane as dataplane
 from kvhandoff.actors._names import agent_name
 from kvhandoff.actors.rank._config import RankConfig, _Pair, log
 from kvhandoff.actors.rank._core import RankCore
@@ -63,15 +54,15 @@ class _PullReader(RankCore):
         # READs posted and not yet polled to DONE or ERR; the buffers of
         # the CTX agents we know (the directory's, by agent name).
         self._lend_of: dict[ParentKey, Lend] = {}
-        self._reads: dict[ContextTicket, tuple[list[ChunkPlan], str, tuple[Piece, ...], BufferGeometry]] = {}
-        self._read_flight: dict[tuple[ContextTicket, int], Chunk] = {}
-        self._geometry: dict[str, BufferGeometry] = {}
-        self._read_pieces: dict[str, tuple[Piece, ...]] = {}  # per CTX instance (one-rank pairs: one edge)
+        self._reads: dict[ContextTicket, tuple[list[dataplane.ChunkPlan], str, tuple[dataplane.Piece, ...], dataplane.BufferGeometry]] = {}
+        self._read_flight: dict[tuple[ContextTicket, int], dataplane.Chunk] = {}
+        self._geometry: dict[str, dataplane.BufferGeometry] = {}
+        self._read_pieces: dict[str, tuple[dataplane.Piece, ...]] = {}  # per CTX instance (one-rank pairs: one edge)
         super().__init__(config, epoch, tensors=tensors)
 
     # -- pull: READs of the blocks a CTX rank lent us ------------------------------------
 
-    def _learn_agent(self, name: str, metadata: Any, geometry: BufferGeometry) -> None:
+    def _learn_agent(self, name: str, metadata: Any, geometry: dataplane.BufferGeometry) -> None:
         super()._learn_agent(name, metadata, geometry)
         self._geometry[name] = geometry
         if self.config.pull and name not in self.transport.peers:
@@ -124,11 +115,11 @@ class _PullReader(RankCore):
             pieces = self._read_pieces.get(pair.instance)
             if pieces is None:
                 segments = memory_pieces(pair.shards, edge, pair.peer_kind, self.config.memory_kind)
-                pieces = tuple((dr, do, sr, so, n) for sr, so, dr, do, n in edge_pieces(segments, self.config.chunk_bytes))
+                pieces = tuple((dr, do, sr, so, n) for sr, so, dr, do, n in dataplane.edge_pieces(segments, self.config.chunk_bytes))
                 self._read_pieces[pair.instance] = pieces
             n = min(len(source), len(lease))  # unequal: `install_pull` refuses it right after
             pairs = np.stack([lease.blocks[:n].astype(np.int64), source[:n]], axis=1)
-            plans = plan_chunks(pieces, pairs, self.config.chunk_bytes)
+            plans = dataplane.plan_chunks(pieces, pairs, self.config.chunk_bytes)
             addrs = geometry.base + np.where(source < geometry.num_blocks, source, 0) * geometry.region_table()[0][1]
             block = pair.shards.ctx_block_bytes
             spec = PullEdgeSpec(
@@ -153,7 +144,7 @@ class _PullReader(RankCore):
                 ),
             )
             actions = self.side.install_pull(parent, [spec], now)
-        except (ProtocolError, DataPlaneError, ValueError) as exc:
+        except (ProtocolError, dataplane.DataPlaneError, ValueError) as exc:
             self._refuse_lend(parent, lend, pair, f"{type(exc).__name__}: {exc}", now)
             return
         self.counters["pulled"] += 1
@@ -222,11 +213,11 @@ class _PullReader(RankCore):
             if self.config.prepared_descriptors:
                 try:
                     prepared = self.transport.prepare(peer, pieces, geometry)
-                except DataPlaneError as exc:
+                except dataplane.DataPlaneError as exc:
                     self.counters["prepare_failed"] += 1
                     log.warning("rank %s: %s; posting built descriptors", self.ns, exc)
             if prepared is None:
-                plan = resolve_regions(plan, pieces, self.buffer.region_table(), geometry.region_table())
+                plan = dataplane.resolve_regions(plan, pieces, self.buffer.region_table(), geometry.region_table())
             self.counters["reads_prepared" if prepared is not None else "reads_built"] += 1
             chunk = self.transport.post(peer, plan, prepared=prepared, op="READ")
         except Exception as exc:  # nothing was posted: the chunk failed before DMA

@@ -22,6 +22,7 @@ import ray
 from kvhandoff.actors._coordinator import (
     AdmissionStopped,
     Coordinator,
+    CoordinatorConfig,
     CoordinatorCore,
     RoundTimeout,
     TopologyFailed,
@@ -217,7 +218,7 @@ class UnstartableAfterFirst(Factory):
 
 def make(tp: int, **kwargs: Any) -> tuple[Any, list[Any]]:
     factory = kwargs.pop("factory", None) or Factory()
-    coordinator = Coordinator.remote(f"tp{tp}", rank_factory=factory, tp=tp, **kwargs)
+    coordinator = Coordinator.remote(f"tp{tp}", rank_factory=factory, tp=tp, config=CoordinatorConfig(**kwargs))
     ranks = ray.get(coordinator.rank_handles.remote())
     return coordinator, ranks
 
@@ -648,10 +649,27 @@ def test_planned_restart_that_cannot_start_fails_the_topology_and_frees_the_roun
         ray.get(coordinator.admit.remote(pk("after"), 16), timeout=120)
 
 
-def test_restart_attempts_and_backoff_are_checked() -> None:
-    for bad in ({"restart_attempts": 0}, {"restart_attempts": 1.5}, {"restart_backoff": -1.0}):
-        with pytest.raises(ValueError):
-            CoordinatorCore("t", rank_factory=Factory(), tp=1, **bad)
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"restart_attempts": 0},
+        {"restart_attempts": 1.5},
+        {"restart_backoff": -1.0},
+        {"round_timeout": 0.0},
+        {"max_batch": 0},
+        {"round_timeout": 1.0, "lazy_apply_s": 1.0},
+    ],
+)
+def test_a_bad_coordinator_setting_is_refused_when_the_config_is_built(bad: dict[str, Any]) -> None:
+    # Refused in the caller, naming the setting: no actor is started with it.
+    with pytest.raises(ValueError, match=next(iter(bad)) if len(bad) == 1 else "lazy_apply_s"):
+        CoordinatorConfig(**bad)
+
+
+def test_an_admission_mode_for_one_rank_is_refused_for_two() -> None:
+    for mode in ("admits_at_open", "admits_alone"):
+        with pytest.raises(ValueError, match=mode):
+            CoordinatorCore("t", rank_factory=Factory(), tp=2, config=CoordinatorConfig(**{mode: True}))
 
 
 def test_control_messages_racing_rounds_do_not_deadlock(ray_cluster: Any) -> None:
