@@ -18,8 +18,13 @@ traffic does not spread over pairs, against the independent pairs.
 
 In the same run, beside them: N_max independent one-pair `Deployment`s at
 once (their own directory, coordinators and ranks; the same Ray cluster),
-each driven by one front end of `--scale-clients` clients: what N_max
-pairs cost without a fleet. A fleet must not cost what independent pairs would not.
+driven like the largest fleet: N_max front ends of `--scale-clients`
+clients, client k sending round-robin over every deployment from
+deployment k. So the clients spread their calls over N_max GEN
+coordinators in both, as a router in front of either would: what differs
+is only that a fleet's instances pair with every peer instance. A fleet
+must not cost what independent pairs would not. (`own_pairs` above is the
+other like-for-like view: each front end on one pair in both.)
 
 Ratios (targets): rate(2x2) / rate(1x1) >= 1.8, rate(4x4) / rate(1x1) >=
 2.8, rate(4x4 fleet) / rate(4 independent pairs) >= 1.0, on the GPU host
@@ -264,11 +269,17 @@ async def scale(args: argparse.Namespace, reporter: Reporter, rid: Callable[[str
         try:
             await asyncio.gather(*(d.handoff(rid("indep-warm"), tokens) for d in deps))
 
-            routes = [[(f"{d.name}.coord.gen", "")] for d in deps]  # front end j: deployment j
+            # Every front end over every deployment, from its own offset: the
+            # clients spread as the fleet's do (module docstring).
+            routes = [[(f"{d.name}.coord.gen", "") for d in deps]] * k
             with reporter.step(f"{k} independent pairs: {k} front ends x {per} clients", done="independent pairs measured"):
                 await _front_ends(routes, tokens, per, warm_s, rid("indep-warm"), collections.Counter())
                 before = await _work(list(await asyncio.gather(*(d.stats() for d in deps))))
-                independent = {"deployments": k, **await _front_ends(routes, tokens, per, args.sustain_s, rid("indep"), failures)}
+                independent = {
+                    "deployments": k,
+                    "routing": "every front end over every deployment",
+                    **await _front_ends(routes, tokens, per, args.sustain_s, rid("indep"), failures),
+                }
                 after_stats = list(await asyncio.gather(*(d.stats() for d in deps)))
                 independent["per_handoff"] = _per_handoff(before, await _work(after_stats), independent["completed"])
                 independent["round_ms_p50"] = _round_ms(after_stats)
