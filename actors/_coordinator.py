@@ -784,6 +784,7 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         now = time.monotonic()
         return {
             "topology": self.topology,
+            "round_timeout_s": self._round_timeout,
             "state": self.state.value,
             "tp": self._tp,
             "next_round": self._leader.next_round if self._leader else 1,

@@ -486,14 +486,14 @@ class EngineDeployment(PairCore):
 
     async def cancel(self, ticket: HandoffTicket | str) -> None:
         """Cancel at any moment, from either side (module docstring, step 7).
-        A lent ticket's cancel returns once the CTX rank got its blocks back
-        (its reader answered the FENCE: a receive that comes after it is
-        refused) or a round bound passed."""
+        Returns once the CTX ranks applied the cancel and got the ticket's
+        blocks back (a lent ticket's: once its reader answered the FENCE),
+        or a round bound passed: a receive of the ticket after it is
+        refused, pushed or lent."""
         self._check_open()
         ticket = self._ticket(ticket)
         await self._cancel_parent(ticket.parent)
-        if ticket.lend is not None:
-            await self._returned(ticket.parent, Role.CTX, self._round_timeout_s)
+        await self._returned(ticket.parent, Role.CTX, self._round_timeout_s)
 
     async def returned(self, ticket: HandoffTicket | str, role: Role, timeout: float = 60.0) -> bool:
         """True once every rank of ``role`` holds none of the ticket's blocks

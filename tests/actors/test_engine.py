@@ -461,14 +461,13 @@ async def test_one_rank_instances_receive_at_the_gen_rank(ray_cluster: Any, pull
         again = await eng.dep.receive(ticket, gen_blocks)
         assert again.outcome == "rejected" and again.blocks_returned, again
         assert await eng.dep.returned(ticket, Role.CTX)
-        # Cancelled before any receive: the CTX rank refuses its OPEN (the
-        # claim), which the GEN rank takes as "rejected": nothing held. A
-        # pushed ticket's cancel returns once decided, before the CTX rank
-        # may have applied it (a lent one's waits for it): the receive
-        # starts once the CTX rank gave the blocks back, i.e. applied it.
+        # Cancelled before any receive: `cancel` returns once the CTX rank
+        # applied it and gave the blocks back, pushed or lent, so a receive
+        # right after it is refused: the CTX rank refuses its OPEN (the
+        # claim), which the GEN rank takes as "rejected": nothing held.
         cancelled, more = await eng.prefill_and_publish("gone", seed=41, tokens=5)
         await eng.dep.cancel(cancelled)
-        assert await eng.dep.returned(cancelled, Role.CTX)
+        assert await eng.dep.returned(cancelled, Role.CTX, timeout=0.0)
         late = await eng.dep.receive(cancelled, gen_blocks)
         assert late.outcome == "rejected" and late.blocks_returned, late
         eng.give(Role.GEN, gen_blocks)

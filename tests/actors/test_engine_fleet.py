@@ -149,7 +149,8 @@ async def test_engine_instances_join_pair_any_to_any_drain_and_reattach(ray_clus
         with pytest.raises(PublishRefused):
             await fleet.publish("h2", 4, held, ctx=ctx0)
         await fleet.cancel(h1)
-        assert await fleet.returned(h1, Role.CTX)
+        # `cancel` returns once the CTX workers got the blocks back.
+        assert await fleet.returned(h1, Role.CTX, timeout=0.0)
     finally:
         await _stop(fleet, workers)
 
@@ -183,12 +184,18 @@ async def test_fleet_instance_handles_publish_receive_and_cancel_from_each_side(
             mgr.give(gen0, gen_blocks)
             assert await handle[ctx].returned(ticket, Role.CTX, timeout=60)
             mgr.give(ctx, blocks)
-        # Cancelled from the decode side before anyone claimed it: the CTX blocks come back.
+        # Cancelled from the decode side before anyone claimed it: `cancel`
+        # returns once the CTX instance (another one's, two workers) got the
+        # blocks back, so a receive right after it is refused, nothing held.
         blocks = mgr.take(ctx1, 2)
         await asyncio.gather(*(w.prefill.remote(80, blocks) for w in workers[ctx1]))
         ticket = await handle[ctx1].publish("dropped", 8, blocks)
         await handle[gen0].cancel(ticket.encode())
-        assert await handle[ctx1].returned(ticket, Role.CTX, timeout=30)
+        assert await handle[ctx1].returned(ticket, Role.CTX, timeout=0.0)
+        gen_blocks = mgr.take(gen0, 2)
+        late = await handle[gen0].receive(ticket.encode(), gen_blocks, timeout=60)
+        assert late.outcome != "completed" and late.blocks_returned, late
+        mgr.give(gen0, gen_blocks)
         mgr.give(ctx1, blocks)
         # Misuse, typed, nothing sent.
         with pytest.raises(InvalidRequest):
