@@ -317,15 +317,12 @@ class EngineFleet(ClientCore):
         """Cancel at any moment, from either side, in one call: to the
         ticket's CTX instance, which forwards to the GEN instance that
         claimed it (every GEN instance only if the CTX instance's
-        coordinator cannot be asked). Returns once the CTX instance's
-        workers got the ticket's blocks back, or a round bound passed: a
-        receive of the ticket after it is refused."""
+        coordinator cannot be asked). Returns once that coordinator's workers
+        applied the cancel (its answer waits for them, under its round
+        bound): a receive of the ticket after it is refused."""
         self._check_open()
         ticket = self._ticket(ticket)
         await self._cancel_parent(ticket.parent, ticket.ctx_instance)
-        inst = self._by_id.get(ticket.ctx_instance)
-        if inst is not None:
-            await _returned_on(inst.workers, ticket.parent, self._round_timeout_s)
 
     async def returned(self, ticket: HandoffTicket | str, role: Role | str, timeout: float = 60.0) -> bool:
         """True once every worker of `role` that held the ticket's blocks
@@ -424,10 +421,6 @@ class FleetInstance:
         self._directory: Any = None
         self._ctx_digests: dict[str, str] = {}  # serving CTX instance id -> its digest
         self._gen_coords: dict[str, Any] = {}
-        self._peer_workers: dict[str, list[Any]] = {}  # CTX instance id -> its workers (`_ctx_workers`)
-        #: The bound on a cancel's wait for the CTX workers: the instance
-        #: coordinator's round bound, read at `connect`.
-        self._round_timeout_s = 5.0
         self._layout = plan.layout
 
     @classmethod
@@ -435,7 +428,6 @@ class FleetInstance:
         self = cls(plan)
         self._coord = ray.get_actor(f"{plan.name}.coord.{plan.instance}")
         self._workers = list(await self._coord.rank_handles.remote())
-        self._round_timeout_s = float((await self._coord.stats.remote())["round_timeout_s"])
         self._directory = ray.get_actor(f"{plan.name}.directory")
         await self._membership()
         return self
@@ -468,12 +460,9 @@ class FleetInstance:
         which forwards to the GEN instance that claimed it (every serving GEN
         instance only if the CTX instance's coordinator cannot be asked).
         Returns as `EngineFleet.cancel` does: once the CTX instance's
-        workers got the ticket's blocks back, or a round bound passed."""
+        workers applied it."""
         ticket = await self._ticket(ticket)
         await self._cancel_parent(ticket.parent, ticket.ctx_instance)
-        workers = await self._ctx_workers(ticket.ctx_instance)
-        if workers:
-            await _returned_on(workers, ticket.parent, self._round_timeout_s)
 
     async def returned(self, ticket: HandoffTicket | str, role: Role | str, timeout: float = 60.0) -> bool:
         """True once this instance's workers hold none of the ticket's blocks
@@ -508,20 +497,6 @@ class FleetInstance:
         if digest is None or digest != ticket.ctx_digest:
             raise StaleTicket(f"ticket of a CTX instance this fleet does not serve ({ticket.ctx_instance!r})")
         return ticket
-
-    async def _ctx_workers(self, instance: str) -> list[Any]:
-        """CTX instance `instance`'s workers (this one's own, or asked of its
-        coordinator once and kept); none if it left."""
-        if instance == self.plan.instance:
-            return self._workers
-        if instance not in self._peer_workers:
-            try:
-                coord = ray.get_actor(f"{self.name}.coord.{instance}")
-                self._peer_workers[instance] = list(await coord.rank_handles.remote())
-            except Exception as exc:  # the instance left, or its coordinator died
-                log.debug("%s: workers of %s unknown: %r", self.name, instance, exc)
-                return []
-        return self._peer_workers[instance]
 
     async def _cancel_parent(self, parent: ParentKey, ctx_instance: str) -> None:
         home = None

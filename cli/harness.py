@@ -52,6 +52,9 @@ __all__ = [
     "defer_opens",
     "deferred_opens",
     "run_deferred_opens",
+    "hold_decisions",
+    "held_decisions",
+    "release_decisions",
 ]
 
 #: The exact phases `handoff_cancel_at` knows (None: no cancel).
@@ -190,6 +193,88 @@ def _reports_with_frames_waiting(core: Any) -> list[bool]:
     handoff's path waited behind it."""
     watch: _ReportWatch = core._coordinator
     return list(watch.frames_waiting)
+
+
+# -- functions that run inside a coordinator actor (``__ray_call__``) --
+
+
+class _DecisionHold:
+    """Stands in for a coordinator's handle to one rank: while held, the
+    round calls sent to the rank (applies and votes: a decision rides a
+    vote too, and a rank takes rounds only in order) wait, in order, until
+    released, as they would behind a slow rank's loop (`hold_decisions`);
+    every other call goes to the real handle."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.held = 0
+        self.flowing = asyncio.Event()
+        self.flowing.set()
+        #: The coordinator's loop (``__ray_call__`` may run on another thread).
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in ("round_apply", "round_vote"):
+            return getattr(self.handle, name)
+        hold = self
+
+        class _Method:
+            @staticmethod
+            def remote(*args: Any) -> asyncio.Future[Any]:
+                return asyncio.ensure_future(hold.call(name, *args))
+
+        return _Method
+
+    async def call(self, name: str, *args: Any) -> Any:
+        self.loop = asyncio.get_running_loop()
+        if not self.flowing.is_set():
+            self.held += 1
+            await self.flowing.wait()
+        return await getattr(self.handle, name).remote(*args)
+
+
+def _decision_hold(core: Any, rank: int) -> _DecisionHold:
+    if not isinstance(core._handles[rank], _DecisionHold):
+        core._handles[rank] = _DecisionHold(core._handles[rank])
+    hold: _DecisionHold = core._handles[rank]
+    return hold
+
+
+def _hold_decisions(core: Any, rank: int) -> int:
+    hold = _decision_hold(core, rank)
+    hold.held = 0
+    hold.flowing.clear()
+    return 0
+
+
+def _held_decisions(core: Any, rank: int) -> int:
+    return _decision_hold(core, rank).held
+
+
+def _release_decisions(core: Any, rank: int) -> int:
+    hold = _decision_hold(core, rank)
+    if hold.loop is not None:
+        hold.loop.call_soon_threadsafe(hold.flowing.set)
+    else:
+        hold.flowing.set()
+    return hold.held
+
+
+async def hold_decisions(coordinator: Any, rank: int) -> None:
+    """From now on, the round calls `coordinator` sends its rank `rank` (its
+    decisions: applies, and votes they ride) wait; keep the hold under the
+    round bound, or the watchdog takes the rank for failed."""
+    await coordinator.__ray_call__.remote(_hold_decisions, rank)
+
+
+async def held_decisions(coordinator: Any, rank: int) -> int:
+    """How many round calls to rank `rank` waited since `hold_decisions`."""
+    return int(await coordinator.__ray_call__.remote(_held_decisions, rank))
+
+
+async def release_decisions(coordinator: Any, rank: int) -> int:
+    """Let the held decisions go, in order; later ones flow again."""
+    return int(await coordinator.__ray_call__.remote(_release_decisions, rank))
 
 
 def _delay_lookups(directory: Any, seconds: float, instance: str | None, count: int | None) -> None:

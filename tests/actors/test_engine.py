@@ -30,7 +30,14 @@ from kvhandoff.actors import (
 from kvhandoff.actors.endpoint import EnginePlan, ctx_endpoint, endpoint_loop, gen_endpoint
 from kvhandoff.actors.engine import EngineDeployment, EngineResult, PublishRefused, StaleTicket
 from kvhandoff.actors.rank import EndpointHost, endpoint_actor
-from kvhandoff.cli.harness import held_frames, hold_frames, release_frames
+from kvhandoff.cli.harness import (
+    held_decisions,
+    held_frames,
+    hold_decisions,
+    hold_frames,
+    release_decisions,
+    release_frames,
+)
 from kvhandoff.protocol import HandoffTicket, Role, TicketError
 from kvhandoff.topology import KVLayout, heads_per_rank
 
@@ -465,8 +472,21 @@ async def test_one_rank_instances_receive_at_the_gen_rank(ray_cluster: Any, pull
         # applied it and gave the blocks back, pushed or lent, so a receive
         # right after it is refused: the CTX rank refuses its OPEN (the
         # claim), which the GEN rank takes as "rejected": nothing held.
+        # The CTX coordinator's decisions to its rank are held meanwhile: the
+        # cancel is decided, yet `cancel` has not returned while the CTX rank
+        # has not applied it.
         cancelled, more = await eng.prefill_and_publish("gone", seed=41, tokens=5)
-        await eng.dep.cancel(cancelled)
+        await hold_decisions(ctx_coord, 0)
+        cancelling = asyncio.ensure_future(eng.dep.cancel(cancelled))
+        while not await held_decisions(ctx_coord, 0):
+            assert not cancelling.done() and asyncio.get_running_loop().time() < deadline + 60
+            await asyncio.sleep(0.01)
+        # A bound on a negative check, well under the round bound (5 s) the
+        # hold must stay below: a cancel that did not wait returns at once.
+        done, _ = await asyncio.wait({cancelling}, timeout=0.5)
+        assert not done, "cancel returned before the CTX rank applied it"
+        await release_decisions(ctx_coord, 0)
+        await cancelling
         assert await eng.dep.returned(cancelled, Role.CTX, timeout=0.0)
         late = await eng.dep.receive(cancelled, gen_blocks)
         assert late.outcome == "rejected" and late.blocks_returned, late

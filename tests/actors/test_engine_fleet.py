@@ -22,6 +22,7 @@ from kvhandoff.actors import InvalidRequest
 from kvhandoff.actors.engine import PublishRefused, StaleTicket
 from kvhandoff.actors.engine_fleet import EngineFleet, FleetInstance
 from kvhandoff.actors.fleet import InstanceUnavailable, UnknownInstance
+from kvhandoff.cli.harness import held_decisions, hold_decisions, release_decisions
 from kvhandoff.protocol import Role
 
 from .test_engine import BLOCKS, LAYOUT, Worker
@@ -190,7 +191,22 @@ async def test_fleet_instance_handles_publish_receive_and_cancel_from_each_side(
         blocks = mgr.take(ctx1, 2)
         await asyncio.gather(*(w.prefill.remote(80, blocks) for w in workers[ctx1]))
         ticket = await handle[ctx1].publish("dropped", 8, blocks)
-        await handle[gen0].cancel(ticket.encode())
+        # Its coordinator's round calls to one of its workers are held: the
+        # cancel is decided, yet `cancel` has not returned while that worker
+        # has not applied it.
+        ctx1_coord = fleet._by_id[ctx1].coord
+        await hold_decisions(ctx1_coord, 1)
+        cancelling = asyncio.ensure_future(handle[gen0].cancel(ticket.encode()))
+        deadline = asyncio.get_running_loop().time() + 60  # a bound, not a guess
+        while not await held_decisions(ctx1_coord, 1):
+            assert not cancelling.done() and asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
+        # A bound on a negative check, well under the round bound (5 s) the
+        # hold must stay below: a cancel that did not wait returns at once.
+        done, _ = await asyncio.wait({cancelling}, timeout=0.5)
+        assert not done, "cancel returned before the CTX workers applied it"
+        await release_decisions(ctx1_coord, 1)
+        await cancelling
         assert await handle[ctx1].returned(ticket, Role.CTX, timeout=0.0)
         gen_blocks = mgr.take(gen0, 2)
         late = await handle[gen0].receive(ticket.encode(), gen_blocks, timeout=60)
