@@ -7,6 +7,10 @@ arguments that are not a `LaunchConfig` field (`InvalidConfig`; the config's
 own fields are checked by actors/_config.py). Where the wire type has a rule
 (protocol/_ticket.py `Id`, the admission message's bounds), the check is
 that rule, not a copy of it. Nothing here changes any state.
+
+The coordinator checks what reaches it as an actor call the same way
+(`check_admission`), raising `RoundError`: its callers are clients and
+engines in other processes, whose own checks it cannot trust.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from kvhandoff.protocol import (
     AdmissionRequest,
     HandoffTicket,
     ParentKey,
+    RoundError,
     TicketError,
 )
 from kvhandoff.topology import KVLayout, blocks_for_tokens
@@ -39,6 +44,7 @@ __all__ = [
     "check_seconds",
     "check_frames",
     "own_ticket",
+    "check_admission",
 ]
 
 #: A valid parent, to check a token count against the admission message's type.
@@ -144,3 +150,25 @@ def own_ticket(ticket: Any, deployment: str) -> HandoffTicket:
     if ticket.deployment != deployment:
         raise StaleTicket(f"ticket of deployment {ticket.deployment!r}, this is {deployment!r}")
     return ticket
+
+
+def check_admission(parent: Any, num_tokens: Any, blocks: Any) -> tuple[int, ...]:
+    """What no rank could vote on, refused before it reaches a round (the
+    coordinator's boundary: `RoundError`): the parent re-validated against
+    its wire schema (a Struct built in Python is not), the size a positive
+    int (bool is not) within the admission message's bound, and an engine's
+    block ids within that message's bounds, none twice (the ranks check them
+    against their pools). Returns the block ids."""
+    if type(num_tokens) is not int or not 0 < num_tokens < 2**32:
+        raise RoundError(f"num_tokens must be a positive int below 2**32, got {short(num_tokens)}")
+    try:
+        msgspec.convert(msgspec.to_builtins(parent), ParentKey)
+    except (msgspec.ValidationError, TypeError) as exc:
+        raise RoundError(f"invalid parent {short(parent)}: {exc}") from None
+    try:
+        request = msgspec.convert({"parent": _ANY_PARENT, "num_tokens": 0, "blocks": list(blocks)}, AdmissionRequest)
+    except (msgspec.ValidationError, TypeError) as exc:
+        raise RoundError(f"invalid block ids: {exc}") from None
+    if len(set(request.blocks)) != len(request.blocks):
+        raise RoundError("a block id is named twice")
+    return request.blocks

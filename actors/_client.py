@@ -21,6 +21,7 @@ import ray
 from kvhandoff.actors._errors import DeploymentClosed
 from kvhandoff.actors._instance import _ref
 from kvhandoff.actors._launch import cancel_tasks
+from kvhandoff.actors._submit import Submitter
 
 __all__ = ["ClientCore", "stop_actors"]
 
@@ -58,6 +59,8 @@ class ClientCore:
         self._closed = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._directory = None
+        # Submissions to a coordinator, batched per turn of the loop (`_submit`).
+        self._submitter = Submitter(self._spawn)
 
     @property
     def closed(self) -> bool:

@@ -83,7 +83,7 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -91,6 +91,7 @@ import ray
 from msgspec import Meta
 
 from kvhandoff.actors import _coordinator_errors as _errors
+from kvhandoff.actors._checks import check_admission
 from kvhandoff.actors._coordinator_errors import (
     AdmissionStopped,
     CoordinatorError,
@@ -104,6 +105,7 @@ from kvhandoff.actors._coordinator_peers import PeersMixin
 from kvhandoff.actors._coordinator_ranks import RankFactory, RanksMixin, _kill
 from kvhandoff.actors._coordinator_rounds import RoundsMixin, _Carried
 from kvhandoff.actors._metrics import InstanceMetrics, resident_bytes
+from kvhandoff.actors._submit import SubmitAnswer, SubmitRequest
 from kvhandoff.actors._trace import TraceEvent, TraceRecorder, news_ids, with_events_of
 from kvhandoff.protocol import (
     MAX_ROUND_ITEMS,
@@ -510,8 +512,7 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         Struct built in Python is not validated); raises `RoundError` for what
         no rank could vote on or a parent already pending or in flight,
         `AdmissionStopped` while a rank restarts."""
-        _check_request(request.parent, request.num_tokens)
-        checked = _check_blocks(blocks)
+        checked = check_admission(request.parent, request.num_tokens, blocks)
         self._check_admissible(request.parent)
         return msgspec.structs.replace(request, blocks=checked) if checked else request
 
@@ -552,32 +553,78 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         `InstanceDraining` (nothing was queued)."""
         self.trace.record(parent.request_id, "submit", "call", "client")
         await self._ensure_started()
+        return await self._enter(SubmitRequest(parent, num_tokens, release_when_ready, tuple(blocks), peer_instance))
+
+    async def submit_many(self, requests: Sequence[SubmitRequest]) -> AsyncIterator[list[SubmitAnswer]]:
+        """`submit` for many handoffs in one Ray call, their answers streamed
+        back: a Ray streaming generator that yields, at each decision that
+        ends some of them, the answers of those it ended (`SubmitAnswer`:
+        the request's index and its outcome or the error its `submit` would
+        raise). A request is checked and queued on its own: one refused
+        (a bad request, a parent already in flight, a draining instance)
+        is answered with its error at once and changes nothing, and the
+        others go on. No answer waits for another's handoff."""
+        self.calls["submit_many_calls"] += 1
+        self.calls["submit_many_requests"] += len(requests)
+        for request in requests:
+            self.trace.record(request.parent.request_id, "submit", "call", "client")
+        answers: list[SubmitAnswer] = []
+        waiting: dict[asyncio.Future[str], int] = {}
+        try:
+            await self._ensure_started()
+        except Exception as exc:  # the topology failed: every request is answered with it
+            yield [SubmitAnswer(i, error=exc) for i in range(len(requests))]
+            return
+        for i, request in enumerate(requests):
+            try:
+                waiting[self._enter(request)] = i
+            except Exception as exc:
+                answers.append(SubmitAnswer(i, error=exc))
+        if answers:
+            yield answers
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            answers = []
+            for future in done:
+                i = waiting.pop(future)
+                error = future.exception()
+                answers.append(SubmitAnswer(i, None if error else future.result(), error))
+            yield answers
+
+    def _enter(self, request: SubmitRequest) -> asyncio.Future[str]:
+        """Check and queue one submission (`submit`); returns the future its
+        decision resolves. Raises, with nothing queued, what `submit` raises;
+        while the topology restarts the future is "rejected" at once."""
+        parent, peer_instance = request.parent, request.peer_instance
         if self._peer_name is None and not (self._fleet and peer_instance):
             raise CoordinatorError("submit needs a peer coordinator (constructed with peer=...)")
         self._raise_if_draining()
+        outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         if self.state is TopologyState.RECOVERING:
-            return "rejected"
+            outcome.set_result("rejected")
+            return outcome
         alone = self._admits_alone and self._direct.get(peer_instance, False) and self._idle_for_alone()
-        request = self._checked(
-            AdmissionRequest(parent, num_tokens, release_when_ready=release_when_ready, peer_instance=peer_instance),
-            blocks,
+        admission = self._checked(
+            AdmissionRequest(
+                parent, request.num_tokens, release_when_ready=request.release_when_ready, peer_instance=peer_instance
+            ),
+            request.blocks,
         )
         if not alone:
-            self._queue_admission(request)
+            self._queue_admission(admission)
         elif parent in self._alone_calls:
             raise ParentInFlight(f"parent {parent!r} is already pending or in flight")
-        if release_when_ready:
+        if request.release_when_ready:
             self._complete_at_decision.add(parent)
-            if request.blocks:
+            if admission.blocks:
                 self._returns_awaited.add(parent)
         self._peer_of.remember(parent, peer_instance, time.monotonic())
-        outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._submitted[parent] = outcome
         if alone:
-            self._alone_calls[parent] = asyncio.ensure_future(self._admit_alone(request))
+            self._alone_calls[parent] = asyncio.ensure_future(self._admit_alone(admission))
         else:
             self._wakeup.set()
-        return await outcome
+        return outcome
 
     async def cancel_many(self, parents: Sequence[ParentKey]) -> list[str | None]:
         """`cancel` for many parents in one call (one Ray hop, one round)."""
@@ -823,34 +870,6 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
             # CPU seconds this process spent so far, every thread (Ray's too).
             "cpu_s": time.process_time(),
         }
-
-
-def _check_request(parent: ParentKey, num_tokens: int) -> None:
-    """Refuse what no rank could vote on, before it reaches a round: the key is
-    re-validated against its wire schema (a Struct built in Python is not), and
-    the size must be a positive int (bool is not)."""
-    if type(num_tokens) is not int or not 0 < num_tokens < 2**32:
-        raise RoundError(f"num_tokens must be a positive int below 2**32, got {num_tokens!r}")
-    try:
-        msgspec.convert(msgspec.to_builtins(parent), ParentKey)
-    except (msgspec.ValidationError, TypeError) as exc:
-        raise RoundError(f"invalid parent {parent!r}: {exc}") from None
-
-
-def _check_blocks(blocks: Any) -> tuple[int, ...]:
-    """An engine's block ids for one admission, checked against the round
-    message's own bounds (the ranks check them against their pools)."""
-    try:
-        request = msgspec.convert(
-            {"parent": {"request_id": "r", "ctx_attempt": 0, "gen_attempt": 0}, "num_tokens": 0, "blocks": list(blocks)},
-            AdmissionRequest,
-        )
-    except (msgspec.ValidationError, TypeError) as exc:
-        raise RoundError(f"invalid block ids: {exc}") from None
-    if len(set(request.blocks)) != len(request.blocks):
-        raise RoundError("a block id is named twice")
-    return request.blocks
-
 
 
 #: The coordinator as a Ray async actor: ``Coordinator.remote(topology, ...)``.

@@ -30,8 +30,9 @@ class CoordinatorError(Exception):
     """Base of the coordinator's errors (the actors layer; not protocol input errors)."""
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Keep the constructor arguments so the error survives a Ray hop intact.
-        return (type(self), self._reduce_args)
+        # Keep the constructor arguments so the error survives a Ray hop intact
+        # (a subclass names them; this class's own are its message).
+        return (type(self), self._reduce_args or self.args)
 
     _reduce_args: tuple[Any, ...] = ()
 

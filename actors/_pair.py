@@ -98,6 +98,8 @@ class PairCore(ClientCore):
         per_rank = await asyncio.gather(*(h.stats.remote() for _, _, h in who), return_exceptions=True)
         return {
             **self._stats_head(),
+            # This client's submissions: calls of one, batches, requests.
+            "submits": dict(self._submitter.counters),
             "control_frames": self.carrier.as_dict() if self.carrier is not None else self._default_carrier(),
             "ranks": [
                 s if isinstance(s, dict) else {"error": repr(s)[:500], "role": role.value, "rank": rank}

@@ -85,6 +85,7 @@ from kvhandoff.actors._launch import Launcher
 from kvhandoff.actors._metrics import record_handoff, record_hops
 from kvhandoff.actors._pair import PairCore
 from kvhandoff.actors._placement import remove_group
+from kvhandoff.actors._submit import SubmitRequest
 from kvhandoff.actors._trace import HandoffTrace, TraceRecorder, critical_path, with_events_of
 from kvhandoff.protocol import AdmissionRequest, Endpoint, ParentKey, RecentMemory, Role, RoundError
 from kvhandoff.topology import DEFAULT_LAYOUT as _TOPOLOGY_DEFAULT_LAYOUT
@@ -469,7 +470,7 @@ class Deployment(PairCore, Launcher):
         lone handoff between instances of one rank each goes to the GEN rank."""
         if self._receives_at_rank() and len(self._live) == 1:
             return self._at_rank(attempt)
-        return self._coords[Role.GEN].submit.remote(attempt.parent, attempt.num_tokens, True)
+        return self._submitter.submit(self._coords[Role.GEN], SubmitRequest(attempt.parent, attempt.num_tokens, True))
 
     def _receives_at_rank(self) -> bool:
         """Instances of one rank each, the CTX admitting at the OPEN: the GEN
@@ -497,7 +498,9 @@ class Deployment(PairCore, Launcher):
             # Refused before anything was held (an incarnation not joined
             # yet: a restart under way): its coordinator answers instead.
             self._view_epochs = None
-            return str(await self._coords[Role.GEN].submit.remote(attempt.parent, attempt.num_tokens, True))
+            return await self._submitter.submit(
+                self._coords[Role.GEN], SubmitRequest(attempt.parent, attempt.num_tokens, True)
+            )
         except Exception:
             self._view_epochs = None  # the rank died, perhaps: read the view again next time
             raise

@@ -87,6 +87,7 @@ from kvhandoff.actors._errors import (
 from kvhandoff.actors._instance import _ref, await_started, connected, start_coordinator
 from kvhandoff.actors._metrics import record_handoff
 from kvhandoff.actors._pair import PairCore
+from kvhandoff.actors._submit import SubmitRequest
 from kvhandoff.actors.endpoint import EnginePlan
 from kvhandoff.actors.rank import CtxRankCore, GenRankCore
 from kvhandoff.actors.rank._host import hosted_here
@@ -369,8 +370,9 @@ class EngineDeployment(PairCore):
                 else:
                     submission = started
         else:
-            call = self._coords[Role.GEN].submit.remote(parent, ticket.num_tokens, True, ids)
-            submission = asyncio.ensure_future(_ref(call))
+            submission = self._submitter.submit(
+                self._coords[Role.GEN], SubmitRequest(parent, ticket.num_tokens, True, tuple(ids))
+            )
         return asyncio.ensure_future(self._receive_rest(parent, submission, at_rank, start, timeout))
 
     def _received(self, parent: ParentKey, decided: str, back: bool, start: float) -> EngineResult:

@@ -52,9 +52,10 @@ from kvhandoff.actors._errors import (
     LaunchFailed,
     StaleTicket,
 )
-from kvhandoff.actors._instance import _ref, await_started, start_coordinator
+from kvhandoff.actors._instance import await_started, start_coordinator
 from kvhandoff.actors._membership import coordinator_stats, drained, rank_stats, take_out
 from kvhandoff.actors._metrics import record_handoff
+from kvhandoff.actors._submit import SubmitRequest, Submitter
 from kvhandoff.actors.endpoint import EnginePlan
 from kvhandoff.actors.engine import EngineResult, PublishRefused, refused_duplicate
 from kvhandoff.actors.fleet import InstanceUnavailable, UnknownInstance
@@ -302,7 +303,7 @@ class EngineFleet(ClientCore):
         self._received.remember(parent, inst.id, time.monotonic())
         start = time.perf_counter()
         try:
-            decided = await _submitted(self.name, inst.coord, ticket, ids, timeout)
+            decided = await _submitted(self.name, self._submitter, inst.coord, ticket, ids, timeout)
         except ParentInFlight:
             return refused_duplicate(self.name, parent, start)
         except asyncio.CancelledError:
@@ -418,6 +419,7 @@ class FleetInstance:
         self.role = Role.CTX if plan.ctx.instance_id == plan.instance else Role.GEN
         self._coord: Any = None
         self._workers: list[Any] = []
+        self._submitter = Submitter()
         self._directory: Any = None
         self._ctx_digests: dict[str, str] = {}  # serving CTX instance id -> its digest
         self._gen_coords: dict[str, Any] = {}
@@ -447,7 +449,7 @@ class FleetInstance:
         parent = ticket.parent
         start = time.perf_counter()
         try:
-            decided = await _submitted(self.name, self._coord, ticket, ids, timeout)
+            decided = await _submitted(self.name, self._submitter, self._coord, ticket, ids, timeout)
         except ParentInFlight:
             return refused_duplicate(self.name, parent, start)
         if decided not in ("completed", "rejected"):
@@ -547,12 +549,15 @@ async def _publish(
     )
 
 
-async def _submitted(name: str, coord: Any, ticket: HandoffTicket, ids: tuple[int, ...], timeout: float) -> str:
-    """Submit a claimed ticket to GEN coordinator `coord` and wait for its
+async def _submitted(
+    name: str, submitter: Submitter, coord: Any, ticket: HandoffTicket, ids: tuple[int, ...], timeout: float
+) -> str:
+    """Submit a claimed ticket to GEN coordinator `coord` (through the
+    client's `submitter`: batched with its others) and wait for its
     decision, at most `timeout`: "timeout" then, and a coordinator that died
     or drains is an outcome ("failed", "rejected"), never an exception."""
-    submission = asyncio.ensure_future(
-        _ref(coord.submit.remote(ticket.parent, ticket.num_tokens, True, ids, ticket.ctx_instance))
+    submission = submitter.submit(
+        coord, SubmitRequest(ticket.parent, ticket.num_tokens, True, tuple(ids), ticket.ctx_instance)
     )
     try:
         return str(await asyncio.wait_for(asyncio.shield(submission), timeout))

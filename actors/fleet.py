@@ -93,6 +93,7 @@ from kvhandoff.actors._placement import (
     remove_group,
     wait_ready,
 )
+from kvhandoff.actors._submit import SubmitRequest
 from kvhandoff.actors.deployment import (
     DEFAULT_LAYOUT,
     Deployment,
@@ -575,7 +576,8 @@ class Fleet(Deployment):
         return [(inst.coord, "") for inst in self._by_id.values() if inst.coord is not None]
 
     def _submit_call(self, attempt: _Attempt) -> Any:
-        return self._by_id[attempt.gen].coord.submit.remote(attempt.parent, attempt.num_tokens, True, (), attempt.ctx)
+        request = SubmitRequest(attempt.parent, attempt.num_tokens, True, (), attempt.ctx)
+        return self._submitter.submit(self._by_id[attempt.gen].coord, request)
 
     async def _attempt_ranks(self, attempt: _Attempt, role: Role) -> list[Any]:
         inst = self._by_id[attempt.ctx if role is Role.CTX else attempt.gen]
@@ -650,6 +652,7 @@ class Fleet(Deployment):
             "control_frames": self.carrier.as_dict() if self.carrier is not None else None,
             "instances": self.instances(),
             "pairs": {k: dict(v) for k, v in self.pair_outcomes.items()},
+            "submits": dict(self._submitter.counters),
             "ranks": ranks,
             "coordinators": coords,
         }

@@ -55,18 +55,21 @@ class _FrontEnd:
     """A front end in its own process (a Ray actor, no CPU reserved): `loops`
     concurrent loops, each submitting small handoffs straight to the GEN
     coordinators of `targets` ((coordinator actor name, CTX instance id),
-    round-robin from its own start) for `seconds`. One `submit` per handoff:
-    the path `Fleet.handoff` takes, without one driver process serializing
-    every client of the run."""
+    round-robin from its own start) for `seconds`. The submissions go as
+    `Fleet.handoff` sends them (a `Submitter`: those made in one turn of the
+    loop to one coordinator in one call), without one driver process
+    serializing every client of the run."""
 
     async def drive(
         self, targets: list[tuple[str, str]], tokens: int, loops: int, start: int, seconds: float, tag: str
     ) -> dict[str, Any]:
         import ray
 
+        from kvhandoff.actors._submit import SubmitRequest, Submitter
         from kvhandoff.protocol import ParentKey
 
         coords = {name: ray.get_actor(name) for name, _ in targets}
+        submitter = Submitter()
         cpu0 = time.process_time()
         deadline = time.perf_counter() + seconds
         latencies: list[float] = []
@@ -79,7 +82,7 @@ class _FrontEnd:
                 parent = ParentKey(request_id=f"{tag}-{k}-{i}", ctx_attempt=1, gen_attempt=1)
                 t = time.perf_counter()
                 try:
-                    outcome = str(await coords[name].submit.remote(parent, tokens, True, (), ctx))
+                    outcome = await submitter.submit(coords[name], SubmitRequest(parent, tokens, True, (), ctx))
                 except Exception as exc:
                     outcome = f"error: {type(exc).__name__}"
                 outcomes[outcome] += 1
@@ -94,6 +97,7 @@ class _FrontEnd:
             "latencies": latencies,
             "outcomes": dict(outcomes),
             "cpu_s": time.process_time() - cpu0,
+            "submits": submitter.counters,
         }
 
 
@@ -134,6 +138,8 @@ async def _front_ends(
         "handoffs_per_s": done / elapsed if elapsed > 0 else 0.0,
         "latency_p50_s": latencies[len(latencies) // 2] if latencies else None,
         "cpu_per_handoff": cpu,
+        # Submissions per Ray call: calls of one, batches, and requests in all.
+        "submits": {k: sum(p["submits"][k] for p in parts) for k in parts[0]["submits"]},
     }
 
 

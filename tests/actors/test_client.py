@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import math
 import os
+import pickle
 import random
 import subprocess
 import sys
@@ -33,7 +34,9 @@ from kvhandoff.actors import (
     InvalidRequest,
     LaunchFailed,
 )
+from kvhandoff.actors._coordinator_errors import CoordinatorError, ParentInFlight
 from kvhandoff.actors._directory import _pid_alive
+from kvhandoff.actors._submit import SubmitAnswer, SubmitRequest
 from kvhandoff.cli.harness import (
     defer_opens,
     deferred_opens,
@@ -41,7 +44,7 @@ from kvhandoff.cli.harness import (
     hold_frames,
     release_frames,
 )
-from kvhandoff.protocol import ParentKey, RecentMemory, Role
+from kvhandoff.protocol import ParentKey, RecentMemory, Role, RoundError
 from kvhandoff.topology import block_bytes
 
 from .helpers import ROUND_TIMEOUT, TOKENS, inside, run
@@ -205,6 +208,63 @@ def test_second_handoff_of_a_live_request_id_supersedes_it(dep: Deployment) -> N
     assert second.outcome == "completed", second
     assert second.bytes_verified == expected_bytes(TOKENS, 1)
     assert_pools_whole(settled)
+
+
+def test_handoffs_started_together_go_in_one_call_and_each_is_answered_at_its_own_decision(dep: Deployment) -> None:
+    """Handoffs a client starts in one turn of its loop reach the GEN
+    coordinator in one Ray call (`submit_many`), and their answers stream
+    back: one whose OPEN is held does not hold the other's answer."""
+
+    async def scenario() -> tuple[HandoffResult, bool, HandoffResult, dict, dict, dict]:
+        gen = (await dep.ranks(Role.GEN))[0]
+        before = (await dep.stats())["submits"]
+        await hold_frames(gen, "held", Role.CTX, 0)
+        try:
+            held = asyncio.ensure_future(dep.handoff("held", TOKENS, timeout=TIMEOUT))
+            free = asyncio.ensure_future(dep.handoff("free", TOKENS, timeout=TIMEOUT))
+            answered = await asyncio.wait_for(asyncio.shield(free), TIMEOUT)
+            still_held = not held.done() and await held_frames(gen, "held", Role.CTX, 0) > 0
+            after = (await dep.stats())["submits"]
+        finally:
+            await release_frames(gen, "held", Role.CTX, 0)
+        return answered, still_held, await held, before, after, await until_idle(dep)
+
+    answered, still_held, held, before, after, settled = run(scenario())
+    assert answered.outcome == "completed", answered
+    assert answered.bytes_verified == expected_bytes(TOKENS, 1)
+    assert still_held, "the free handoff's answer waited for the held one"
+    assert held.outcome == "completed", held
+    assert after["submit_batches"] == before["submit_batches"] + 1, (before, after)
+    assert after["submit_calls"] == before["submit_calls"], (before, after)
+    assert_pools_whole(settled)
+
+
+def test_a_batch_answers_what_it_refuses_at_once_and_queues_nothing_of_it(dep: Deployment) -> None:
+    """`submit_many` checks each request on its own: a bad size and a parent
+    named twice are answered first, with the typed error `submit` raises,
+    and queue nothing; the good request of the batch completes."""
+    coord = dep.coordinator(Role.GEN)
+    good = ParentKey(request_id="batch-good", ctx_attempt=1, gen_attempt=1)
+    bad = ParentKey(request_id="batch-bad", ctx_attempt=1, gen_attempt=1)
+    requests = [SubmitRequest(good, TOKENS, True), SubmitRequest(bad, 0, True), SubmitRequest(good, TOKENS, True)]
+
+    async def scenario() -> tuple[list[list[SubmitAnswer]], dict, str | None]:
+        streamed = [await ref async for ref in coord.submit_many.remote(requests)]
+        return streamed, await coord.stats.remote(), await coord.outcome.remote(bad)
+
+    streamed, stats, remembered = run(scenario())
+    first = {a.index: a for a in streamed[0]}
+    assert set(first) == {1, 2}, streamed
+    assert isinstance(first[1].error, RoundError) and "num_tokens" in str(first[1].error), first[1]
+    assert isinstance(first[2].error, ParentInFlight), first[2]
+    last = [a for answers in streamed[1:] for a in answers]
+    assert [(a.index, a.outcome, a.error) for a in last] == [(0, "completed", None)], streamed
+    assert stats["submitted"] == 0 and stats["pending_admits"] == 0, stats
+    assert remembered is None  # refused: never admitted, nothing remembered
+
+
+def test_a_coordinator_error_keeps_its_message_over_a_ray_hop() -> None:
+    assert str(pickle.loads(pickle.dumps(CoordinatorError("no peer")))) == "no peer"
 
 
 @ray.remote(num_cpus=0)
