@@ -75,6 +75,9 @@ class Submitter:
         """Submit `request` to `coordinator` (a GEN coordinator's actor
         handle); the future is its outcome, or raises what `submit` raises."""
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        # A caller that stopped waiting (a timeout over a shield) leaves its
+        # future's error unread: read here, so asyncio does not log it.
+        future.add_done_callback(_read_error)
         batch = self._pending.get(coordinator)
         if batch is None:
             batch = self._pending[coordinator] = []
@@ -97,6 +100,11 @@ class Submitter:
         elif batch:
             self.counters["submit_batches"] += 1
             self._spawn(_many(coordinator, batch))
+
+
+def _read_error(future: asyncio.Future[str]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def _one(coordinator: Any, request: SubmitRequest, future: asyncio.Future[str]) -> None:
