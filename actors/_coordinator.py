@@ -91,6 +91,7 @@ import ray
 from msgspec import Meta
 
 from kvhandoff.actors import _coordinator_errors as _errors
+from kvhandoff.actors._channel import RankLinks, carried_by, coordinator_handlers
 from kvhandoff.actors._checks import check_admission
 from kvhandoff.actors._coordinator_errors import (
     AdmissionStopped,
@@ -342,6 +343,7 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         # Ray calls this coordinator made (per kind) and reports it took: the
         # bench divides them by the handoffs to print calls per handoff.
         self.calls: collections.Counter[str] = collections.Counter()
+        self._links = RankLinks(coordinator_handlers(self), self.calls, lambda coro: self._own(coro))
         # Hop traces of sampled requests (off until `set_trace`; actors/_trace.py).
         self.trace = TraceRecorder(f"coord@{topology}")
         self._trace_peer = ""
@@ -420,6 +422,7 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         self._fail_pending(TopologyFailed(self.topology, self._failure_reason))
         for owned in list(self._owned):
             owned.cancel()
+        self._links.close()
         if kill_owned_ranks and self._owns_ranks:
             for handle in self._handles:
                 _kill(handle)
@@ -652,7 +655,7 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         self.calls["reports_received"] += 1
         if self.trace.every:
             source = f"rank{report.rank}@{self.topology}"
-            self.trace.record_many(news_ids(report), "report", "call", source)
+            self.trace.record_many(news_ids(report), "report", carried_by(), source)
         return self._take_report(report)
 
     def _take_report(self, report: RankReport) -> bool:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from kvhandoff.actors._channel import RESULTS
 from kvhandoff.actors._coordinator_errors import AdmissionStopped
 from kvhandoff.actors._coordinator_rounds import _key
 from kvhandoff.actors._coordinator_state import CoordinatorState
@@ -85,7 +86,9 @@ class PeersMixin(CoordinatorState):
         rides = carried.decision if carried is not None and carried.epochs[0] == epoch else None
         replied: Any = StaleEpochError(epoch, carried.epochs[0]) if carried is not None and rides is None else None
         try:
-            admitted, report = await self._handles[0].admit_alone.remote(request, epoch, self._last_decided, rides)
+            args = (request, epoch, self._last_decided, rides)
+            reply, _ = self._links.call(0, self._handles[0], "admit_alone", args, RESULTS["admit_alone"])
+            admitted, report = await reply
             if rides is not None:
                 replied = rides.round_no
                 self.calls["applies_carried"] += 1

@@ -268,11 +268,13 @@ class RanksMixin(CoordinatorState):
         finds it and runs the fail policy (as a missed deadline would, only
         without waiting for the next round to happen)."""
         handle, epoch = self._handles[rank], self._epochs[rank]
+        self._links.open(rank, handle)  # its round calls go over it once open
 
         async def watch() -> None:
             try:
                 await handle.watch.remote()
             except ActorDiedError:
+                self._links.drop(rank, handle)  # calls waiting on it fail now, as Ray's would
                 if self._epochs[rank] == epoch and self.state not in (TopologyState.FAILED, TopologyState.SHUT_DOWN):
                     self.calls["rank_deaths_seen"] += 1
                     self._want_votes = True

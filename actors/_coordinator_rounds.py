@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvhandoff.actors._channel import RESULTS
 from kvhandoff.actors._coordinator_errors import RoundTimeout, TopologyFailed, TopologyState
 from kvhandoff.actors._coordinator_state import CoordinatorState
 from kvhandoff.actors._trace import decision_ids, news_ids, proposal_ids
@@ -300,7 +301,8 @@ class RoundsMixin(CoordinatorState):
             self.calls["rank_apply_calls"] += 1
             epoch = self._epochs[rank] if epochs is None else epochs[rank]
             try:
-                sent.append((rank, epoch, self._handles[rank].round_apply.remote(decision, epoch)))
+                reply, _ = self._links.call(rank, self._handles[rank], "round_apply", (decision, epoch), RESULTS["round_apply"])
+                sent.append((rank, epoch, reply))
             except Exception as exc:
                 self._rank_errors.append(f"apply {decision.round_no} rank {rank}: {exc!r}"[:500])
                 sent.append((rank, epoch, None))
@@ -345,9 +347,9 @@ class RoundsMixin(CoordinatorState):
                 self._rank_errors.append(f"apply {decision.round_no} rank {rank}: {exc!r}"[:500])
                 return
             answered.add(rank)
-            if self.trace.every:
-                ids = decision_ids(decision)
-                self.trace.record_many(ids, "round_apply", "reply", f"rank{rank}@{self.topology}")
+            if self.trace.every:  # the carrier: its channel if open now (the apply may have ridden a vote)
+                via = "channel" if self._links.channel(rank, self._handles[rank]) is not None else "reply"
+                self.trace.record_many(decision_ids(decision), "round_apply", via, f"rank{rank}@{self.topology}")
 
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self._round_timeout):
@@ -417,7 +419,10 @@ class RoundsMixin(CoordinatorState):
             rides = carried.decision if carried is not None and carried.epochs[rank] == epoch else None
             replied: Any = StaleEpochError(epoch, carried.epochs[rank]) if carried is not None and rides is None else None
             try:
-                vote: RoundVote = await self._handles[rank].round_vote.remote(proposal, epoch, rides)
+                reply, via = self._links.call(
+                    rank, self._handles[rank], "round_vote", (proposal, epoch, rides), RESULTS["round_vote"]
+                )
+                vote: RoundVote = await reply
                 if rides is not None:
                     replied = rides.round_no
                     self.calls["applies_carried"] += 1
@@ -432,7 +437,7 @@ class RoundsMixin(CoordinatorState):
                     carried.replies[rank].set_result(replied if replied is not None else TimeoutError("vote call cut"))
             if self.trace.every:
                 ids = [*proposal_ids(proposal), *news_ids(vote)]
-                self.trace.record_many(ids, "round_vote", "reply", f"rank{rank}@{self.topology}")
+                self.trace.record_many(ids, "round_vote", via, f"rank{rank}@{self.topology}")
             try:
                 leader.receive_vote(vote, loop.time())
             except VoteRejected as rejected:
@@ -463,13 +468,15 @@ class RoundsMixin(CoordinatorState):
         async def tell(rank: int) -> bool:
             self.calls["rank_apply_calls"] += 1
             try:
-                await self._handles[rank].round_apply.remote(decision, self._epochs[rank])
+                args = (decision, self._epochs[rank])
+                reply, via = self._links.call(rank, self._handles[rank], "round_apply", args, RESULTS["round_apply"])
+                await reply
             except Exception as exc:
                 self._rank_errors.append(f"apply {decision.round_no} rank {rank}: {exc!r}"[:500])
                 return False
             if self.trace.every:
                 ids = decision_ids(decision)
-                self.trace.record_many(ids, "round_apply", "reply", f"rank{rank}@{self.topology}")
+                self.trace.record_many(ids, "round_apply", via, f"rank{rank}@{self.topology}")
             done.add(rank)
             return True
 

@@ -9,6 +9,7 @@ import asyncio
 import collections
 from typing import TYPE_CHECKING, Any
 
+from kvhandoff.actors._channel import RankLinks
 from kvhandoff.actors._coordinator_errors import TopologyState
 from kvhandoff.actors._metrics import InstanceMetrics
 from kvhandoff.actors._trace import TraceRecorder
@@ -30,6 +31,8 @@ class CoordinatorState:
     _tp: int
     _handles: list[Any]
     _epochs: list[int]
+    #: A channel per rank incarnation for the round calls (actors/_channel.py).
+    _links: RankLinks
     _leader: RoundLeader | None
     _metrics: InstanceMetrics
     _detached: set[int]

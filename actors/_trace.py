@@ -10,6 +10,8 @@ carrier it came by:
 - ``reply``: the answer to a Ray call we made arrived;
 - ``notif``: a NIXL notification arrived (frames with ``control_frames="nixl"``);
 - ``stream``: a frame arrived on a rank's TCP stream (``control_frames="stream"``);
+- ``channel``: a round call, its answer or a report arrived on the TCP
+  channel between a coordinator and its rank (``control_frames="stream"``);
 - ``local``: no message (the client's start).
 
 A request is traced when its id samples in: ``crc32(request_id) % every == 0``
@@ -49,7 +51,7 @@ CLIENT = "client"
 SENT = "sent:"
 
 #: How a traced event reached its actor.
-CARRIERS = ("call", "reply", "notif", "stream", "local")
+CARRIERS = ("call", "reply", "notif", "stream", "channel", "local")
 
 #: Requests one actor keeps events of at most (oldest dropped first), and
 #: events per request at most (later ones dropped, counted).

@@ -1057,19 +1057,29 @@ async def _handoff(
 async def _call_counts(dep: Deployment) -> dict[str, int]:
     """Every Ray call and control frame the deployment made so far, per kind:
     the client's, each coordinator's (to its ranks and to its peer), each
-    rank's reports and frames (a frame is a one-way actor call)."""
+    rank's reports and frames (a frame is a one-way actor call). Round calls
+    and reports that went on a coordinator's channel instead (actors/_channel.py)
+    count as kinds ending in ``_channel``, not as Ray calls."""
     stats = await dep.stats()
     counts: collections.Counter[str] = collections.Counter()
     for kind, n in dep.calls.items():
         counts[f"client_{kind}"] += n
     for role, c in stats["coordinators"].items():
         for kind, n in (c.get("calls") or {}).items():
-            if kind.endswith("_calls"):
+            if kind in ("rank_vote_calls", "rank_apply_calls", "channel_calls"):
+                continue  # round calls: counted by carrier (below)
+            if kind.endswith("_by_ray"):
+                counts[f"{role}_coord_{kind[: -len('_by_ray')]}"] += n
+            elif kind.endswith("_by_channel"):
+                counts[f"{role}_coord_{kind[: -len('_by_channel')]}_channel"] += n
+            elif kind.endswith("_calls"):
                 counts[f"{role}_coord_{kind[: -len('_calls')]}"] += n
     for r in stats["ranks"]:
+        told = r.get("counters", {}).get("channel_tells", 0)
         for kind, n in r.get("counters", {}).items():
             if kind == "reports_sent":
-                counts[f"{r['role']}_reports"] += n
+                counts[f"{r['role']}_reports"] += n - told
+                counts[f"{r['role']}_reports_channel"] += told
             elif kind == "frame_calls":
                 counts[f"{r['role']}_frame_calls"] += n
             elif kind.startswith("frames_") and kind != "frames_sent":
@@ -1083,9 +1093,10 @@ def _per_handoff(before: dict[str, int], after: dict[str, int], n: int) -> dict[
     kinds = sorted(set(before) | set(after))
     delta = {k: (after.get(k, 0) - before.get(k, 0)) / n for k in kinds if after.get(k, 0) != before.get(k, 0)}
     frames = sum(v for k, v in delta.items() if k.startswith("frame_"))
+    channel = sum(v for k, v in delta.items() if k.endswith("_channel"))
     # Frames travel grouped: one one-way call per peer and event-loop turn.
-    calls = sum(v for k, v in delta.items() if not k.startswith("frame_"))
-    return {"handoffs": n, "ray_calls": calls, "frames": frames, "by_kind": delta}
+    calls = sum(v for k, v in delta.items() if not k.startswith("frame_") and not k.endswith("_channel"))
+    return {"handoffs": n, "ray_calls": calls, "channel_messages": channel, "frames": frames, "by_kind": delta}
 
 
 async def _leased(dep: Deployment) -> list[int]:
@@ -1523,7 +1534,8 @@ def render(out: dict[str, Any]) -> str:
         )
         per = ctl.get("per_handoff")
         if per:
-            rows = [["Ray calls", per["ray_calls"]], ["control frames", per["frames"]]]
+            rows = [["Ray calls", per["ray_calls"]], ["channel messages", per.get("channel_messages", 0)]]
+            rows += [["control frames", per["frames"]]]
             rows += [[f"  {kind}", n] for kind, n in sorted(per["by_kind"].items())]
             parts.append(_table(f"Per small handoff (mean over {per['handoffs']})", ["", "mean"], rows))
         hops = ctl.get("hops", {})

@@ -168,6 +168,9 @@ class _ReportWatch:
 def _report_watch(core: Any) -> _ReportWatch:
     if not isinstance(core._coordinator, _ReportWatch):
         assert core._find_coordinator()
+        # Reports take the (watched) Ray call from here on, not the channel.
+        core._take_channel = lambda channel: None
+        core._coordinator_channel = None
         core._coordinator = _ReportWatch(core, core._coordinator)
     watch: _ReportWatch = core._coordinator
     return watch

@@ -10,6 +10,7 @@ import asyncio
 import time
 from typing import Any
 
+from kvhandoff.actors._channel import CallChannel
 from kvhandoff.actors._member import VoteNews
 from kvhandoff.actors._names import agent_name
 from kvhandoff.actors._trace import TraceEvent, rank_actor_name
@@ -119,12 +120,20 @@ class _ControlPlane(_RankState):
             # of this loop's time, and a frame is on a handoff's critical
             # path (an OPEN, a READY, a TERMINAL) while the report is not.
             self._flush()
-        if not self._find_coordinator():
+        channel = self._coordinator_channel
+        if channel is not None and channel.closed:
+            channel = self._coordinator_channel = None
+        if channel is None and not self._find_coordinator():
             return  # not up yet: the next vote carries the news anyway
         self.counters["reports_sent"] += 1
         if _loop_running():
             self._last_report_at = asyncio.get_running_loop().time()
-        self._own(self._coordinator.report.remote(self.member.report()))
+        report = self.member.report()
+        if channel is not None and channel.tell("report", (report,)):
+            return
+        if channel is not None and not self._find_coordinator():
+            return
+        self._own(self._coordinator.report.remote(report))
 
     def _own(self, awaitable: Any) -> None:
         """Keep a reference to a fire-and-forget call; log if it fails."""
@@ -238,6 +247,18 @@ class _ControlPlane(_RankState):
         if self._streams is None:
             raise RuntimeError(f"rank {self.ns}: frames go by {self.config.frames!r}, not by stream")
         return await self._streams.address()
+
+    async def call_address(self) -> tuple[str, int, str]:
+        """(host, port, token) of this rank's call server (actors/_channel.py),
+        which its coordinator asks once per incarnation of ours to send its
+        round calls over. Raises `RuntimeError` unless frames go by stream."""
+        if self._calls is None:
+            raise RuntimeError(f"rank {self.ns}: round calls go by Ray call under frames={self.config.frames!r}")
+        return await self._calls.address()
+
+    def _take_channel(self, channel: CallChannel) -> None:
+        """Our coordinator opened `channel`: reports go on it from now on."""
+        self._coordinator_channel = channel
 
     async def _stream_frame(self, frame: bytes) -> bool:
         """A frame that arrived on our stream (`receive_frame`'s boundary)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+from kvhandoff.actors._channel import carried_by
 from kvhandoff.actors._member import RoundParticipant
 from kvhandoff.actors._trace import decision_ids, proposal_ids
 from kvhandoff.actors.rank._control import _ControlPlane
@@ -30,9 +31,9 @@ class RankCore(_Peers, _ControlPlane, _Polling, RoundParticipant):
     ) -> RoundVote:
         if self.trace.every:
             if decision is not None:  # the previous round's decision rides with this proposal
-                self.trace.record_many(decision_ids(decision), "round_apply", "call", self._coordinator_actor)
+                self.trace.record_many(decision_ids(decision), "round_apply", carried_by(), self._coordinator_actor)
             ids = proposal_ids(proposal)
-            self.trace.record_many(ids, "round_vote", "call", self._coordinator_actor)
+            self.trace.record_many(ids, "round_vote", carried_by(), self._coordinator_actor)
         if decision is not None:
             self._ensure_polling()  # the decision riding along may post chunks or start drains
         return await super().round_vote(proposal, epoch, decision)
@@ -40,7 +41,7 @@ class RankCore(_Peers, _ControlPlane, _Polling, RoundParticipant):
     async def round_apply(self, decision: RoundDecision, epoch: int | None = None) -> int:
         if self.trace.every:
             ids = decision_ids(decision)
-            self.trace.record_many(ids, "round_apply", "call", self._coordinator_actor)
+            self.trace.record_many(ids, "round_apply", carried_by(), self._coordinator_actor)
         self._ensure_polling()  # a decision may post chunks or start drains
         return await super().round_apply(decision, epoch)
 
@@ -57,6 +58,8 @@ class RankCore(_Peers, _ControlPlane, _Polling, RoundParticipant):
             self._stopped.set()
         if self._streams is not None:
             self._streams.close()
+        if self._calls is not None:
+            self._calls.close()
         for task in list(self._tasks):
             task.cancel()
         if self._poll_task is not None:

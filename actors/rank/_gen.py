@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvhandoff.actors._channel import carried_by
 from kvhandoff.actors._coordinator_errors import ParentInFlight
 from kvhandoff.actors._member import VoteNews
 from kvhandoff.actors._pattern import POISON
@@ -147,7 +148,7 @@ class GenRankCore(_PullReader):
         this call instead of going alone: applied first, in its turn, as
         `round_vote` applies the one riding with it."""
         if self.trace.every:
-            self.trace.record(request.parent.request_id, "admit_alone", "call", self._coordinator_actor)
+            self.trace.record(request.parent.request_id, "admit_alone", carried_by(), self._coordinator_actor)
         self.member._check(epoch)
         if decision is not None:
             await self.member.round_apply(decision, epoch)

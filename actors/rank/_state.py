@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import msgspec
 import torch
 
+from kvhandoff.actors._channel import CallChannel, CallServer, rank_handlers
 from kvhandoff.actors._dataplane import BufferGeometry, DataPlaneError, KVMemory, NixlTransport
 from kvhandoff.actors._faults import FaultyTransport, RankFaults
 from kvhandoff.actors._frames import NixlNotifChannel
@@ -201,6 +202,12 @@ class _RankState:
             self._streams = FrameStreams(
                 _node_address, self._stream_frame, self._frame_call, lambda coro: self._own(coro), self.counters
             )
+        #: frames="stream" too: the server its coordinator's round calls come
+        #: over, and the channel it pushes its reports on (actors/_channel.py).
+        self._calls: CallServer | None = None
+        self._coordinator_channel: CallChannel | None = None
+        if config.frames == "stream":
+            self._calls = CallServer(_node_address, rank_handlers(self), lambda ch: self._take_channel(ch), self.counters)
         # `close_admission`: the instance drains; this rank admits nothing on
         # its own any more (CTX: at an OPEN; GEN: a receive at the rank).
         self._admission_closed = False
@@ -348,6 +355,7 @@ class _RankState:
         def _apply(self, decision: RoundDecision) -> None: ...
         async def _receive_frame(self, frame: bytes, carrier: str) -> bool: ...
         async def _stream_frame(self, frame: bytes) -> bool: ...
+        def _take_channel(self, channel: CallChannel) -> None: ...
         def _frame_call(self, handle: Any, frames: list[bytes]) -> None: ...
         def _replay_parked(self) -> None: ...
         def _perform(self, actions: list[Action]) -> list[Any]: ...

@@ -47,7 +47,7 @@ from kvhandoff.cli.harness import (
 from kvhandoff.protocol import ParentKey, RecentMemory, Role, RoundError
 from kvhandoff.topology import block_bytes
 
-from .helpers import ROUND_TIMEOUT, TOKENS, inside, run
+from .helpers import ROUND_TIMEOUT, TOKENS, inside, run, wait_stats
 
 pytestmark = pytest.mark.ray
 
@@ -404,6 +404,9 @@ def test_a_sampled_handoff_traces_its_critical_path(dep: Deployment) -> None:
     CTX ranks' votes and the frames; it is read once; off, nothing is kept."""
 
     async def scenario() -> tuple[Any, Any, Any, Any]:
+        # The round calls go over the coordinators' channels once they opened.
+        opened = lambda s: sum(c["calls"].get("channel_opened", 0) for c in s["coordinators"].values()) == 3  # noqa: E731
+        await wait_stats(dep, opened)
         await dep.set_trace(1)
         try:
             done = await dep.handoff("traced-1", TOKENS, timeout=TIMEOUT)
@@ -429,9 +432,12 @@ def test_a_sampled_handoff_traces_its_critical_path(dep: Deployment) -> None:
     whats = [e.what for e in trace.events]
     assert whats.index("submit") < whats.index("admit_many") < whats.index("frame:Open") < whats.index("frame:Terminal"), whats
     assert trace.hops == sum(c != "local" for _, _, c in path[1:]) == sum(trace.by_carrier.values())
-    assert set(trace.by_carrier) <= {"call", "reply", "stream"}
-    # Frames travel on the ranks' streams (the default carrier), the rest as Ray calls.
+    assert set(trace.by_carrier) <= {"call", "reply", "stream", "channel"}
+    # Frames travel on the ranks' streams (the default carrier), round calls
+    # and reports on the coordinators' channels, the rest as Ray calls.
     assert {e.carrier for e in trace.events if e.what.startswith("frame:")} == {"stream"}, trace.events
+    rounds = {e.carrier for e in trace.events if e.what in ("round_vote", "round_apply", "report")}
+    assert rounds == {"channel"}, trace.events
     times = [e.t_ns for e in trace.events]
     assert times == sorted(times)
     with pytest.raises(ValueError):

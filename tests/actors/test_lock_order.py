@@ -24,6 +24,9 @@ coroutine handed to `_own` runs outside the round). Then:
   coordinator also the CTX coordinator's admission, nothing else;
 - a rank inside a round handler makes no call it does not hand to `_own`;
 - the graph of those waits has no cycle;
+- the calls on a coordinator's channel to its rank (`control_frames=
+  "stream"`) count as awaited calls, a rank's report written on it as a
+  fire-and-forget one;
 - and the trace is not empty: it saw the coordinators' votes and applies,
   the GEN coordinator's `admit_many` and the ranks' reports sent from inside
   `round_apply`, so a wait added on these paths would be seen too.
@@ -79,8 +82,34 @@ def _install(label: str, kind: str) -> Callable[[Any], bool]:
                 return ref
 
             ray.actor.ActorMethod._remote = _remote
+            # The same for what the coordinator's channels carry (control_frames
+            # "stream"): a round call a coordinator awaits, a report a rank writes.
+            from kvhandoff.actors import _channel
+
+            state.link_call, state.tell = _channel.RankLinks.call, _channel.CallChannel.tell
+            state.peer_id = ""
+
+            def link_call(links: Any, rank: int, handle: Any, method: str, *rest: Any) -> Any:
+                reply, via = state.link_call(links, rank, handle, method, *rest)
+                holder = state.held.get()
+                if holder is not None and via == "channel":
+                    state.calls.append((holder, handle._actor_id.hex(), method, None))  # awaited
+                return reply, via
+
+            def tell(channel: Any, method: str, args: Any) -> bool:
+                told = state.tell(channel, method, args)
+                holder = state.held.get()
+                if told and holder is not None:
+                    ref_id = f"tell-{len(state.calls)}"
+                    state.detached.add(ref_id)  # a write on a socket: nothing waits for it
+                    state.calls.append((holder, state.peer_id, method, ref_id))
+                return told
+
+            _channel.RankLinks.call, _channel.CallChannel.tell = link_call, tell  # type: ignore[method-assign]
             sys.modules["_kvh_await_trace"] = state
         target = getattr(obj, "kvhandoff", obj)
+        if kind == "rank" and target._find_coordinator():
+            state.peer_id = target._coordinator._actor_id.hex()  # whom its channel's reports go to
         own = target._own
 
         def traced_own(awaitable: Any) -> Any:
@@ -143,8 +172,11 @@ def _collect(kind: str) -> Callable[[Any], dict[str, Any]]:
 
         import ray.actor
 
+        from kvhandoff.actors import _channel
+
         state: Any = sys.modules.pop("_kvh_await_trace")
         ray.actor.ActorMethod._remote = state.original
+        _channel.RankLinks.call, _channel.CallChannel.tell = state.link_call, state.tell
         target = getattr(obj, "kvhandoff", obj)
         del target._own
         if kind == "coordinator":
@@ -186,7 +218,9 @@ def _cycle(edges: set[tuple[str, str]]) -> list[str] | None:
 @pytest.mark.parametrize("carrier", ["stream", "ray"])
 def test_no_handler_waits_in_a_cycle_on_the_real_actors(carrier: str) -> None:
     """With either frame carrier: a stream's connection opens (its address
-    asked by Ray call) in a task the rank owns, as a frame call is one."""
+    asked by Ray call) in a task the rank owns, as a frame call is one; with
+    streams, the round calls and reports the trace sees are those on the
+    coordinators' channels."""
 
     async def scenario() -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
         dep = await Deployment.launch(
