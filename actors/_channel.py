@@ -276,7 +276,14 @@ class CallChannel:
                 self.counters["channel_tell_errors"] += 1
                 log.debug("channel: a one-way message's handler raised: %r", exc)
             return
-        if call_id and not self.closed and not self._write(_REPLY, call_id, "", result):
+        if not call_id or self.closed:
+            return
+        try:
+            sent = self._write(_REPLY, call_id, "", result)
+        except (TypeError, msgspec.EncodeError) as exc:  # a result the wire cannot carry
+            self._write(_ERROR, call_id, type(exc).__name__, str(exc)[:2000])
+            return
+        if not sent:
             self._write(_ERROR, call_id, "OverflowError", "the reply is over the channel's bound")
 
     def _reply(self, kind: int, call_id: int, name: str, payload: msgspec.Raw) -> None:

@@ -68,6 +68,8 @@ class _Rank:
             await self.gates[decision.round_no].wait()
         if decision.round_no == 13:
             raise ValueError("unlucky round")
+        if decision.round_no == 14:
+            return object()  # type: ignore[return-value]  # nothing the wire can carry
         return decision.round_no
 
 
@@ -92,7 +94,7 @@ def test_calls_are_answered_each_with_its_own_reply_in_arrival_order() -> None:
     async def scenario() -> tuple[_Rank, list[Any], list[Any]]:
         rank = _Rank()
         server, channel, _ = await _pair(rank)
-        futures = [channel.call("round_apply", (_decision(n), 1), RESULTS["round_apply"]) for n in (5, 13, 7)]
+        futures = [channel.call("round_apply", (_decision(n), 1), RESULTS["round_apply"]) for n in (5, 13, 7, 14)]
         assert all(f is not None for f in futures)
         async with asyncio.timeout(BOUND_S):
             replies = await asyncio.gather(*futures, return_exceptions=True)  # type: ignore[arg-type]
@@ -101,11 +103,13 @@ def test_calls_are_answered_each_with_its_own_reply_in_arrival_order() -> None:
         return rank, replies, rank.carriers
 
     rank, replies, carriers = asyncio.run(scenario())
-    assert rank.ran == [("apply", 5), ("apply", 13), ("apply", 7)]  # started as they came
+    assert rank.ran == [("apply", 5), ("apply", 13), ("apply", 7), ("apply", 14)]  # started as they came
     assert replies[0] == 5 and replies[2] == 7
     error = replies[1]
     assert isinstance(error, RemoteCallError) and error.type_name == "ValueError" and "unlucky" in str(error)
-    assert carriers == ["channel"] * 3  # the handler knows what carried it (traces)
+    # A result the wire cannot carry is an error reply, not a call left waiting.
+    assert isinstance(replies[3], RemoteCallError) and replies[3].type_name == "TypeError", replies[3]
+    assert carriers == ["channel"] * 4  # the handler knows what carried it (traces)
     assert carried_by() == "call"  # outside a channel's handler: a Ray call
 
 
