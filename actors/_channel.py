@@ -53,12 +53,12 @@ import asyncio
 import collections
 import contextvars
 import logging
-import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 import msgspec
 
+from kvhandoff.actors._stream import TokenServer
 from kvhandoff.protocol import AdmissionRequest, RankReport, RoundDecision, RoundProposal, RoundVote
 
 log = logging.getLogger("kvhandoff.channel")
@@ -81,8 +81,6 @@ __all__ = [
 #: below it; a longer one goes by Ray call, and a peer that announces one is
 #: disconnected before its body is read.
 MAX_CALL_LEN = 64 * 1024 * 1024
-#: Bytes of the token a connection opens with (hex of 16 random bytes).
-TOKEN_LEN = 32
 #: A TCP connect that has not finished by then gives up (Ray calls instead).
 #: A bound, not a pace: a connect on a reachable host ends at once.
 OPEN_TIMEOUT_S = 10.0
@@ -323,31 +321,17 @@ class CallServer:
         accepted: Callable[[CallChannel], None],
         counters: collections.Counter[str],
     ) -> None:
-        self._host = host
         self._handlers = handlers
         self._accepted = accepted
         self.counters = counters
-        self.token = secrets.token_hex(TOKEN_LEN // 2)
-        self._server: asyncio.AbstractServer | None = None
+        self._server = TokenServer(host, self._serve, counters, "channel_refused_token")
         self._channels: set[CallChannel] = set()
 
     async def address(self) -> tuple[str, int, str]:
         """(host, port, token) of this server, started on first use."""
-        if self._server is None:
-            self._server = await asyncio.start_server(self._serve, self._host(), 0)
-        host, port = self._server.sockets[0].getsockname()[:2]
-        return str(host), int(port), self.token
+        return await self._server.address()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            token = await reader.readexactly(TOKEN_LEN)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            writer.close()
-            return
-        if not secrets.compare_digest(token, self.token.encode()):
-            self.counters["channel_refused_token"] += 1
-            writer.close()
-            return
         self.counters["channel_accepted"] += 1
         channel = CallChannel(reader, writer, self._handlers, self.counters)
         self._channels.add(channel)
@@ -361,9 +345,7 @@ class CallServer:
         """Close the server and every channel it accepted."""
         for channel in list(self._channels):
             channel.close()
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        self._server.close()
 
 
 class RankLinks:

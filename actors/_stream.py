@@ -51,7 +51,7 @@ from kvhandoff.protocol import MAX_FRAME_LEN, Endpoint
 
 log = logging.getLogger("kvhandoff.stream")
 
-__all__ = ["FrameStreams", "pack"]
+__all__ = ["FrameStreams", "TokenServer", "pack"]
 
 #: Bytes of the token a connection opens with (hex of 16 random bytes).
 TOKEN_LEN = 32
@@ -65,6 +65,52 @@ _LEN = 4
 def pack(frames: list[bytes]) -> bytes:
     """`frames` as the stream carries them: each a 4-byte length and its bytes."""
     return b"".join(len(f).to_bytes(_LEN, "little") + f for f in frames)
+
+
+class TokenServer:
+    """A TCP server on this node's address (a port the OS picks, from the
+    first `address()` call) that hands `serve` only the connections that
+    open with its token; one that does not is closed before anything else
+    of it is read (counted as `refused`). The frame streams and the
+    coordinators' call channels (actors/_channel.py) each run one."""
+
+    def __init__(
+        self,
+        host: Callable[[], str],
+        serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+        counters: collections.Counter[str],
+        refused: str,
+    ) -> None:
+        self._host = host
+        self._serve = serve
+        self._counters = counters
+        self._refused = refused
+        self.token = secrets.token_hex(TOKEN_LEN // 2)
+        self._server: asyncio.AbstractServer | None = None
+
+    async def address(self) -> tuple[str, int, str]:
+        """(host, port, token) of this server, started on first use."""
+        if self._server is None:
+            self._server = await asyncio.start_server(self._accept, self._host(), 0)
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return str(host), int(port), self.token
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            token = await reader.readexactly(TOKEN_LEN)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+            return
+        if not secrets.compare_digest(token, self.token.encode()):
+            self._counters[self._refused] += 1
+            writer.close()
+            return
+        await self._serve(reader, writer)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
 
 
 class FrameStreams:
@@ -85,13 +131,11 @@ class FrameStreams:
         own: Callable[[Any], None],
         counters: collections.Counter[str],
     ) -> None:
-        self._host = host
         self._deliver = deliver
         self._fallback = fallback
         self._own = own
         self.counters = counters
-        self.token = secrets.token_hex(TOKEN_LEN // 2)
-        self._server: asyncio.AbstractServer | None = None
+        self._server = TokenServer(host, self._serve, counters, "stream_refused_token")
         #: Per peer endpoint: a writer (open), a list (frames waiting while it
         #: opens) or None (Ray calls: it could not be opened, or broke).
         self._out: dict[Endpoint, asyncio.StreamWriter | list[bytes] | None] = {}
@@ -100,17 +144,11 @@ class FrameStreams:
 
     async def address(self) -> tuple[str, int, str]:
         """(host, port, token) of this rank's server, started on first use."""
-        if self._server is None:
-            self._server = await asyncio.start_server(self._serve, self._host(), 0)
-        host, port = self._server.sockets[0].getsockname()[:2]
-        return str(host), int(port), self.token
+        return await self._server.address()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One peer's connection: the token, then frames until it closes."""
+        """One peer's connection (its token checked): frames until it closes."""
         try:
-            if not secrets.compare_digest(await reader.readexactly(TOKEN_LEN), self.token.encode()):
-                self.counters["stream_refused_token"] += 1
-                return
             self.counters["stream_accepted"] += 1
             while True:
                 n = int.from_bytes(await reader.readexactly(_LEN), "little")
@@ -186,6 +224,4 @@ class FrameStreams:
     def close(self) -> None:
         """Close the server and every connection."""
         self.forget(lambda _: False)
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        self._server.close()

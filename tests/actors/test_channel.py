@@ -34,7 +34,6 @@ from kvhandoff.actors import _channel
 from kvhandoff.actors._channel import (
     MAX_CALL_LEN,
     RESULTS,
-    TOKEN_LEN,
     CallChannel,
     CallServer,
     Handler,
@@ -43,6 +42,7 @@ from kvhandoff.actors._channel import (
     carried_by,
     connect,
 )
+from kvhandoff.actors._stream import TOKEN_LEN
 from kvhandoff.protocol import MAX_ROUND_ITEMS, ParentKey, RoundDecision
 
 pytestmark = pytest.mark.ray
