@@ -8,6 +8,6 @@ set -euo pipefail
 source bench/_device.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true; nproc
 kvh bench --json --sections control --concurrency 1,8,32 > "$out/default_control.json" 2>> "$out/log" || echo "control failed: $?"
-kvh bench --json --sections scale --scale-sizes 1,2,4,1 --scale-clients 16 --sustain-s 5 --round-timeout-s 30 \
+kvh bench --json --sections scale --scale-sizes 1,2,4 --scale-repeats 5 --scale-clients 16 --sustain-s 5 --round-timeout-s 30 \
   > "$out/default_scale.json" 2>> "$out/log" || echo "scale failed: $?"
 ls -la "$out"

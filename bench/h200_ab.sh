@@ -29,7 +29,7 @@ if [ -n "${VRAM_ONLY:-}" ]; then  # the VRAM data plane only, alternating, ROUND
   ls -la "$out"; exit 0
 fi
 if [ -n "${SCALE:-}" ]; then  # the fleet's scale section, alternating, ROUNDS times
-  scale=(--sections scale --scale-sizes 1,2,4,1 --scale-clients 16 --sustain-s 5 --round-timeout-s 30 --control-frames ${FRAMES:-stream})
+  scale=(--sections scale --scale-sizes 1,2,4 --scale-repeats ${REPEATS:-5} --scale-clients 16 --sustain-s 5 --round-timeout-s 30 --control-frames ${FRAMES:-stream})
   for round in $(seq 1 "${ROUNDS:-1}"); do
     # shellcheck disable=SC2086
     run "$base_tree" "ab_base_scale_$round" "${scale[@]}" ${BASE_FLAGS:-}

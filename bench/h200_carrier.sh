@@ -11,7 +11,7 @@ source bench/_device.sh
 frames=${FRAMES:-auto}
 nproc
 [ "${TESTS:-1}" = 1 ] && python -m pytest -q -p no:cacheprovider tests/actors/test_carrier.py > "$out/pytest_carrier.txt" 2>&1; tail -3 "$out/pytest_carrier.txt" 2>/dev/null
-[ "${SCALE:-1}" = 1 ] && kvh bench --json --sections scale --scale-sizes ${SIZES:-1,2,4,1} --scale-clients ${CLIENTS:-16} \
+[ "${SCALE:-1}" = 1 ] && kvh bench --json --sections scale --scale-sizes ${SIZES:-1,2,4} --scale-repeats ${REPEATS:-5} --scale-clients ${CLIENTS:-16} \
   --sustain-s ${SUSTAIN:-5} --round-timeout-s 30 --control-frames "$frames" > "$out/bench_scale_$frames.json" 2> "$out/bench_scale_$frames.err" || echo "scale bench failed: $?"
 [ "${DEMO:-1}" = 1 ] && kvh demo --json --chaos --ctx-instances 2 --gen-instances 2 --ctx-tp 2,1 --gen-tp 1,2 \
   --requests ${REQ:-300} > "$out/demo_fleet_chaos.json" 2> "$out/demo_fleet_chaos.err" || echo "demo failed: $?"

@@ -5,7 +5,7 @@
 set -uo pipefail
 source bench/_device.sh
 [ "${SCALE:-1}" = 1 ] && timeout 230 "${kvh_cmd[@]}" \
-  bench --json --sections scale --scale-sizes 1,2,4,1 --scale-clients 16 --sustain-s 5 --round-timeout-s 30 \
+  bench --json --sections scale --scale-sizes 1,2,4 --scale-repeats 5 --scale-clients 16 --sustain-s 5 --round-timeout-s 30 \
   --control-frames ray > "$out/bench_scale_ray.json" 2> "$out/bench_scale_ray.err"
 for run in ${RUNS:-nixl.1 nixl.2 ray.1}; do
   timeout 110 "${kvh_cmd[@]}" \

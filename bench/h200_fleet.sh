@@ -11,7 +11,7 @@
 set -euo pipefail
 source bench/_device.sh
 nproc; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-[ "${SCALE:-1}" = 1 ] && kvh bench --json --sections scale --scale-sizes ${SIZES:-1,2,4,1} --scale-clients ${CLIENTS:-16} \
+[ "${SCALE:-1}" = 1 ] && kvh bench --json --sections scale --scale-sizes ${SIZES:-1,2,4} --scale-repeats ${REPEATS:-5} --scale-clients ${CLIENTS:-16} \
   --sustain-s ${SUSTAIN:-5} --round-timeout-s 30 --control-frames ${FRAMES:-stream} > "$out/bench_scale.json" 2> "$out/bench_scale.err" || echo "scale bench failed: $?"
 tail -3 "$out/bench_scale.err" 2>/dev/null || true
 [ "${DEMO:-1}" = 1 ] && kvh demo --json --chaos --ctx-instances 2 --gen-instances 2 --ctx-tp 2,1 --gen-tp 1,2 \
