@@ -58,8 +58,23 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from kvhandoff.actors._coordinator_errors import (
+    AdmissionStopped,
+    CoordinatorError,
+    InstanceDraining,
+    ParentInFlight,
+    RoundTimeout,
+    TopologyFailed,
+)
 from kvhandoff.actors._stream import TokenServer
-from kvhandoff.protocol import AdmissionRequest, RankReport, RoundDecision, RoundProposal, RoundVote
+from kvhandoff.protocol import (
+    AdmissionRequest,
+    RankReport,
+    RoundDecision,
+    RoundError,
+    RoundProposal,
+    RoundVote,
+)
 
 log = logging.getLogger("kvhandoff.channel")
 
@@ -71,7 +86,9 @@ __all__ = [
     "RESULTS",
     "RankLinks",
     "RemoteCallError",
+    "WIRE_ERRORS",
     "carried_by",
+    "late",
     "connect",
     "coordinator_handlers",
     "rank_handlers",
@@ -107,7 +124,7 @@ RESULTS: dict[str, msgspec.msgpack.Decoder[Any]] = {
 }
 
 
-def _late(owner: Any, name: str) -> Callable[..., Awaitable[Any]]:
+def late(owner: Any, name: str) -> Callable[..., Awaitable[Any]]:
     """``owner.<name>``, looked up at each call (a test harness may wrap it
     on the instance after the channel's handlers were made)."""
 
@@ -122,21 +139,49 @@ def rank_handlers(rank: Any) -> dict[str, Handler]:
     (`admit_alone` only where the rank has it: a GEN rank)."""
     handlers = {
         "round_vote": Handler(
-            msgspec.msgpack.Decoder(tuple[RoundProposal, int | None, RoundDecision | None]), _late(rank, "round_vote")
+            msgspec.msgpack.Decoder(tuple[RoundProposal, int | None, RoundDecision | None]), late(rank, "round_vote")
         ),
-        "round_apply": Handler(msgspec.msgpack.Decoder(tuple[RoundDecision, int | None]), _late(rank, "round_apply")),
+        "round_apply": Handler(msgspec.msgpack.Decoder(tuple[RoundDecision, int | None]), late(rank, "round_apply")),
     }
     if hasattr(rank, "admit_alone"):
         handlers["admit_alone"] = Handler(
             msgspec.msgpack.Decoder(tuple[AdmissionRequest, int | None, int, RoundDecision | None]),
-            _late(rank, "admit_alone"),
+            late(rank, "admit_alone"),
         )
     return handlers
 
 
 def coordinator_handlers(coordinator: Any) -> dict[str, Handler]:
     """What a coordinator answers on its channels: a rank's `report`."""
-    return {"report": Handler(msgspec.msgpack.Decoder(tuple[RankReport]), _late(coordinator, "report"))}
+    return {"report": Handler(msgspec.msgpack.Decoder(tuple[RankReport]), late(coordinator, "report"))}
+
+
+#: The errors a channel carries as themselves: the caller raises the same
+#: type, built from the same arguments (what a Ray call would raise, less the
+#: Ray wrapper). Any other error arrives as a `RemoteCallError`.
+WIRE_ERRORS: dict[str, type[BaseException]] = {
+    cls.__name__: cls
+    for cls in (
+        RoundError, ParentInFlight, CoordinatorError, RoundTimeout, AdmissionStopped, TopologyFailed, InstanceDraining,
+    )
+}
+_ERROR_PAYLOAD = msgspec.msgpack.Decoder(tuple[str, list[Any] | None])
+
+
+def _wire_args(exc: BaseException) -> list[Any] | None:
+    """The constructor arguments `exc` pickles with (its `__reduce__`)."""
+    reduced = exc.__reduce__()
+    return list(reduced[1]) if isinstance(reduced, tuple) and len(reduced) > 1 and isinstance(reduced[1], tuple) else None
+
+
+def _remote_error(name: str, message: str, args: list[Any] | None) -> BaseException:
+    cls = WIRE_ERRORS.get(name)
+    if cls is not None and args is not None:
+        try:
+            return cls(*args)
+        except Exception:  # arguments that do not build it: the generic form
+            pass
+    return RemoteCallError(name, message)
 
 
 class RemoteCallError(RuntimeError):
@@ -178,6 +223,9 @@ class CallChannel:
         self._next_id = 1
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
+        #: Messages written in this turn of the loop: they go in one send at
+        #: its end (`_flush`), one wakeup of the other side for all of them.
+        self._corked: list[bytes] = []
         self.done = asyncio.get_running_loop().create_task(self._read())
 
     @property
@@ -209,6 +257,7 @@ class CallChannel:
     def close(self) -> None:
         """Close the connection; every call still waiting fails with `ConnectionError`."""
         if not self._closed:
+            self._flush()
             self._closed = True
             self._writer.close()
         pending, self._pending = self._pending, {}
@@ -223,8 +272,27 @@ class CallChannel:
         if len(body) > MAX_CALL_LEN:
             self.counters["channel_oversize_sent_by_ray"] += 1
             return False
-        self._writer.write(len(body).to_bytes(_LEN, "little") + body)
+        if not self._corked:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._corked.append(len(body).to_bytes(_LEN, "little") + body)
         return True
+
+    def _flush(self) -> None:
+        corked, self._corked = self._corked, []
+        if corked and not self._closed:
+            self.counters["channel_sends"] += 1
+            self._writer.write(b"".join(corked) if len(corked) > 1 else corked[0])
+
+    def _error(self, call_id: int, exc: BaseException) -> None:
+        """Answer call `call_id` with `exc`: its type's name, its message, and
+        for a type of `WIRE_ERRORS` its constructor's arguments (the caller
+        raises that very error), else none (a `RemoteCallError`)."""
+        name = type(exc).__name__
+        args = _wire_args(exc) if WIRE_ERRORS.get(name) is type(exc) else None
+        try:
+            self._write(_ERROR, call_id, name, (str(exc)[:2000], args))
+        except (TypeError, msgspec.EncodeError):  # arguments the wire cannot carry
+            self._write(_ERROR, call_id, name, (str(exc)[:2000], None))
 
     async def _read(self) -> None:
         try:
@@ -257,7 +325,7 @@ class CallChannel:
         except Exception as exc:  # refused at the boundary: nothing ran
             self.counters["channel_refused"] += 1
             if call_id:
-                self._write(_ERROR, call_id, type(exc).__name__, str(exc)[:2000])
+                self._error(call_id, exc)
             return
         task = asyncio.get_running_loop().create_task(self._run(call_id, handler, args))
         self._tasks.add(task)
@@ -269,7 +337,7 @@ class CallChannel:
             result = await handler.call(*args)
         except Exception as exc:
             if call_id and not self.closed:
-                self._write(_ERROR, call_id, type(exc).__name__, str(exc)[:2000])
+                self._error(call_id, exc)
             elif not call_id:
                 self.counters["channel_tell_errors"] += 1
                 log.debug("channel: a one-way message's handler raised: %r", exc)
@@ -279,10 +347,10 @@ class CallChannel:
         try:
             sent = self._write(_REPLY, call_id, "", result)
         except (TypeError, msgspec.EncodeError) as exc:  # a result the wire cannot carry
-            self._write(_ERROR, call_id, type(exc).__name__, str(exc)[:2000])
+            self._error(call_id, exc)
             return
         if not sent:
-            self._write(_ERROR, call_id, "OverflowError", "the reply is over the channel's bound")
+            self._error(call_id, OverflowError("the reply is over the channel's bound"))
 
     def _reply(self, kind: int, call_id: int, name: str, payload: msgspec.Raw) -> None:
         entry = self._pending.pop(call_id, None)
@@ -294,7 +362,8 @@ class CallChannel:
             return
         try:
             if kind == _ERROR:
-                future.set_exception(RemoteCallError(name, msgspec.msgpack.decode(payload, type=str)))
+                message, args = _ERROR_PAYLOAD.decode(payload)
+                future.set_exception(_remote_error(name, message, args))
             else:
                 future.set_result(decoder.decode(payload))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

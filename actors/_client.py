@@ -87,6 +87,7 @@ class ClientCore:
         if self._closed:
             return
         self._closed = True
+        self._submitter.close()
         await cancel_tasks(self._tasks)
         await self._teardown()
 

@@ -93,6 +93,7 @@ from msgspec import Meta
 from kvhandoff.actors import _coordinator_errors as _errors
 from kvhandoff.actors._channel import RankLinks, carried_by, coordinator_handlers
 from kvhandoff.actors._checks import check_admission
+from kvhandoff.actors._coordinator_clients import ClientsMixin
 from kvhandoff.actors._coordinator_errors import (
     AdmissionStopped,
     CoordinatorError,
@@ -172,6 +173,8 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
     admits_at_open: bool = False
     #: A one-rank instance's rank admits at its own receive, with no round.
     admits_alone: bool = False
+    #: Clients may submit over a channel (`submit_address`): frames go by stream.
+    client_channels: bool = False
 
     def __post_init__(self) -> None:
         if not self.round_timeout > 0:
@@ -187,7 +190,7 @@ class CoordinatorConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 
-class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
+class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin, ClientsMixin):
     """The coordinator's implementation; `Coordinator` is this class as a Ray
     actor (``Coordinator.remote(...)``). Every public method is a coroutine.
 
@@ -344,6 +347,7 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         # bench divides them by the handoffs to print calls per handoff.
         self.calls: collections.Counter[str] = collections.Counter()
         self._links = RankLinks(coordinator_handlers(self), self.calls, lambda coro: self._own(coro))
+        self._client_channels, self._clients = cfg.client_channels, None  # actors/_coordinator_clients.py
         # Hop traces of sampled requests (off until `set_trace`; actors/_trace.py).
         self.trace = TraceRecorder(f"coord@{topology}")
         self._trace_peer = ""
@@ -423,6 +427,7 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin):
         for owned in list(self._owned):
             owned.cancel()
         self._links.close()
+        self._close_clients()
         if kill_owned_ranks and self._owns_ranks:
             for handle in self._handles:
                 _kill(handle)

@@ -272,6 +272,7 @@ class Launcher:
                 admits_at_open=self._admit_at_open and spec.role is Role.CTX,
                 # ... and then a GEN instance of one rank admits alone: no round.
                 admits_alone=self._admit_at_open and spec.role is Role.GEN and spec.tp == 1,
+                client_channels=configs[0].frames == "stream",
             )
         await await_started(
             self.name,

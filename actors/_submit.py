@@ -23,17 +23,34 @@ with many handoffs in flight submits them together instead:
 - **Loss.** If the call fails (the coordinator died), every caller of the
   batch not yet answered gets the call's error, as its own `submit` call
   would have raised it.
+- **Channel.** Where the coordinator serves client channels (its instance's
+  frames go by stream: actors/_coordinator_clients.py), the first
+  submission to it also asks for its address (`submit_address`) and opens
+  a TCP connection (actors/_channel.py); from then on each submission is one
+  `submit` message on it, those of one turn of the loop in one send, and
+  its answer comes back on it: the outcome, or the error `submit` raises,
+  of the same type. Until the connection is open, and for good once it
+  could not open or broke, submissions go by Ray call as above. When it
+  breaks (the coordinator's process ended), every submission waiting on it
+  fails with `ConnectionError`, as a Ray call to a dead actor fails.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, NamedTuple
 
+import msgspec
+
+from kvhandoff.actors._channel import CallChannel, connect
 from kvhandoff.protocol import ParentKey
 
 __all__ = ["SubmitAnswer", "SubmitRequest", "Submitter"]
+
+log = logging.getLogger("kvhandoff.submit")
 
 
 class SubmitRequest(NamedTuple):
@@ -69,22 +86,71 @@ class Submitter:
         self._spawn: Spawn = spawn or self._keep
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending: dict[Any, list[tuple[SubmitRequest, asyncio.Future[str]]]] = {}
-        self.counters = {"submit_calls": 0, "submit_batches": 0, "submitted": 0}
+        #: Per coordinator handle: its open channel, `_OPENING`, or None (Ray
+        #: calls: it serves none, it could not open, or it broke).
+        self._channels: dict[Any, Any] = {}
+        self._closed = False
+        self.counters = {"submit_calls": 0, "submit_batches": 0, "submitted": 0, "submit_channel": 0}
+        #: What the channels count (sends, calls, failures to open).
+        self.channel_counters: collections.Counter[str] = collections.Counter()
 
     def submit(self, coordinator: Any, request: SubmitRequest) -> asyncio.Future[str]:
         """Submit `request` to `coordinator` (a GEN coordinator's actor
         handle); the future is its outcome, or raises what `submit` raises."""
-        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        channel = self._channel(coordinator)
+        sent = channel.call("submit", (request,), _OUTCOME) if channel is not None else None
+        future: asyncio.Future[str] = sent if sent is not None else asyncio.get_running_loop().create_future()
         # A caller that stopped waiting (a timeout over a shield) leaves its
         # future's error unread: read here, so asyncio does not log it.
         future.add_done_callback(_read_error)
+        self.counters["submitted"] += 1
+        if sent is not None:
+            self.counters["submit_channel"] += 1
+            return future
         batch = self._pending.get(coordinator)
         if batch is None:
             batch = self._pending[coordinator] = []
             asyncio.get_running_loop().call_soon(self._flush, coordinator)
         batch.append((request, future))
-        self.counters["submitted"] += 1
         return future
+
+    def close(self) -> None:
+        """Close every channel (the client shuts down): submissions still
+        waiting on one fail with `ConnectionError`."""
+        self._closed = True
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            if isinstance(channel, CallChannel):
+                channel.close()
+
+    def _channel(self, coordinator: Any) -> CallChannel | None:
+        """The open channel to `coordinator`, if any; the first call starts opening one."""
+        state = self._channels.get(coordinator, _UNASKED)
+        if isinstance(state, CallChannel):
+            if not state.closed:
+                return state
+            self.channel_counters["channel_broken"] += 1
+            self._channels[coordinator] = None  # broke: Ray calls from now on
+        elif state is _UNASKED and not self._closed:
+            self._channels[coordinator] = _OPENING
+            self._spawn(self._open(coordinator))
+        return None
+
+    async def _open(self, coordinator: Any) -> None:
+        try:
+            address = await coordinator.submit_address.remote()
+            channel = await connect(*address, {}, self.channel_counters) if address is not None else None
+        except Exception as exc:  # an older coordinator, or its node unreachable: Ray calls
+            self.channel_counters["channel_open_failed"] += 1
+            log.debug("no submission channel to %r, Ray calls instead: %r", coordinator, exc)
+            channel = None
+        if self._closed or self._channels.get(coordinator) is not _OPENING:
+            if channel is not None:
+                channel.close()
+            return
+        self._channels[coordinator] = channel
+        if channel is not None:
+            self.channel_counters["channel_opened"] += 1
 
     def _keep(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
@@ -100,6 +166,10 @@ class Submitter:
         elif batch:
             self.counters["submit_batches"] += 1
             self._spawn(_many(coordinator, batch))
+
+
+_UNASKED, _OPENING = object(), object()
+_OUTCOME = msgspec.msgpack.Decoder(str)
 
 
 def _read_error(future: asyncio.Future[str]) -> None:

@@ -258,6 +258,7 @@ class EngineDeployment(PairCore):
                     admits_alone=(role is Role.GEN and plan.gen.tp == 1) or (role is Role.CTX and self._at_rank),
                     # A failed worker is detached, not fatal: the engine re-attaches it (`reattach`).
                     reattach=f"{plan.name}.directory",
+                    client_channels=plan.control_frames == "stream",
                 )
             await await_started(
                 plan.name,

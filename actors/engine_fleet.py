@@ -224,6 +224,7 @@ class EngineFleet(ClientCore):
                 # One GEN rank claims a ticket of one CTX rank with no round.
                 admits_alone=inst.role is Role.GEN and inst.spec.tp == 1,
                 reattach=f"{self.name}.directory",
+                client_channels=self._common["control_frames"] == "stream",
             )
             label = f"instance {inst.name}:"
             try:
@@ -433,6 +434,11 @@ class FleetInstance:
         self._directory = ray.get_actor(f"{plan.name}.directory")
         await self._membership()
         return self
+
+    def close(self) -> None:
+        """Close this handle's submission channels (actors/_submit.py); later
+        submissions go by Ray call."""
+        self._submitter.close()
 
     async def publish(self, request_id: str, num_tokens: int, blocks: Any) -> HandoffTicket:
         """`EngineFleet.publish` on this (CTX) instance."""

@@ -381,6 +381,7 @@ class Fleet(Deployment):
             admits_at_open=self._admits_at_open(inst.role, inst.tp),
             # A GEN instance of one rank admits alone with such a CTX peer.
             admits_alone=self._admit_at_open and inst.role is Role.GEN and inst.tp == 1,
+            client_channels=self._common["frames"] == "stream",
         )
         label = f"instance {inst.name}:"
         await await_started(self.name, {label: inst.coord}, {label: inst.id}, self._directory, self._start_timeout_s)

@@ -96,13 +96,16 @@ class _FrontEnd:
                 i += 1
 
         began = time.perf_counter()
-        await asyncio.gather(*(loop(k) for k in range(loops)))
+        try:
+            await asyncio.gather(*(loop(k) for k in range(loops)))
+        finally:
+            submitter.close()
         return {
             "seconds": time.perf_counter() - began,
             "latencies": latencies,
             "outcomes": dict(outcomes),
             "cpu_s": time.process_time() - cpu0,
-            "submits": submitter.counters,
+            "submits": submitter.counters | {"channel_sends": submitter.channel_counters["channel_sends"]},
         }
 
 

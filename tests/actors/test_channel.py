@@ -18,7 +18,12 @@ What would fail if it broke:
   with every byte verified and every pool whole; a killed rank's channel
   fails its calls, the fail policy restarts it, a new channel opens to the
   new incarnation, and the next handoff completes; under
-  `control_frames="ray"` no channel opens and the rounds use Ray calls.
+  `control_frames="ray"` no channel opens and the rounds use Ray calls;
+* a client's submissions: once its channel to the GEN coordinator opened,
+  every submission goes over it and completes, an error of `WIRE_ERRORS`
+  (a parent already in flight) arrives as itself, any other as a
+  `RemoteCallError`; a coordinator that dies fails the submissions waiting
+  on its channel at once; a Ray-frames deployment offers no channel.
 """
 
 from __future__ import annotations
@@ -397,3 +402,160 @@ def test_a_killed_rank_fails_its_channel_calls_and_its_new_incarnation_gets_a_ne
     assert coords["channel_opened"] == 4, coords  # and one to the new incarnation
     assert coords["channel_calls"] > coords_before["channel_calls"]
     assert_clean(stats)
+
+
+# ---- client channels: submissions (actors/_submit.py, actors/_coordinator_clients.py) --------
+
+
+def test_errors_of_the_wire_list_arrive_as_themselves_and_others_generic() -> None:
+    """A handler's `InstanceDraining` (or another error of `WIRE_ERRORS`)
+    is raised at the caller as that very type with its arguments: a client
+    tells a draining instance from a broken call as it would over Ray. Any
+    other error stays a `RemoteCallError`."""
+    from kvhandoff.actors._coordinator_errors import InstanceDraining, RoundTimeout
+
+    errors: list[BaseException] = [
+        InstanceDraining("gen0", "draining"), RoundTimeout("gen0", 7, (1,), 2.0), KeyError("nope"),
+    ]
+
+    async def raise_next(decision: RoundDecision, epoch: int | None) -> int:
+        raise errors[decision.round_no - 1]
+
+    async def scenario() -> list[Any]:
+        server = CallServer(
+            lambda: "127.0.0.1",
+            {"round_apply": Handler(msgspec.msgpack.Decoder(tuple[RoundDecision, int | None]), raise_next)},
+            lambda ch: None, collections.Counter(),
+        )
+        channel = await connect(*await server.address(), {}, collections.Counter())
+        futures = [channel.call("round_apply", (_decision(n), None), RESULTS["round_apply"]) for n in (1, 2, 3)]
+        async with asyncio.timeout(BOUND_S):
+            got = await asyncio.gather(*futures, return_exceptions=True)  # type: ignore[arg-type]
+        channel.close()
+        server.close()
+        return got
+
+    draining, timeout, other = asyncio.run(scenario())
+    assert type(draining) is InstanceDraining and draining.topology == "gen0" and draining.reason == "draining"
+    assert type(timeout) is RoundTimeout and timeout.missing_ranks == (1,) and timeout.round_no == 7
+    assert isinstance(other, RemoteCallError) and other.type_name == "KeyError"
+
+
+def test_submissions_go_over_the_client_channel_with_their_errors_typed(ray_cluster: Any) -> None:
+    """On the real actors of a stream deployment: once a client's channel to
+    the GEN coordinator opened, its submissions go over it (none by Ray
+    call), each completing with every byte verified; a second submission of
+    a parent in flight is refused with `ParentInFlight` itself, and changes
+    nothing (the first completes). A Ray-frames deployment offers no channel:
+    its client submits by Ray call."""
+    from kvhandoff.actors._coordinator_errors import ParentInFlight
+    from kvhandoff.actors._submit import SubmitRequest, Submitter
+    from kvhandoff.actors.deployment import Deployment
+    from kvhandoff.cli.harness import held_frames, hold_frames, release_frames
+    from kvhandoff.protocol import Role
+
+    from .helpers import assert_clean, gen_bytes, settled_stats
+
+    async def run_on(frames: str) -> tuple[list[Any], Any, Submitter, dict, dict]:
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=2, pool_blocks=64, round_timeout_s=10.0, control_frames=frames)
+        try:
+            first = await asyncio.gather(*(dep.handoff(f"{frames}-a{i}", 100, timeout=BOUND_S) for i in range(4)))
+            async with asyncio.timeout(BOUND_S):  # the channel opens beside the first submissions
+                while frames == "stream" and not dep._submitter.channel_counters["channel_opened"]:
+                    await asyncio.sleep(0.01)
+            before = dict(dep._submitter.counters)
+            second = await asyncio.gather(*(dep.handoff(f"{frames}-b{i}", 100, timeout=BOUND_S) for i in range(6)))
+            # The same parent twice, straight to the coordinator: the first
+            # held in flight (CTX holds its frames to GEN rank 0).
+            submitter = Submitter()
+            coord = dep.coordinator(Role.GEN)
+            ctx = (await dep.ranks(Role.CTX))[0]
+            parent = ParentKey(request_id=f"{frames}-dup", ctx_attempt=1, gen_attempt=1)
+            await hold_frames(ctx, parent.request_id, Role.GEN, 0)
+            held = submitter.submit(coord, SubmitRequest(parent, 16, True))
+            async with asyncio.timeout(BOUND_S):
+                while frames == "stream" and not submitter.channel_counters["channel_opened"]:
+                    await asyncio.sleep(0.01)
+                while not await held_frames(ctx, parent.request_id, Role.GEN, 0):
+                    await asyncio.sleep(0.01)
+            twice = submitter.submit(coord, SubmitRequest(parent, 16, True))
+            async with asyncio.timeout(BOUND_S):
+                refused = await asyncio.gather(twice, return_exceptions=True)
+                await release_frames(ctx, parent.request_id, Role.GEN, 0)
+                outcome = await held
+            submitter.close()
+            after = dict(dep._submitter.counters)
+            stats = await settled_stats(dep, BOUND_S)
+            return [*first, *second], (refused[0], outcome), after | {"before": before}, submitter.counters, stats
+        finally:
+            await dep.shutdown()
+
+    for frames in ("stream", "ray"):
+        results, (refused, outcome), client, direct, stats = asyncio.run(run_on(frames))
+        assert [r.outcome for r in results] == ["completed"] * 10, results
+        assert all(r.bytes_verified == gen_bytes(100, 2) for r in results)
+        # Over the channel the error itself; over Ray, Ray's wrapper of it.
+        assert isinstance(refused, ParentInFlight) and (frames == "ray" or type(refused) is ParentInFlight), refused
+        assert outcome == "completed"
+        assert_clean(stats)
+        calls = stats["coordinators"]["gen"]["calls"]
+        if frames == "stream":
+            # The second batch, and the direct duplicate (its first went by
+            # Ray call: the channel opens beside it): every one on the channel.
+            assert client["submit_channel"] - client["before"]["submit_channel"] == 6, client
+            by_ray = client["submit_calls"] + client["submit_batches"]
+            assert by_ray == client["before"]["submit_calls"] + client["before"]["submit_batches"], client
+            assert direct["submit_channel"] == 1 and direct["submit_calls"] == 1, direct
+            assert calls["submit_by_channel"] >= 7, calls
+        else:
+            assert client["submit_channel"] == 0 and direct["submit_channel"] == 0, (client, direct)
+            assert calls.get("submit_by_channel", 0) == 0, calls
+
+
+def test_a_dead_coordinator_fails_the_submissions_waiting_on_its_channel(ray_cluster: Any) -> None:
+    """The GEN coordinator dies with a submission waiting on its channel (its
+    handoff held in flight): the submission fails with `ConnectionError` as
+    soon as the connection breaks, not at a deadline, and a later one to the
+    dead coordinator goes by Ray call and raises Ray's actor error."""
+    import ray
+
+    from kvhandoff.actors._submit import SubmitRequest, Submitter
+    from kvhandoff.actors.deployment import Deployment
+    from kvhandoff.cli.harness import held_frames, hold_frames
+    from kvhandoff.protocol import Role
+
+    async def scenario() -> tuple[Any, Any, dict]:
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=2, pool_blocks=64, round_timeout_s=10.0, control_frames="stream")
+        try:
+            submitter = Submitter()
+            coord = dep.coordinator(Role.GEN)
+            warm = ParentKey(request_id="dead-warm", ctx_attempt=1, gen_attempt=1)
+            assert await submitter.submit(coord, SubmitRequest(warm, 16, True)) == "completed"
+            async with asyncio.timeout(BOUND_S):
+                while not submitter.channel_counters["channel_opened"]:
+                    await asyncio.sleep(0.01)
+            ctx = (await dep.ranks(Role.CTX))[0]
+            parent = ParentKey(request_id="dead-held", ctx_attempt=1, gen_attempt=1)
+            await hold_frames(ctx, parent.request_id, Role.GEN, 0)
+            waiting = submitter.submit(coord, SubmitRequest(parent, 16, True))
+            async with asyncio.timeout(BOUND_S):
+                while not await held_frames(ctx, parent.request_id, Role.GEN, 0):
+                    await asyncio.sleep(0.01)
+            ray.kill(coord)
+            async with asyncio.timeout(BOUND_S):  # the break, not a deadline, ends it
+                lost = (await asyncio.gather(waiting, return_exceptions=True))[0]
+                later = (await asyncio.gather(
+                    submitter.submit(coord, SubmitRequest(ParentKey(request_id="dead-later", ctx_attempt=1, gen_attempt=1), 16, True)),
+                    return_exceptions=True,
+                ))[0]
+            counters = dict(submitter.counters)
+            submitter.close()
+            return lost, later, counters
+        finally:
+            await dep.shutdown()
+
+
+    lost, later, counters = asyncio.run(scenario())
+    assert isinstance(lost, ConnectionError), lost
+    assert isinstance(later, ray.exceptions.RayActorError), later
+    assert counters["submit_channel"] == 1 and counters["submit_calls"] == 2, counters
