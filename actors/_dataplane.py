@@ -480,10 +480,19 @@ def plan_chunks(
     if not per_block or not len(pairs):
         return []
     # Row k = pair i, piece j (k = i * per_block + j), in transfer order.
-    blocks = np.array(pairs, dtype=np.int64).reshape(-1, 2)
-    j = np.arange(per_block, dtype=np.int64)
-    local = (blocks[:, 0:1] * per_block + j).reshape(-1)
-    remote = (blocks[:, 1:2] * per_block + j).reshape(-1)
+    blocks = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    if per_block == 1:
+        local, remote = blocks[:, 0], blocks[:, 1]
+    else:
+        j = np.arange(per_block, dtype=np.int64)
+        local = (blocks[:, 0:1] * per_block + j).reshape(-1)
+        remote = (blocks[:, 1:2] * per_block + j).reshape(-1)
+    edge_bytes = sum(p[4] for p in pieces) * len(blocks)
+    if edge_bytes <= chunk_bytes:  # the whole edge in one chunk (a small handoff's): no search
+        plan = ChunkPlan((), local.astype(np.int32), remote.astype(np.int32), edge_bytes)
+        if src_regions is not None and dst_regions is not None:
+            plan = resolve_regions(plan, pieces, src_regions, dst_regions)
+        return [plan]
     lengths = np.tile(np.array([p[4] for p in pieces], dtype=np.int64), len(blocks))
     cum = np.concatenate(([0], np.cumsum(lengths)))
     plans: list[ChunkPlan] = []

@@ -47,19 +47,34 @@ def approx_bytes(value: object, _depth: int = 0) -> int:
     """Bytes `value` holds of its own: the object, and for tuples, lists,
     frozensets, dicts and msgspec structs what they refer to (three levels
     deep). Singletons and enum members (shared by everyone) cost nothing."""
+    kind = type(value)
+    if kind in _LEAVES:  # the common case first: a key's or a field's atom
+        return sys.getsizeof(value)
     if value is None or value is True or value is False or isinstance(value, enum.Enum):
         return 0
     size = sys.getsizeof(value)
     if _depth >= 3:
         return size
-    if isinstance(value, (tuple, list, frozenset, set)):
-        return size + sum(approx_bytes(v, _depth + 1) for v in value)
+    depth = _depth + 1
+    if kind in _SEQUENCES or isinstance(value, (tuple, list, frozenset, set)):
+        for item in value:  # type: ignore[attr-defined]
+            size += approx_bytes(item, depth)
+        return size
     if isinstance(value, dict):
-        return size + sum(approx_bytes(k, _depth + 1) + approx_bytes(v, _depth + 1) for k, v in value.items())
-    fields = getattr(type(value), "__struct_fields__", None)
+        for k, v in value.items():
+            size += approx_bytes(k, depth) + approx_bytes(v, depth)
+        return size
+    fields = getattr(kind, "__struct_fields__", None)
     if fields is not None:
-        return size + sum(approx_bytes(getattr(value, f), _depth + 1) for f in fields)
+        for name in fields:
+            size += approx_bytes(getattr(value, name), depth)
     return size
+
+
+#: Types with nothing of their own to follow (bool is not one: its two
+#: values are singletons); and the plain containers, tested by type first.
+_LEAVES = frozenset({int, float, str, bytes})
+_SEQUENCES = frozenset({tuple, list, frozenset, set})
 
 
 class RecentMemory(Generic[K, V]):
