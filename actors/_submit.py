@@ -114,6 +114,11 @@ class Submitter:
         batch.append((request, future))
         return future
 
+    def has_channel(self, coordinator: Any) -> bool:
+        """Is a channel to `coordinator` open (its submissions go on it)? If
+        none was asked for yet, this starts opening one."""
+        return self._channel(coordinator) is not None
+
     def close(self) -> None:
         """Close every channel (the client shuts down): submissions still
         waiting on one fail with `ConnectionError`."""

@@ -466,11 +466,15 @@ class Deployment(PairCore, Launcher):
             return "broken"
 
     def _submit_call(self, attempt: _Attempt) -> Any:
-        """The submission's Ray call (a fleet names the CTX instance too); a
-        lone handoff between instances of one rank each goes to the GEN rank."""
-        if self._receives_at_rank() and len(self._live) == 1:
+        """The submission (a fleet names the CTX instance too); a lone handoff
+        between instances of one rank each goes to the GEN rank by Ray call,
+        unless the client's channel to the GEN coordinator is open: a message
+        on it, the coordinator's admission alone and its answer on it cost
+        less than one Ray call."""
+        coordinator = self._coords[Role.GEN]
+        if self._receives_at_rank() and len(self._live) == 1 and not self._submitter.has_channel(coordinator):
             return self._at_rank(attempt)
-        return self._submitter.submit(self._coords[Role.GEN], SubmitRequest(attempt.parent, attempt.num_tokens, True))
+        return self._submitter.submit(coordinator, SubmitRequest(attempt.parent, attempt.num_tokens, True))
 
     def _receives_at_rank(self) -> bool:
         """Instances of one rank each, the CTX admitting at the OPEN: the GEN

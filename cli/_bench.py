@@ -1063,7 +1063,11 @@ async def _call_counts(dep: Deployment) -> dict[str, int]:
     stats = await dep.stats()
     counts: collections.Counter[str] = collections.Counter()
     for kind, n in dep.calls.items():
-        counts[f"client_{kind}"] += n
+        if kind != "submit":  # counted by carrier (below)
+            counts[f"client_{kind}"] += n
+    submits = stats.get("submits") or {}
+    counts["client_submit"] += submits.get("submit_calls", 0) + submits.get("submit_batches", 0)
+    counts["client_submit_channel"] += submits.get("submit_channel", 0)
     for role, c in stats["coordinators"].items():
         for kind, n in (c.get("calls") or {}).items():
             if kind in ("rank_vote_calls", "rank_apply_calls", "channel_calls"):

@@ -367,9 +367,10 @@ def test_a_pair_deployment_admits_at_the_open_by_default_and_a_cancel_mid_transf
 
 
 def test_a_lone_handoff_between_one_rank_instances_goes_to_the_gen_rank_and_refuses_without_room() -> None:
-    """With a CTX peer that admits at the OPEN, a pair deployment's lone
-    handoff between instances of one rank each is one call to the GEN rank
-    (`receive_alone`): it admits, sends the OPEN, completes alone and
+    """With a CTX peer that admits at the OPEN and no client channel (Ray
+    frames: with stream frames the channel takes it, the next test), a pair
+    deployment's lone handoff between instances of one rank each is one
+    call to the GEN rank (`receive_alone`): it admits, sends the OPEN, completes alone and
     answers, with no coordinator on the path (its coordinator learns of it
     from the rank's report). The traced path is receive_alone, OPEN,
     TERMINAL, the answer: no vote, no admission alone, no decision. With a
@@ -383,7 +384,7 @@ def test_a_lone_handoff_between_one_rank_instances_goes_to_the_gen_rank_and_refu
     from .helpers import settled_stats
 
     async def scenario():
-        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=4, **FLEET)
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=4, control_frames="ray", **FLEET)
         try:
             (ctx,), (gen,) = await dep.ranks(Role.CTX), await dep.ranks(Role.GEN)
             await dep.set_trace(1)
@@ -441,6 +442,54 @@ def test_a_lone_handoff_between_one_rank_instances_goes_to_the_gen_rank_and_refu
     assert_clean(stats)
 
 
+def test_a_lone_handoff_takes_the_client_channel_once_it_is_open() -> None:
+    """With stream frames, the first lone handoff goes to the GEN rank (as
+    above) while the client's channel to the GEN coordinator opens; every
+    later one is a message on that channel, admitted alone by the
+    coordinator (its call to the rank on the rank's channel) and answered
+    on the channel. Once the coordinator learned that its peer admits at
+    the OPEN (its first round with it), no Ray call is on the path: six
+    sequential hops at most
+    (a message costs less than a Ray call: docs/design.md "Submissions in
+    batches"), every byte verified, every pool whole."""
+    from kvhandoff.actors.deployment import Deployment
+    from kvhandoff.protocol import Role
+
+    from .helpers import assert_clean, settled_stats
+
+    async def scenario():
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=8, **FLEET)
+        try:
+            await dep.set_trace(1)
+            first = await dep.handoff("ch0", TOKENS, timeout=TIMEOUT)
+            deadline = time.monotonic() + TIMEOUT
+            while not dep._submitter.has_channel(dep.coordinator(Role.GEN)):
+                assert time.monotonic() < deadline, "the client's channel never opened"
+                await asyncio.sleep(0.01)
+            results, traces = [], []
+            for i in range(1, 6):  # the first two teach the coordinator how its peer admits
+                results.append(await dep.handoff(f"ch{i}", TOKENS, timeout=TIMEOUT))
+                traces.append(await dep.trace(f"ch{i}"))
+            return first, results, traces, dict(dep.calls), dict(dep._submitter.counters), await settled_stats(dep, timeout=TIMEOUT)
+        finally:
+            await dep.shutdown()
+
+    first, results, traces, calls, submits, stats = run(scenario())
+    assert first.outcome == "completed" and [r.outcome for r in results] == ["completed"] * 5, (first, results)
+    assert all(r.bytes_verified == results[0].bytes_verified > 0 for r in results), results
+    assert calls["receive_at_rank"] == 1, calls  # the first one only
+    assert submits["submit_channel"] == 5 and submits["submit_calls"] == submits["submit_batches"] == 0, submits
+    coord = stats["coordinators"]["gen"]["calls"]
+    assert coord["submit_by_channel"] == 5, coord
+    # Admitted alone (or in a round, when a report kept the coordinator
+    # busy): the rank's calls on its channel either way.
+    assert coord.get("admit_alone_by_channel", 0) >= 1 and not coord.get("admit_alone_by_ray"), coord
+    for trace in traces[2:]:
+        assert trace is not None and trace.hops <= 6, "\n".join(f"{e.actor} {e.what} {e.carrier} {e.since_prev_ms:.2f}" for e in trace.path)
+        assert "receive_alone" not in [h.what for h in trace.path], trace.path
+    assert_clean(stats)
+
+
 def test_a_lone_handoffs_open_leaves_before_the_gen_ranks_report() -> None:
     """A receive at the GEN rank pushes its report to the coordinator and
     sends its OPEN in the same event-loop turn. The OPEN is on the
@@ -453,7 +502,7 @@ def test_a_lone_handoffs_open_leaves_before_the_gen_ranks_report() -> None:
     from kvhandoff.protocol import Role
 
     async def scenario() -> tuple[list[str], list[bool], int]:
-        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=8, **FLEET)
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=8, control_frames="ray", **FLEET)
         try:
             (gen,) = await dep.ranks(Role.GEN)
             await gen.__ray_call__.remote(on_endpoint_loop, _watch_reports)
@@ -590,7 +639,7 @@ def test_a_busy_gen_instance_batches_in_rounds_and_a_lone_handoff_goes_alone() -
     burst = 16
 
     async def scenario():
-        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=64, **FLEET)
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=64, control_frames="ray", **FLEET)
         try:
             coordinator = dep.coordinator(Role.GEN)
             assert (await dep.handoff("warm", TOKENS, timeout=TIMEOUT)).outcome == "completed"
