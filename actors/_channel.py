@@ -174,6 +174,11 @@ def _wire_args(exc: BaseException) -> list[Any] | None:
     return list(reduced[1]) if isinstance(reduced, tuple) and len(reduced) > 1 and isinstance(reduced[1], tuple) else None
 
 
+def _read_error(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 def _remote_error(name: str, message: str, args: list[Any] | None) -> BaseException:
     cls = WIRE_ERRORS.get(name)
     if cls is not None and args is not None:
@@ -243,6 +248,9 @@ class CallChannel:
             return None
         self._next_id += 1
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        # A caller that stopped waiting (its round ended, the process shuts
+        # down) leaves a closed channel's error unread: read, not logged.
+        future.add_done_callback(_read_error)
         self._pending[call_id] = (future, result)
         self.counters["channel_calls"] += 1
         return future

@@ -106,6 +106,7 @@ from kvhandoff.actors._coordinator_errors import (
 from kvhandoff.actors._coordinator_peers import PeersMixin
 from kvhandoff.actors._coordinator_ranks import RankFactory, RanksMixin, _kill
 from kvhandoff.actors._coordinator_rounds import RoundsMixin, _Carried
+from kvhandoff.actors._heap import freeze_startup_heap
 from kvhandoff.actors._metrics import InstanceMetrics, resident_bytes
 from kvhandoff.actors._submit import SubmitAnswer, SubmitRequest
 from kvhandoff.actors._trace import TraceEvent, TraceRecorder, news_ids, with_events_of
@@ -881,4 +882,12 @@ class CoordinatorCore(RoundsMixin, PeersMixin, RanksMixin, ClientsMixin):
 
 
 #: The coordinator as a Ray async actor: ``Coordinator.remote(topology, ...)``.
-Coordinator = ray.remote(num_cpus=0, max_restarts=0)(CoordinatorCore)
+class _CoordinatorActor(CoordinatorCore):
+    """The coordinator in its own process: its start-up heap frozen (actors/_heap.py)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        freeze_startup_heap()
+
+
+Coordinator = ray.remote(num_cpus=0, max_restarts=0)(_CoordinatorActor)

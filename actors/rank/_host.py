@@ -13,6 +13,7 @@ from typing import Any
 
 import ray
 
+from kvhandoff.actors._heap import freeze_startup_heap
 from kvhandoff.actors.rank._config import RankConfig
 from kvhandoff.actors.rank._core import RankCore
 from kvhandoff.actors.rank._ctx import CtxRankCore
@@ -139,6 +140,7 @@ class _CtxRankHost(EndpointHost):
 
     def __init__(self, config: RankConfig, epoch: int) -> None:
         self.kvhandoff = CtxRankCore(config, epoch)
+        freeze_startup_heap()  # its own process: no full collection walks start-up's objects
 
 
 class _GenRankHost(EndpointHost):
@@ -146,6 +148,7 @@ class _GenRankHost(EndpointHost):
 
     def __init__(self, config: RankConfig, epoch: int) -> None:
         self.kvhandoff = GenRankCore(config, epoch)
+        freeze_startup_heap()
 
 
 CtxRankActor = endpoint_actor(num_cpus=0)(_CtxRankHost)

@@ -559,3 +559,32 @@ def test_a_dead_coordinator_fails_the_submissions_waiting_on_its_channel(ray_clu
     assert isinstance(lost, ConnectionError), lost
     assert isinstance(later, ray.exceptions.RayActorError), later
     assert counters["submit_channel"] == 1 and counters["submit_calls"] == 2, counters
+
+
+def test_kvhandoffs_own_processes_run_with_their_start_up_heap_frozen(ray_cluster: Any) -> None:
+    """Each rank actor and coordinator kvhandoff starts froze its start-up
+    heap (actors/_heap.py): a full collection of the cyclic GC walks only
+    what the process made since, so no handoff waits 100+ ms for one."""
+    from kvhandoff.actors.deployment import Deployment
+    from kvhandoff.protocol import Role
+
+    from .helpers import inside
+
+    def frozen(self: Any) -> int:
+        import gc
+
+        return gc.get_freeze_count()
+
+    async def scenario() -> list[int]:
+        dep = await Deployment.launch(ctx_tp=1, gen_tp=1, pool_blocks=16, control_frames="stream")
+        try:
+            actors = [*(await dep.ranks(Role.CTX)), *(await dep.ranks(Role.GEN))]
+            counts = [await inside(a, frozen) for a in actors]
+            for role in (Role.CTX, Role.GEN):
+                counts.append(await dep.coordinator(role).__ray_call__.remote(frozen))
+            return counts
+        finally:
+            await dep.shutdown()
+
+    counts = asyncio.run(scenario())
+    assert len(counts) == 4 and all(n > 10_000 for n in counts), counts
