@@ -1683,17 +1683,18 @@ def run(args: argparse.Namespace) -> int:
             return 2
         started_ray = True
     failed: _LaunchFailed | None = None
-    try:
-        # With --json, stdout carries the one JSON object: what Ray's driver
-        # prints there meanwhile (its raylet's warnings) goes to stderr.
-        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+    # With --json, stdout carries the one JSON object: what Ray's driver
+    # prints there meanwhile (its raylet's warnings, and the repeated ones
+    # its log deduplication flushes at shutdown) goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        try:
             out = asyncio.run(_Bench(args, reporter).run())
-    except _LaunchFailed as exc:
-        failed = exc
-    finally:
-        if started_ray:
-            with reporter.step("stopping Ray", done="Ray stopped"):
-                ray.shutdown()
+        except _LaunchFailed as exc:
+            failed = exc
+        finally:
+            if started_ray:
+                with reporter.step("stopping Ray", done="Ray stopped"):
+                    ray.shutdown()
     if failed is not None:  # one line, the last
         print(f"kvhandoff bench: could not launch the deployment: {failed}", file=sys.stderr)
         return 2
